@@ -1,0 +1,1 @@
+"""TransNormer, FLASH and linear-attention baselines."""

@@ -1,0 +1,56 @@
+"""Argument validation shared by the ops: clear errors that name the argument."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_float(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_bthd(name: str, x: torch.Tensor) -> None:
+    """Validate a [B, T, H, D] floating tensor."""
+    check_float(name, x)
+    if x.dim() != 4:
+        raise ValueError(
+            f"{name} must have layout [B, T, H, D] (4 dims), got shape {tuple(x.shape)}"
+        )
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k: [B, T, H, D]; v: [B, T, H, E] with matching B, T, H and q/k head dims."""
+    check_bthd("q", q)
+    check_bthd("k", k)
+    check_bthd("v", v)
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape [B, T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"v must match q in [B, T, H] (heads included), got v {tuple(v.shape)} and q {tuple(q.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_key_padding_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """Validate a [B, T] key mask (True / 1 = valid token) and return it as bool."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != (batch, length):
+        raise ValueError(f"key_padding_mask must have shape [B, T] = {(batch, length)}, got {tuple(mask.shape)}")
+    if mask.is_floating_point():
+        raise TypeError("key_padding_mask must be bool or integer (1 = valid), got a floating-point tensor")
+    return mask.bool()

@@ -1,0 +1,90 @@
+"""DiagAttention core: attention inside non-overlapping blocks of ``block_size`` tokens.
+
+    q, k: [B, T, H, D]    v: [B, T, H, E]    key_padding_mask: [B, T] (True = valid)
+
+Allowed keys for query i: same block, valid (not user padding, not block-fill padding), and
+j ≤ i when causal. Softmax (T2) gives disallowed keys −∞ logits; ReLU (T1, "ReLA") gives them
+weight 0 and has no denominator. A query row with no allowed key outputs 0 (spec §2).
+Cost O(T·w·D).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv
+
+KERNELS = ("softmax", "relu")
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def block_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int = 64,
+    causal: bool,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Block-diagonal attention. Returns o: [B, T, H, E] in q's dtype.
+
+    ``scale`` multiplies the scores (default D^-1/2). ``dropout_p`` drops attention weights
+    (pass 0 at evaluation).
+    """
+    check_qkv(q, k, v)
+    check_positive_int("block_size", block_size)
+    _check_kernel(kernel)
+    B, T, H, D = q.shape
+    E = v.shape[-1]
+    mask = check_key_padding_mask(key_padding_mask, B, T)
+    if scale is None:
+        scale = D ** -0.5
+    w = min(block_size, T) if T > 0 else block_size
+    nb = -(-T // w)
+    pad = nb * w - T
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    # [B, H, nb, w, D] -> [B, H*nb, w, D] so that SDPA sees 4-d tensors
+    qb = q.reshape(B, nb, w, H, D).permute(0, 3, 1, 2, 4).reshape(B, H * nb, w, D)
+    kb = k.reshape(B, nb, w, H, D).permute(0, 3, 1, 2, 4).reshape(B, H * nb, w, D)
+    vb = v.reshape(B, nb, w, H, E).permute(0, 3, 1, 2, 4).reshape(B, H * nb, w, E)
+
+    # Only the block-fill padding of a non-causal call, or user padding, needs an explicit mask:
+    # under the causal mask the fill keys sit after every real query.
+    need_mask = mask is not None or (pad > 0 and not causal) or kernel == "relu"
+    allowed = None
+    if need_mask:
+        valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
+        valid = F.pad(valid, (0, pad), value=False).reshape(B, 1, nb, 1, w)
+        allowed = valid.expand(B, 1, nb, w, w)
+        if causal:
+            tril = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
+            allowed = allowed & tril
+        allowed = allowed.expand(B, H, nb, w, w).reshape(B, H * nb, w, w)
+
+    if kernel == "softmax":
+        if allowed is None:
+            o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale)
+        else:
+            # Rows with no allowed key would be 0/0: let them see their own slot, then zero them.
+            has_any = allowed.any(-1, keepdim=True)
+            eye = torch.eye(w, dtype=torch.bool, device=q.device)
+            safe = allowed | (~has_any & eye)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=safe, dropout_p=dropout_p, scale=scale)
+            o = o.masked_fill(~has_any, 0.0)
+    else:
+        a = torch.relu((qb @ kb.transpose(-1, -2)) * scale) * allowed.to(qb.dtype)
+        if dropout_p > 0.0:
+            a = F.dropout(a, p=dropout_p, training=True)
+        o = a @ vb
+    o = o.reshape(B, H, nb, w, E).permute(0, 2, 3, 1, 4).reshape(B, nb * w, H, E)
+    return o[:, :T]

@@ -1,0 +1,152 @@
+"""NormAttention core: kernelized linear attention with no denominator and no scaling.
+
+All functions take already-featurised ``q`` and ``k`` (the kernel and LRPE are applied by the
+layer) and raw ``v``:
+
+    q, k: [B, T, H, D]     v: [B, T, H, E]     state: [B, H, D, E]
+
+Bidirectional:  o_i = q_i · Σ_j m_j k_jᵀ v_j
+Causal:         o_i = q_i · Σ_{j≤i} m_j k_jᵀ v_j  (+ q_i · S_init)
+
+The causal form is chunked (spec §1.1(b)): inside a chunk of ``c`` rows a masked c×c product,
+across chunks an exclusive prefix sum of per-chunk states. Cost O(T·c·D + T·D·E), linear in T.
+The state is accumulated in float32 when activations are bf16/fp16: with no denominator and no
+decay it grows linearly in T, and the norm after the core only removes its scale through ε.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv
+from ._chunked import ChunkedCausalLinearAttn
+
+
+def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the recurrent state is kept in: fp32 for half types, else the input dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _check_state(state: torch.Tensor, batch: int, heads: int, d: int, e: int, name: str) -> None:
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
+    if not state.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {state.dtype}")
+    if state.shape != (batch, heads, d, e):
+        raise ValueError(f"{name} must have shape [B, H, D, E] = {(batch, heads, d, e)}, got {tuple(state.shape)}")
+
+
+def _apply_key_mask(k, v, key_padding_mask):
+    mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1])
+    if mask is None:
+        return k, v
+    m = mask[:, :, None, None].to(k.dtype)
+    return k * m, v * m
+
+
+def norm_linear_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear attention without denominator, causal (chunked) or bidirectional.
+
+    Args:
+        q, k: [B, T, H, D] featurised queries and keys.
+        v: [B, T, H, E] values.
+        causal: lower-triangular (j ≤ i) if True, all keys otherwise.
+        chunk_size: rows per chunk of the causal form (any T is accepted).
+        initial_state: optional [B, H, D, E] prefix state S_init (e.g. from an earlier segment).
+        output_final_state: also return S_init + Σ_j m_j k_jᵀ v_j.
+        key_padding_mask: optional [B, T], True/1 = valid token; padded keys contribute nothing.
+
+    Returns:
+        (o [B, T, H, E] in the dtype of q, final_state [B, H, D, E] or None).
+    """
+    check_qkv(q, k, v)
+    check_positive_int("chunk_size", chunk_size)
+    B, T, H, D = q.shape
+    E = v.shape[-1]
+    if initial_state is not None:
+        _check_state(initial_state, B, H, D, E, "initial_state")
+    k, v = _apply_key_mask(k, v, key_padding_mask)
+    sdt = state_dtype_for(q.dtype)
+    init = None if initial_state is None else initial_state.to(sdt)
+
+    if not causal:
+        state = torch.einsum("bthd,bthe->bhde", k, v).to(sdt)
+        if init is not None:
+            state = state + init
+        o = torch.einsum("bthd,bhde->bthe", q, state.to(q.dtype))
+        return o, (state if output_final_state else None)
+
+    if T == 0:  # an empty segment: no output, the state passes through
+        final = init if init is not None else q.new_zeros(B, H, D, E, dtype=sdt)
+        return v.new_zeros(B, 0, H, E), (final if output_final_state else None)
+    c = min(chunk_size, T)
+    G = -(-T // c)
+    pad = G * c - T
+    if pad:
+        # F.pad pads trailing dims first: (D), (H), then T.
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+
+    def to_chunks(x):  # [B, T', H, X] -> [B·H, G, c, X], contiguous
+        return x.permute(0, 2, 1, 3).reshape(B * H, G, c, x.shape[-1])
+
+    init_flat = None if init is None else init.reshape(B * H, D, E)
+    o, final = ChunkedCausalLinearAttn.apply(to_chunks(q), to_chunks(k), to_chunks(v), init_flat, sdt)
+    o = o.reshape(B, H, G * c, E).permute(0, 2, 1, 3)[:, :T]
+    final = final.reshape(B, H, D, E) if output_final_state else None
+    return o, final
+
+
+def norm_linear_attn_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor | None,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrent decoding step, inclusive of the current token (spec §1.1(c)).
+
+        S_t = S_{t-1} + m_t k_tᵀ v_t,   o_t = q_t S_t
+
+    Args:
+        q, k: [B, H, D] the current token's featurised query and key.
+        v: [B, H, E] its value.
+        state: [B, H, D, E] or None (zero state).
+        key_padding_mask: optional [B], True/1 = the token is real.
+
+    Returns:
+        (o [B, H, E] in q's dtype, new state [B, H, D, E] in fp32 for half inputs).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have layout [B, H, D] for one step, got shape {tuple(x.shape)}")
+    if q.shape != k.shape or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be [B, H, D] and v [B, H, E] with the same B, H; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, D = q.shape
+    E = v.shape[-1]
+    sdt = state_dtype_for(q.dtype)
+    if state is None:
+        state = torch.zeros(B, H, D, E, dtype=sdt, device=q.device)
+    else:
+        _check_state(state, B, H, D, E, "state")
+    kv = k.to(sdt)[..., :, None] * v.to(sdt)[..., None, :]
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (B,):
+            raise ValueError(f"key_padding_mask must have shape [B] = {(B,)} for one step, got {tuple(key_padding_mask.shape)}")
+        kv = kv * key_padding_mask.to(sdt)[:, None, None, None]
+    state = state.to(sdt) + kv
+    o = torch.einsum("bhd,bhde->bhe", q.to(sdt), state).to(q.dtype)
+    return o, state

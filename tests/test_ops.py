@@ -1,0 +1,176 @@
+"""Fast ops against their quadratic references (spec §1.1, §2, §13)."""
+
+import pytest
+import torch
+from conftest import rel_err
+
+from transnormer.ops import (
+    block_attn,
+    block_attn_reference,
+    norm_linear_attn,
+    norm_linear_attn_reference,
+    norm_linear_attn_step,
+)
+
+
+def qkv(B, T, H, D, E=None, dtype=torch.float64, positive=False, requires_grad=False):
+    E = E or D
+    q, k, v = torch.randn(B, T, H, D, dtype=dtype), torch.randn(B, T, H, D, dtype=dtype), torch.randn(B, T, H, E, dtype=dtype)
+    if positive:
+        q, k = 1 + torch.nn.functional.elu(q), 1 + torch.nn.functional.elu(k)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+def test_causal_chunked_matches_reference_fp64(T, chunk):
+    if chunk == 1 and T == 1000:
+        pytest.skip("chunk 1 at T=1000 is slow and covered by smaller T")
+    q, k, v = qkv(2, T, 2, 8, 6, requires_grad=True)
+    S0 = torch.randn(2, 2, 8, 6, dtype=torch.float64)
+    o, s = norm_linear_attn(q, k, v, causal=True, chunk_size=chunk, initial_state=S0, output_final_state=True)
+    o_ref, s_ref = norm_linear_attn_reference(q, k, v, causal=True, initial_state=S0)
+    assert rel_err(o, o_ref) < 1e-10 and rel_err(s, s_ref) < 1e-10
+    g = torch.randn_like(o)
+    grads = torch.autograd.grad((o * g).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((o_ref * g).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("T", [63, 64, 65, 1000])
+def test_causal_chunked_fp32_within_1e4(T):
+    q, k, v = qkv(1, T, 2, 64, dtype=torch.float32, positive=True)
+    o, _ = norm_linear_attn(q, k, v, causal=True)
+    o_ref, _ = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=True)
+    assert rel_err(o.double(), o_ref) < 1e-4
+
+
+def test_chunk_equal_to_length_and_longer():
+    q, k, v = qkv(1, 50, 1, 4)
+    ref, _ = norm_linear_attn_reference(q, k, v, causal=True)
+    for c in (50, 200):
+        o, _ = norm_linear_attn(q, k, v, causal=True, chunk_size=c)
+        assert rel_err(o, ref) < 1e-12
+
+
+def test_gradcheck_small():
+    q, k, v = qkv(1, 7, 2, 3, requires_grad=True)
+    S0 = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, S0):
+        o, s = norm_linear_attn(q, k, v, causal=True, chunk_size=3, initial_state=S0, output_final_state=True)
+        return o, s
+
+    assert torch.autograd.gradcheck(f, (q, k, v, S0))
+    assert torch.autograd.gradcheck(lambda q, k, v: norm_linear_attn(q, k, v, causal=False)[0], (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: block_attn(q, k, v, block_size=3, causal=True, kernel="softmax"), (q, k, v))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: block_attn(q, k, v, block_size=4, causal=False, kernel="relu", key_padding_mask=mask), (q, k, v))
+
+
+def test_bidirectional_equals_reference_with_padding():
+    q, k, v = qkv(2, 37, 3, 8)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, 30:] = False
+    o, s = norm_linear_attn(q, k, v, causal=False, key_padding_mask=mask, output_final_state=True)
+    o_ref, s_ref = norm_linear_attn_reference(q, k, v, causal=False, key_padding_mask=mask)
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(s, s_ref) < 1e-12
+    # padded keys contribute nothing: equals running the short sequence alone
+    o_short, _ = norm_linear_attn(q[1:, :30], k[1:, :30], v[1:, :30], causal=False)
+    assert rel_err(o[1:, :30], o_short) < 1e-12
+
+
+@pytest.mark.parametrize("split", [0, 1, 17, 64, 99, 100])
+def test_state_chaining_any_split(split):
+    q, k, v = qkv(2, 100, 2, 8)
+    whole, s_whole = norm_linear_attn(q, k, v, causal=True, chunk_size=16, output_final_state=True)
+    a, sa = norm_linear_attn(q[:, :split], k[:, :split], v[:, :split], causal=True, chunk_size=16, output_final_state=True)
+    b, sb = norm_linear_attn(q[:, split:], k[:, split:], v[:, split:], causal=True, chunk_size=16,
+                             initial_state=sa, output_final_state=True)
+    assert rel_err(torch.cat([a, b], 1), whole) < 1e-12
+    assert rel_err(sb, s_whole) < 1e-12
+
+
+def test_step_loop_equals_parallel_and_masks():
+    q, k, v = qkv(2, 40, 2, 8)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, :5] = False  # left padding in row 0
+    o_par, s_par = norm_linear_attn(q, k, v, causal=True, key_padding_mask=mask, output_final_state=True)
+    state, outs = None, []
+    for t in range(40):
+        o, state = norm_linear_attn_step(q[:, t], k[:, t], v[:, t], state, key_padding_mask=mask[:, t])
+        outs.append(o)
+    assert rel_err(torch.stack(outs, 1), o_par) < 1e-12
+    assert rel_err(state, s_par) < 1e-12
+
+
+def test_bf16_state_kept_in_fp32():
+    q, k, v = qkv(1, 130, 2, 16, dtype=torch.bfloat16, positive=True)
+    o, s = norm_linear_attn(q, k, v, causal=True, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    ref, _ = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=True)
+    assert rel_err(o.double(), ref) < 3e-2
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,w", [(1, 4), (63, 16), (64, 16), (65, 16), (70, 64), (10, 64)])
+def test_block_attn_matches_reference(kernel, causal, T, w):
+    q, k, v = qkv(2, T, 2, 8, 5, requires_grad=True)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[1, max(1, T - 7):] = False  # right padding
+    if T > 3:
+        mask[0, :3] = False  # leading padding: rows with no allowed key in causal mode
+    o = block_attn(q, k, v, block_size=w, causal=causal, kernel=kernel, key_padding_mask=mask)
+    ref = block_attn_reference(q, k, v, block_size=w, causal=causal, kernel=kernel, key_padding_mask=mask)
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ref) < 1e-10
+    g = torch.randn_like(o)
+    for a, b in zip(torch.autograd.grad((o * g).sum(), (q, k, v)), torch.autograd.grad((ref * g).sum(), (q, k, v))):
+        assert (a - b).abs().max() < 1e-10
+
+
+def test_block_attn_padded_key_takes_no_softmax_mass():
+    q, k, v = qkv(1, 10, 1, 4)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, 8:] = False
+    o = block_attn(q, k, v, block_size=16, causal=False, key_padding_mask=mask)
+    o_short = block_attn(q[:, :8], k[:, :8], v[:, :8], block_size=16, causal=False)
+    assert rel_err(o[:, :8], o_short) < 1e-12
+    # the ragged last block (T=10, w=4) is masked too: block [8,10) sees only its 2 keys
+    o2 = block_attn(q, k, v, block_size=4, causal=False)
+    o_last = block_attn(q[:, 8:], k[:, 8:], v[:, 8:], block_size=4, causal=False)
+    assert rel_err(o2[:, 8:], o_last) < 1e-12
+
+
+def test_reference_returns_weights():
+    q, k, v = qkv(1, 9, 2, 4)
+    o, p = block_attn_reference(q, k, v, block_size=4, causal=True, return_weights=True)
+    assert p.shape == (1, 2, 9, 9)
+    assert torch.allclose(p.sum(-1), torch.ones(1, 2, 9, dtype=p.dtype))
+    _, _, s = norm_linear_attn_reference(q, k, v, causal=True, return_weights=True)
+    assert s.shape == (1, 2, 9, 9) and (s.triu(1) == 0).all()
+
+
+@pytest.mark.parametrize(
+    "call,exc,word",
+    [
+        (lambda q, k, v: norm_linear_attn(q[0], k[0], v[0], causal=True), ValueError, "q"),
+        (lambda q, k, v: norm_linear_attn(q, k[:, :, :1], v, causal=True), ValueError, "same shape"),
+        (lambda q, k, v: norm_linear_attn(q, k, v[:, :, :1], causal=True), ValueError, "heads"),
+        (lambda q, k, v: norm_linear_attn(q.long(), k, v, causal=True), TypeError, "floating"),
+        (lambda q, k, v: norm_linear_attn(q, k, v, causal=True, chunk_size=0), ValueError, "chunk_size"),
+        (lambda q, k, v: norm_linear_attn(q, k, v, causal=True, initial_state=torch.zeros(1)), ValueError, "initial_state"),
+        (lambda q, k, v: block_attn(q, k, v, causal=True, block_size=0), ValueError, "block_size"),
+        (lambda q, k, v: block_attn(q, k, v, causal=True, kernel="tanh"), ValueError, "kernel"),
+        (lambda q, k, v: block_attn(q, k, v, causal=True, key_padding_mask=torch.ones(3, 3)), ValueError, "key_padding_mask"),
+        (lambda q, k, v: norm_linear_attn_step(q, k, v, None), ValueError, "[B, H, D]"),
+    ],
+)
+def test_bad_input_errors(call, exc, word):
+    q, k, v = qkv(1, 5, 2, 4)
+    with pytest.raises(exc, match=word.replace("[", r"\[").replace("]", r"\]")):
+        call(q, k, v)
