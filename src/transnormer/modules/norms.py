@@ -1,0 +1,121 @@
+"""Normalisation layers, selectable by name through :func:`build_norm`.
+
+All norms act on the last dimension of x: [..., d] and accept an optional ``mask`` [B, T]
+(True = valid) so that batch statistics (``batch``) can exclude padding; the others ignore it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class SimpleRMSNorm(nn.Module):
+    """SRMSNorm: no gain, no bias (spec §5).
+
+    ``eps_inside_sqrt=False`` (the released code): y = x / (‖x‖₂·d^{-1/2} + ε).
+    ``eps_inside_sqrt=True`` (the paper's theory):  y = x / √(mean(x²) + ε).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-8, eps_inside_sqrt: bool = False):
+        super().__init__()
+        self.dim, self.eps, self.eps_inside_sqrt = dim, eps, eps_inside_sqrt
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # Reduce in fp32: bf16 sums of squares over 512+ channels lose too much.
+        xf = x.float()
+        if self.eps_inside_sqrt:
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            rms = xf.norm(dim=-1, keepdim=True) * self.dim ** -0.5
+            y = xf / (rms + self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, eps_inside_sqrt={self.eps_inside_sqrt}"
+
+
+class RMSNorm(SimpleRMSNorm):
+    """RMSNorm with a learnable per-channel gain (ε inside the root, as is usual)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, eps_inside_sqrt: bool = True):
+        super().__init__(dim, eps, eps_inside_sqrt)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x) * self.weight.to(x.dtype)
+
+
+class ScaleNorm(nn.Module):
+    """ScaleNorm (FLASH): g·x / √(mean(x²) + ε) with one learnable scalar g."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that accepts (and ignores) a padding mask."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+class MaskedBatchNorm(nn.Module):
+    """BatchNorm over channels whose statistics use valid positions only (LRA, spec §12 item 6).
+
+    x: [B, T, d]; mask: [B, T]. In eval mode the running statistics are used. Under DDP wrap
+    with SyncBatchNorm semantics is not provided: statistics are per process.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.dim, self.eps, self.momentum = dim, eps, momentum
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.register_buffer("running_mean", torch.zeros(dim))
+        self.register_buffer("running_var", torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        xf = x.float()
+        if self.training:
+            flat = xf.reshape(-1, self.dim)
+            if mask is not None:
+                flat = flat[mask.reshape(-1).bool()]
+            if flat.shape[0] == 0:
+                mean, var = self.running_mean, self.running_var
+            else:
+                mean = flat.mean(0)
+                var = flat.var(0, unbiased=False)
+                with torch.no_grad():
+                    n = flat.shape[0]
+                    unbiased = var * n / max(n - 1, 1)
+                    self.running_mean.lerp_(mean.detach(), self.momentum)
+                    self.running_var.lerp_(unbiased.detach(), self.momentum)
+        else:
+            mean, var = self.running_mean, self.running_var
+        y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        return y.to(x.dtype)
+
+
+NORM_TYPES = ("simple_rms", "rms", "layer", "scale", "batch")
+
+
+def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt: bool = False) -> nn.Module:
+    """Build a norm by name: one of :data:`NORM_TYPES`."""
+    if name == "simple_rms":
+        return SimpleRMSNorm(dim, 1e-8 if eps is None else eps, eps_inside_sqrt)
+    if name == "rms":
+        return RMSNorm(dim, 1e-6 if eps is None else eps)
+    if name == "layer":
+        return LayerNorm(dim, eps=1e-5 if eps is None else eps)
+    if name == "scale":
+        return ScaleNorm(dim, 1e-5 if eps is None else eps)
+    if name == "batch":
+        return MaskedBatchNorm(dim, 1e-5 if eps is None else eps)
+    raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {name!r}")

@@ -1,0 +1,135 @@
+"""Positional encodings: LRPE (Householder + rotary with learnable angles), RoPE, sinusoidal
+and learned absolute positions.
+
+Positions are integer tensors [B, T] (or [T]): the count of valid tokens before each token,
+so left-padded and unpadded sequences get the same positions (spec §1.2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+LRPE_TYPES = ("householder_rope", "rope", "none")
+
+
+def _as_batched(positions: torch.Tensor) -> torch.Tensor:
+    return positions[None] if positions.dim() == 1 else positions
+
+
+def rotate(x: torch.Tensor, angles: torch.Tensor, pairing: str = "interleaved") -> torch.Tensor:
+    """Rotate channel pairs of x [B, T, H, D] by angles [B, T, P] (P ≤ D/2 pairs).
+
+    ``interleaved`` pairs (2i, 2i+1) (TransNormer LRPE); ``half`` pairs (i, i + D/2) (GAU RoPE).
+    Channels beyond the 2P rotated ones pass through unchanged (odd D: the last channel).
+    """
+    P = angles.shape[-1]
+    cos = torch.cos(angles)[:, :, None, :].to(x.dtype)
+    sin = torch.sin(angles)[:, :, None, :].to(x.dtype)
+    if pairing == "interleaved":
+        rot, rest = x[..., : 2 * P], x[..., 2 * P :]
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    elif pairing == "half":
+        rot, rest = x[..., : 2 * P], x[..., 2 * P :]
+        a, b = rot[..., :P], rot[..., P:]
+        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    else:
+        raise ValueError(f"pairing must be 'interleaved' or 'half', got {pairing!r}")
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class LRPE(nn.Module):
+    """LRPE_m(x) = R_m P x with P = I − 2uuᵀ frozen and R_m a rotary map of angles m·θ (spec §3).
+
+    ``householder=False`` and ``learn_theta=False`` give plain RoPE. The Householder vector u is
+    drawn from ``seed`` and stored as a buffer, so checkpoints carry it. x: [B, T, H, D].
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        householder: bool = True,
+        learn_theta: bool = True,
+        seed: int = 0,
+        base: float = 10000.0,
+        pairing: str = "interleaved",
+    ):
+        super().__init__()
+        self.head_dim, self.householder, self.pairing = head_dim, householder, pairing
+        n_pairs = head_dim // 2
+        theta = base ** (-2.0 * torch.arange(n_pairs, dtype=torch.float32) / head_dim)
+        if learn_theta:
+            self.theta = nn.Parameter(theta)
+        else:
+            self.register_buffer("theta", theta)
+        if householder:
+            g = torch.Generator().manual_seed(seed)
+            z = torch.randn(head_dim, generator=g)
+            self.register_buffer("u", z / z.norm())
+        else:
+            self.u = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.u is not None:
+            u = self.u.to(x.dtype)
+            x = x - 2.0 * (x @ u)[..., None] * u
+        angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
+        return rotate(x, angles, self.pairing)
+
+
+def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int = 0, pairing: str = "interleaved"):
+    """``householder_rope`` (LRPE), ``rope`` (plain, fixed θ) or ``none`` (returns None)."""
+    if kind == "householder_rope":
+        return LRPE(head_dim, householder=True, learn_theta=learn_theta, seed=seed, pairing=pairing)
+    if kind == "rope":
+        return LRPE(head_dim, householder=False, learn_theta=False, pairing=pairing)
+    if kind == "none":
+        return None
+    raise ValueError(f"lrpe must be one of {LRPE_TYPES}, got {kind!r}")
+
+
+def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """[sin(pθ) | cos(pθ)] with θ_i = 10000^{-i/(half-1)} (fairseq layout). positions [B, T] → [B, T, dim]."""
+    half = dim // 2
+    scale = math.log(10000.0) / max(half - 1, 1)
+    freqs = torch.exp(-scale * torch.arange(half, dtype=torch.float32, device=positions.device))
+    ang = positions.float()[..., None] * freqs
+    emb = torch.cat((torch.sin(ang), torch.cos(ang)), dim=-1)
+    if dim % 2:
+        emb = torch.nn.functional.pad(emb, (0, 1))
+    return emb
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal absolute positions, optionally times a learnable scalar (FLASH)."""
+
+    def __init__(self, dim: int, learnable_scale: float | None = None):
+        super().__init__()
+        self.dim = dim
+        self.scale = None if learnable_scale is None else nn.Parameter(torch.tensor(float(learnable_scale)))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        emb = sinusoidal_table(_as_batched(positions), self.dim)
+        return emb if self.scale is None else emb * self.scale
+
+
+class LearnedPositions(nn.Module):
+    """Learned absolute positions for at most ``max_positions`` tokens."""
+
+    def __init__(self, max_positions: int, dim: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.zeros(max_positions, dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise ValueError(
+                f"sequence needs position {int(positions.max())} but max_position_embeddings is "
+                f"{self.max_positions} (learned positions); use shorter inputs or a larger config"
+            )
+        return nn.functional.embedding(_as_batched(positions), self.weight)

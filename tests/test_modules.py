@@ -1,0 +1,87 @@
+"""Norms, GLU, positional encodings (spec §3-5)."""
+
+import pytest
+import torch
+
+from transnormer.modules import GLU, LRPE, LearnedPositions, SimpleRMSNorm, build_ffn, build_lrpe, build_norm
+
+
+def test_srms_eps_placements():
+    x = torch.randn(3, 16, dtype=torch.float64)
+    out = SimpleRMSNorm(16, eps=1e-3)(x)
+    assert torch.allclose(out, x / (x.norm(dim=-1, keepdim=True) / 4 + 1e-3))
+    inside = SimpleRMSNorm(16, eps=1e-3, eps_inside_sqrt=True)(x)
+    assert torch.allclose(inside, x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-3))
+    assert not list(SimpleRMSNorm(16).parameters())
+
+
+def test_norm_by_name_and_bad_name():
+    for name in ("simple_rms", "rms", "layer", "scale", "batch"):
+        y = build_norm(name, 8)(torch.randn(2, 5, 8), torch.ones(2, 5, dtype=torch.bool))
+        assert y.shape == (2, 5, 8)
+    with pytest.raises(ValueError, match="norm_type"):
+        build_norm("groupnorm", 8)
+
+
+def test_masked_batch_norm_ignores_padding():
+    bn = build_norm("batch", 4)
+    x = torch.randn(2, 6, 4)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 3:] = False
+    y1 = bn(x, mask)
+    x2 = x.clone()
+    x2[1, 3:] = 1e6
+    y2 = bn(x2, mask)
+    assert torch.allclose(y1[mask], y2[mask])
+
+
+def test_glu_shapes_and_activation_option():
+    g = GLU(512)
+    assert g.l1.out_features == 1365
+    x = torch.randn(2, 3, 512)
+    lin = GLU(512, act="identity")
+    lin.load_state_dict(g.state_dict())
+    assert not torch.allclose(g(x), lin(x))
+    assert torch.allclose(lin(x), lin.l3(lin.l1(x) * lin.l2(x)))
+    with pytest.raises(ValueError, match="activation"):
+        GLU(8, act="swishy")
+    with pytest.raises(ValueError, match="ffn_type"):
+        build_ffn("moe", 8, None, "gelu")
+
+
+def test_lrpe_relative_property_and_householder():
+    torch.manual_seed(0)
+    lrpe = LRPE(8, seed=3)
+    u = lrpe.u
+    P = torch.eye(8) - 2 * torch.outer(u, u)
+    assert torch.allclose(P, P.T) and torch.allclose(P @ P.T, torch.eye(8), atol=1e-6)
+    a, b = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    lrpe = lrpe.double()
+
+    def dot(m, n):
+        return (lrpe(a, torch.tensor([[m]])) * lrpe(b, torch.tensor([[n]]))).sum()
+
+    assert torch.allclose(dot(3, 10), dot(100, 107)) and torch.allclose(dot(0, 5), dot(20, 25))
+    assert not torch.allclose(dot(0, 5), dot(0, 6))
+    # norm preserving
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    y = lrpe(x, torch.arange(5))
+    assert torch.allclose(x.norm(dim=-1), y.norm(dim=-1))
+    # learnable θ vs fixed
+    assert isinstance(LRPE(8).theta, torch.nn.Parameter)
+    assert not isinstance(build_lrpe("rope", 8).theta, torch.nn.Parameter)
+    assert build_lrpe("none", 8) is None
+    with pytest.raises(ValueError, match="lrpe"):
+        build_lrpe("alibi", 8)
+
+
+def test_lrpe_odd_dim_last_channel_untouched():
+    lrpe = LRPE(5, householder=False)
+    x = torch.randn(1, 4, 1, 5)
+    y = lrpe(x, torch.arange(4))
+    assert torch.equal(x[..., 4], y[..., 4])
+
+
+def test_learned_positions_too_long():
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LearnedPositions(8, 4)(torch.arange(9))
