@@ -1,0 +1,90 @@
+"""The token-mixer interface every layer type implements, and the registry of layer types.
+
+A mixer maps x [B, T, d] → y [B, T, d]. Keyword inputs:
+    attention_mask: [B, T] bool, True = real token (None = all real)
+    positions:      [B, T] long, count of real tokens before each token
+    cache:          a dict the mixer owns (None when not decoding); returned updated when
+                    ``use_cache`` is True, so a causal model can decode token by token.
+A mixer with ``replaces_ffn = True`` (GAU/FLASH) stands for attention + FFN in a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+# name -> builder(config, layer_idx) -> TokenMixer
+LAYER_TYPES: dict[str, Callable] = {}
+
+
+def register_layer_type(name: str):
+    def deco(builder: Callable) -> Callable:
+        LAYER_TYPES[name] = builder
+        return builder
+
+    return deco
+
+
+def build_mixer(config, layer_idx: int) -> nn.Module:
+    layer_type = config.layer_types[layer_idx]
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"unknown layer type {layer_type!r} in layer_types; known: {sorted(LAYER_TYPES)}")
+    return LAYER_TYPES[layer_type](config, layer_idx)
+
+
+class TokenMixer(nn.Module):
+    replaces_ffn: bool = False
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        raise NotImplementedError
+
+
+def default_positions(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Positions [B, T] when the caller gives none: count of real tokens before each token."""
+    B, T = x.shape[:2]
+    if attention_mask is None:
+        return torch.arange(T, device=x.device).expand(B, T)
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def mask_or_none(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Drop an all-true mask so fast paths stay mask-free."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask.bool()
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -> dict:
+    """Keep, per row, the keys/values of the block of the last real token (at most ``block``).
+
+    k: [B, T, H, D], v: [B, T, H, E], positions/valid: [B, T]. The cache stores slot s = pos mod
+    block, so its size never exceeds one block. Used by DiagAttention, GAU-chunk and FLASH local.
+    """
+    B, T, H, D = k.shape
+    E = v.shape[-1]
+    if cache is not None and "k" in cache:
+        k = torch.cat([cache["k"], k], 1)
+        v = torch.cat([cache["v"], v], 1)
+        positions = torch.cat([cache["pos"], positions], 1)
+        valid = torch.cat([cache["valid"], valid], 1)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(1)  # [B]
+    # The block of the next token: if the last real token closed its block, the cache empties.
+    next_block = (last + 1) // block
+    keep = valid & (positions // block == next_block[:, None])
+    slot = torch.where(keep, positions % block, torch.full_like(positions, block))  # dump slot
+    new_k = k.new_zeros(B, block + 1, H, D).scatter(1, slot[:, :, None, None].expand(B, -1, H, D), k)
+    new_v = v.new_zeros(B, block + 1, H, E).scatter(1, slot[:, :, None, None].expand(B, -1, H, E), v)
+    new_pos = positions.new_zeros(B, block + 1).scatter(1, slot, positions)
+    new_valid = torch.zeros(B, block + 1, dtype=torch.bool, device=k.device).scatter(1, slot, keep)
+    return {"k": new_k[:, :block], "v": new_v[:, :block], "pos": new_pos[:, :block], "valid": new_valid[:, :block]}

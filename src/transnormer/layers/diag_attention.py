@@ -1,0 +1,127 @@
+"""DiagAttention (spec §2): softmax (T2) or ReLU (T1, then a norm) attention inside blocks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..modules.norms import build_norm
+from ..modules.positional import build_lrpe
+from ..ops import block_attn
+from .base import TokenMixer, default_positions, mask_or_none, update_block_cache
+
+
+def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel: str, causal: bool = True):
+    """Attention of new queries to cached + new keys of the same block, selected by position.
+
+    q, k: [B, T, H, D] (q already scaled), v: [B, T, H, E], positions/valid: [B, T]. The cache
+    (see ``update_block_cache``) holds at most one block, so a step costs O(block).
+    """
+    if cache is not None and "k" in cache:
+        K = torch.cat([cache["k"], k], 1)
+        V = torch.cat([cache["v"], v], 1)
+        kpos = torch.cat([cache["pos"], positions], 1)
+        kvalid = torch.cat([cache["valid"], valid], 1)
+    else:
+        K, V, kpos, kvalid = k, v, positions, valid
+    allowed = (kpos[:, None, :] // block == positions[:, :, None] // block) & kvalid[:, None, :]
+    if causal:
+        allowed = allowed & (kpos[:, None, :] <= positions[:, :, None])
+    allowed = allowed[:, None]  # [B, 1, T, S]
+    s = torch.einsum("bihd,bjhd->bhij", q, K)
+    if kernel == "softmax":
+        p = torch.softmax(s.float().masked_fill(~allowed, float("-inf")), -1)
+        p = torch.where(allowed.any(-1, keepdim=True), p, torch.zeros_like(p)).to(q.dtype)
+    else:
+        p = torch.relu(s) * allowed.to(s.dtype)
+    return torch.einsum("bhij,bjhe->bihe", p, V)
+
+
+class DiagAttention(TokenMixer):
+    """Block-diagonal attention with LRPE; x: [B, T, d] → [B, T, d].
+
+    kernel ``softmax`` (T2, no norm after) or ``relu`` (T1, ReLA, followed by ``norm_type``).
+    Decoding keeps at most one block of keys/values per layer (``cache``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        causal: bool,
+        kernel: str = "softmax",
+        block_size: int = 64,
+        use_norm: bool | None = None,
+        norm_type: str = "simple_rms",
+        norm_eps: float | None = None,
+        eps_inside_sqrt: bool = False,
+        lrpe: str = "householder_rope",
+        lrpe_learn_theta: bool = True,
+        lrpe_seed: int = 0,
+        attention_dropout: float = 0.0,
+    ):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        if kernel not in ("softmax", "relu"):
+            raise ValueError(f"kernel must be 'softmax' or 'relu', got {kernel!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = hidden_size // num_heads
+        self.causal, self.kernel, self.block_size = causal, kernel, block_size
+        self.attention_dropout = attention_dropout
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
+        use_norm = kernel == "relu" if use_norm is None else use_norm
+        self.norm = build_norm(norm_type, hidden_size, eps=norm_eps, eps_inside_sqrt=eps_inside_sqrt) if use_norm else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.xavier_uniform_(proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def featurize(self, x: torch.Tensor, positions: torch.Tensor):
+        """Scaled, LRPE'd q and k, and v: [B, T, H, e] each."""
+        B, T, _ = x.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q = self.q_proj(x).view(shape) * self.head_dim ** -0.5
+        k = self.k_proj(x).view(shape)
+        v = self.v_proj(x).view(shape)
+        if self.lrpe is not None:
+            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        return q, k, v
+
+    def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        B, T, _ = x.shape
+        if positions is None:
+            positions = default_positions(x, attention_mask)
+        mask = mask_or_none(attention_mask)
+        q, k, v = self.featurize(x, positions)
+        new_cache = None
+        if use_cache:
+            if not self.causal:
+                raise ValueError("use_cache needs a causal DiagAttention (decoding is causal)")
+            valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
+            if cache is not None and "k" in cache:
+                o = cached_block_attend(q, k, v, cache, positions, valid, block=self.block_size, kernel=self.kernel)
+            else:
+                # Prefill from empty: blocks by index, which the model guarantees equal blocks by
+                # position (padding is moved to the right before the first call).
+                o = block_attn(q, k, v, block_size=self.block_size, causal=True, kernel=self.kernel,
+                               scale=1.0, key_padding_mask=mask)
+            new_cache = update_block_cache(cache, k, v, positions, valid, self.block_size)
+        else:
+            o = block_attn(
+                q, k, v, block_size=self.block_size, causal=self.causal, kernel=self.kernel, scale=1.0,
+                key_padding_mask=mask, dropout_p=self.attention_dropout if self.training else 0.0,
+            )
+        o = o.reshape(B, T, self.hidden_size)
+        if self.norm is not None:
+            o = self.norm(o, mask)
+        return self.out_proj(o), new_cache

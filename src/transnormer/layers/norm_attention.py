@@ -1,0 +1,111 @@
+"""NormAttention (spec §1): kernelized linear attention without denominator, then a norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..modules.norms import build_norm
+from ..modules.positional import build_lrpe
+from ..ops import norm_linear_attn, norm_linear_attn_step
+from .base import TokenMixer, default_positions, mask_or_none
+
+KERNELS = {
+    "elu": F.elu,  # T1: may be negative
+    "1+elu": lambda x: 1.0 + F.elu(x),  # T2
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def get_kernel(name: str):
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {name!r}")
+    return KERNELS[name]
+
+
+class NormAttention(TokenMixer):
+    """O = Norm(concat_h φ̂(Q_h) φ̂(K_h)ᵀ V_h) W_o + b_o with φ̂ = LRPE ∘ kernel. x: [B, T, d].
+
+    The norm runs over the full width d (the paper) or per head (``norm_per_head``). The causal
+    form is chunked (linear in T); decoding carries one [H, e, e] state (``cache["state"]``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        causal: bool,
+        kernel: str = "1+elu",
+        chunk_size: int = 64,
+        lrpe: str = "householder_rope",
+        lrpe_learn_theta: bool = True,
+        lrpe_seed: int = 0,
+        norm_type: str = "simple_rms",
+        norm_eps: float | None = None,
+        eps_inside_sqrt: bool = False,
+        norm_per_head: bool = False,
+    ):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = hidden_size // num_heads
+        self.causal, self.chunk_size = causal, chunk_size
+        self.kernel_name, self.kernel = kernel, get_kernel(kernel)
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
+        self.norm_per_head = norm_per_head
+        norm_dim = self.head_dim if norm_per_head else hidden_size
+        self.norm = build_norm(norm_type, norm_dim, eps=norm_eps, eps_inside_sqrt=eps_inside_sqrt)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Released code (spec §1): xavier-uniform gain 2^-1/2 on q/k/v, xavier on out, zero out bias.
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def featurize(self, x: torch.Tensor, positions: torch.Tensor):
+        """q̂, k̂ [B, T, H, e] (kernel then LRPE) and v [B, T, H, e]; used by the analysis tools."""
+        B, T, _ = x.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q = self.kernel(self.q_proj(x).view(shape))
+        k = self.kernel(self.k_proj(x).view(shape))
+        v = self.v_proj(x).view(shape)
+        if self.lrpe is not None:
+            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        return q, k, v
+
+    def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        B, T, _ = x.shape
+        if positions is None:
+            positions = default_positions(x, attention_mask)
+        mask = mask_or_none(attention_mask)
+        q, k, v = self.featurize(x, positions)
+        state = None if cache is None else cache.get("state")
+        if use_cache and not self.causal:
+            raise ValueError("use_cache needs a causal NormAttention (decoding is causal)")
+        if use_cache and T == 1 and state is not None:
+            step_mask = None if mask is None else mask[:, 0]
+            o, state = norm_linear_attn_step(q[:, 0], k[:, 0], v[:, 0], state, key_padding_mask=step_mask)
+            o = o[:, None]
+        else:
+            o, state = norm_linear_attn(
+                q, k, v, causal=self.causal, chunk_size=self.chunk_size, initial_state=state,
+                output_final_state=use_cache, key_padding_mask=mask,
+            )
+        o = o.to(x.dtype)
+        if self.norm_per_head:
+            o = self.norm(o).reshape(B, T, self.hidden_size)
+        else:
+            o = self.norm(o.reshape(B, T, self.hidden_size), mask)
+        return self.out_proj(o), ({"state": state} if use_cache else None)

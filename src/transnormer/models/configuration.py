@@ -1,0 +1,189 @@
+"""TransNormerConfig: one config for the whole model family (T1/T2 and the baseline layers)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+VARIANT_DEFAULTS = {
+    # spec §6: what T1 and T2 change, and nothing else
+    "t1": {"norm_kernel": "elu", "diag_kernel": "relu", "diag_norm": True},
+    "t2": {"norm_kernel": "1+elu", "diag_kernel": "softmax", "diag_norm": False},
+}
+ABS_POS_TYPES = ("sinusoidal", "learned", "scaled_sinusoid", "none")
+POOLING_TYPES = ("mean", "first", "last")
+
+
+def default_layer_types(num_layers: int) -> list[str]:
+    """First ⌊L/2⌋ layers Diag, the rest Norm (spec §6)."""
+    return ["diag"] * (num_layers // 2) + ["norm"] * (num_layers - num_layers // 2)
+
+
+class TransNormerConfig(PretrainedConfig):
+    """Configuration of TransNormer-family models.
+
+    ``layer_types`` lists one token mixer per layer (``"diag"``, ``"norm"`` and the baselines
+    registered in :mod:`transnormer.layers`), so a comparison changes one field. Kernel and
+    Diag weights follow ``variant`` unless ``norm_kernel`` / ``diag_kernel`` / ``diag_norm`` are set.
+    ``layer_options`` holds per-layer-type extra keyword options (e.g. FLASH's chunk size).
+    """
+
+    model_type = "transnormer"
+
+    def __init__(
+        self,
+        vocab_size: int = 50265,
+        hidden_size: int = 512,
+        num_hidden_layers: int = 6,
+        num_attention_heads: int = 8,
+        diag_num_attention_heads: int | None = None,
+        layer_types: list[str] | None = None,
+        variant: str = "t2",
+        norm_kernel: str | None = None,
+        diag_kernel: str | None = None,
+        diag_norm: bool | None = None,
+        block_size: int = 64,
+        chunk_size: int = 64,
+        norm_type: str = "simple_rms",
+        norm_eps: float | None = None,
+        eps_inside_sqrt: bool = False,
+        norm_per_head: bool = False,
+        ffn_type: str = "glu",
+        ffn_hidden_size: int | None = None,
+        ffn_act: str = "silu",
+        pre_norm: bool = True,
+        final_norm: bool | None = None,
+        abs_pos: str = "sinusoidal",
+        scale_embedding: bool = True,
+        embed_norm: bool = False,
+        max_position_embeddings: int = 512,
+        lrpe: str = "householder_rope",
+        lrpe_learn_theta: bool = True,
+        lrpe_seed: int = 0,
+        causal: bool = True,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        initializer: str = "paper",
+        initializer_range: float = 0.02,
+        classifier_pooling: str = "mean",
+        classifier_dropout: float | None = None,
+        layer_options: dict | None = None,
+        tie_word_embeddings: bool = True,
+        pad_token_id: int | None = 0,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | None = 2,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.diag_num_attention_heads = diag_num_attention_heads
+        self.variant = variant
+        self.norm_kernel = norm_kernel
+        self.diag_kernel = diag_kernel
+        self.diag_norm = diag_norm
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.norm_type = norm_type
+        self.norm_eps = norm_eps
+        self.eps_inside_sqrt = eps_inside_sqrt
+        self.norm_per_head = norm_per_head
+        self.ffn_type = ffn_type
+        self.ffn_hidden_size = ffn_hidden_size
+        self.ffn_act = ffn_act
+        self.pre_norm = pre_norm
+        self.final_norm = pre_norm if final_norm is None else final_norm
+        self.abs_pos = abs_pos
+        self.scale_embedding = scale_embedding
+        self.embed_norm = embed_norm
+        self.max_position_embeddings = max_position_embeddings
+        self.lrpe = lrpe
+        self.lrpe_learn_theta = lrpe_learn_theta
+        self.lrpe_seed = lrpe_seed
+        self.causal = causal
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.initializer = initializer
+        self.initializer_range = initializer_range
+        self.classifier_pooling = classifier_pooling
+        self.classifier_dropout = classifier_dropout
+        self.layer_options = dict(layer_options or {})
+        super().__init__(
+            tie_word_embeddings=tie_word_embeddings,
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            **kwargs,
+        )
+        # Set after the base __init__: HF's validator only accepts its own attention names in
+        # `layer_types`; ours are checked by validate_layer_type / check() below.
+        self.layer_types = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
+
+    # Resolved T1/T2 choices -------------------------------------------------------------
+    def resolved(self, key: str):
+        value = getattr(self, key)
+        return VARIANT_DEFAULTS[self.variant][key] if value is None else value
+
+    def options_for(self, layer_type: str) -> dict:
+        return dict(self.layer_options.get(layer_type, {}))
+
+    def validate_layer_type(self) -> None:
+        """Replaces HF's check (which only knows HF's attention names) with ours."""
+        from . import layer_builders  # noqa: F401  (registers the core layer types)
+        from ..layers import LAYER_TYPES
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type {t!r} in layer_types; known: {sorted(LAYER_TYPES)}")
+
+    def validate(self) -> None:
+        """HF's validation (run by save_pretrained), with our layer-type check in place of HF's."""
+        for validator in PretrainedConfig.__class_validators__:
+            if validator.__name__ != "validate_layer_type":
+                validator(self)
+        self.validate_layer_type()
+
+    def check(self) -> None:
+        """Raise ValueError/TypeError naming the field for an inconsistent config."""
+        from ..modules.ffn import ACTIVATIONS, FFN_TYPES
+        from ..modules.norms import NORM_TYPES
+        from ..modules.positional import LRPE_TYPES
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "block_size",
+                     "chunk_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.variant not in VARIANT_DEFAULTS:
+            raise ValueError(f"variant must be one of {tuple(VARIANT_DEFAULTS)}, got {self.variant!r}")
+        heads = [self.num_attention_heads] + ([self.diag_num_attention_heads] if self.diag_num_attention_heads else [])
+        for h in heads:
+            if self.hidden_size % h:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by the number of heads ({h})")
+        self.validate_layer_type()
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
+        if self.ffn_type not in FFN_TYPES:
+            raise ValueError(f"ffn_type must be one of {FFN_TYPES}, got {self.ffn_type!r}")
+        if self.ffn_act not in ACTIVATIONS:
+            raise ValueError(f"ffn_act must be one of {tuple(ACTIVATIONS)}, got {self.ffn_act!r}")
+        if self.lrpe not in LRPE_TYPES:
+            raise ValueError(f"lrpe must be one of {LRPE_TYPES}, got {self.lrpe!r}")
+        if self.abs_pos not in ABS_POS_TYPES:
+            raise ValueError(f"abs_pos must be one of {ABS_POS_TYPES}, got {self.abs_pos!r}")
+        if self.classifier_pooling not in POOLING_TYPES:
+            raise ValueError(f"classifier_pooling must be one of {POOLING_TYPES}, got {self.classifier_pooling!r}")
+        if self.initializer not in ("paper", "normal"):
+            raise ValueError(f"initializer must be 'paper' or 'normal', got {self.initializer!r}")
+        from ..layers.norm_attention import KERNELS
+
+        if self.resolved("norm_kernel") not in KERNELS:
+            raise ValueError(f"norm_kernel must be one of {tuple(KERNELS)}, got {self.norm_kernel!r}")
+        if self.resolved("diag_kernel") not in ("softmax", "relu"):
+            raise ValueError(f"diag_kernel must be 'softmax' or 'relu', got {self.diag_kernel!r}")

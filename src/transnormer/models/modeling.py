@@ -1,0 +1,366 @@
+"""TransNormer model family: a stack of (token mixer, FFN) blocks and HF task heads.
+
+Data: input_ids [B, T] → embeddings (+ absolute positions) → blocks → final norm → head.
+Padding: ``attention_mask`` [B, T] (1 = real token), left or right padding. Left padding is
+moved to the right before the blocks and moved back after them, so every layer sees its real
+tokens at indices 0..L_b-1 (block and chunk boundaries then match the unpadded sequence).
+Positions count real tokens, so padded and unpadded inputs give the same outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+)
+
+from ..layers import DiagAttention, NormAttention, build_mixer
+from ..modules.ffn import build_ffn
+from ..modules.norms import build_norm
+from ..modules.positional import LearnedPositions, SinusoidalPositions
+from . import layer_builders  # noqa: F401  (registers the core layer types)
+from .configuration import TransNormerConfig
+
+
+@dataclass
+class TransNormerCache:
+    """Decoding state: one dict per layer plus the count of real tokens seen per row.
+
+    ``layers[i]`` is whatever layer i keeps (a [B, H, e, e] state for NormAttention, at most one
+    block of keys/values for DiagAttention, a KV cache for softmax attention ...).
+    """
+
+    layers: list
+    seen: torch.Tensor | None = None  # [B] real tokens so far
+    length: int = 0  # tokens (real or padding) consumed so far
+
+    @classmethod
+    def empty(cls, num_layers: int) -> TransNormerCache:
+        return cls(layers=[None] * num_layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> TransNormerCache:
+        """Select rows (beam search)."""
+        def sel(obj):
+            if isinstance(obj, torch.Tensor):
+                return obj.index_select(0, beam_idx.to(obj.device))
+            if isinstance(obj, dict):
+                return {k: sel(v) for k, v in obj.items()}
+            return obj
+
+        self.layers = [sel(c) for c in self.layers]
+        self.seen = None if self.seen is None else sel(self.seen)
+        return self
+
+
+class TransNormerBlock(nn.Module):
+    """Pre-norm: x += Drop(Mix(N(x))); x += Drop(FFN(N(x))). Post-norm: x = N(x + Drop(Mix(x))) ..."""
+
+    def __init__(self, config: TransNormerConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.pre_norm
+        d = config.hidden_size
+        self.mixer = build_mixer(config, layer_idx)
+        self.mixer_norm = build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
+        self.ffn = None
+        if not self.mixer.replaces_ffn:
+            self.ffn = build_ffn(config.ffn_type, d, config.ffn_hidden_size, config.ffn_act)
+            self.ffn_norm = build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, *, attention_mask, positions, cache=None, use_cache=False):
+        kw = {"attention_mask": attention_mask, "positions": positions, "cache": cache, "use_cache": use_cache}
+        if self.pre_norm:
+            h, cache = self.mixer(self.mixer_norm(x, attention_mask), **kw)
+            x = x + self.dropout(h)
+            if self.ffn is not None:
+                x = x + self.dropout(self.ffn(self.ffn_norm(x, attention_mask)))
+        else:
+            h, cache = self.mixer(x, **kw)
+            x = self.mixer_norm(x + self.dropout(h), attention_mask)
+            if self.ffn is not None:
+                x = self.ffn_norm(x + self.dropout(self.ffn(x)), attention_mask)
+        return x, cache
+
+
+class TransNormerPreTrainedModel(PreTrainedModel):
+    config_class = TransNormerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["TransNormerBlock"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        cfg = self.config
+        if cfg.initializer == "normal":  # RoBERTa: N(0, 0.02²) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=cfg.initializer_range)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            return
+        if isinstance(module, (NormAttention, DiagAttention)) or hasattr(module, "reset_parameters") and \
+                not isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        elif isinstance(module, nn.Embedding):
+            # fairseq LM: N(0, d^-1/2)
+            nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)
+        elif isinstance(module, nn.Linear) and module.bias is not None and getattr(module, "_zero_bias", False):
+            nn.init.zeros_(module.bias)
+
+
+class TransNormerModel(TransNormerPreTrainedModel):
+    def __init__(self, config: TransNormerConfig):
+        super().__init__(config)
+        config.check()
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=None)
+        self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
+        if config.abs_pos == "sinusoidal":
+            self.embed_positions = SinusoidalPositions(d)
+        elif config.abs_pos == "scaled_sinusoid":
+            self.embed_positions = SinusoidalPositions(d, learnable_scale=d ** -0.5)
+        elif config.abs_pos == "learned":
+            self.embed_positions = LearnedPositions(config.max_position_embeddings, d)
+        else:
+            self.embed_positions = None
+        self.embed_norm = nn.LayerNorm(d) if config.embed_norm else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(TransNormerBlock(config, i) for i in range(config.num_hidden_layers))
+        self.final_norm = (
+            build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
+            if config.final_norm else None
+        )
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: TransNormerCache | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+            if input_ids.is_floating_point():
+                raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+            x = self.embed_tokens(input_ids)
+        else:
+            x = inputs_embeds
+        x = x * self.embed_scale
+        B, T = x.shape[:2]
+        use_cache = bool(use_cache)
+        if use_cache and not self.config.causal:
+            raise ValueError("use_cache=True needs a causal model (config.causal=True)")
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = TransNormerCache.empty(len(self.layers))
+        decoding = cache is not None and cache.seen is not None
+
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+                raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
+            mask = attention_mask[:, -T:].bool()  # HF passes past + current columns while decoding
+        prefix = cache.seen if decoding else torch.zeros(B, dtype=torch.long, device=x.device)
+        if mask is None:
+            positions = prefix[:, None] + torch.arange(T, device=x.device)
+        else:
+            positions = prefix[:, None] + (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+        gather = None
+        if mask is not None and not decoding:
+            first = mask.long().argmax(1)  # index of the first real token (0 for empty rows)
+            if bool(first.any()):
+                idx = (torch.arange(T, device=x.device) + first[:, None]) % T
+                gather = idx
+                x = x.gather(1, idx[:, :, None].expand_as(x))
+                mask, positions = mask.gather(1, idx), positions.gather(1, idx)
+            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+                raise ValueError("attention_mask must be left- or right-padded: real tokens must be contiguous")
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions).to(x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = self.dropout(x)
+
+        hidden_states = [] if output_hidden_states else None
+        for i, layer in enumerate(self.layers):
+            if hidden_states is not None:
+                hidden_states.append(x)
+            layer_cache = cache.layers[i] if cache is not None else None
+            x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
+                                       use_cache=use_cache)
+            if use_cache:
+                cache.layers[i] = new_layer_cache
+        if self.final_norm is not None:
+            x = self.final_norm(x, mask)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        if gather is not None:  # move left padding back where the caller had it
+            inv = (torch.arange(T, device=x.device) - first[:, None]) % T
+            x = x.gather(1, inv[:, :, None].expand_as(x))
+            if hidden_states is not None:
+                hidden_states = [h.gather(1, inv[:, :, None].expand_as(h)) for h in hidden_states]
+        if use_cache:
+            cache.seen = prefix + (T if mask is None else mask.long().sum(1))
+            cache.length += T
+        return BaseModelOutputWithPast(
+            last_hidden_state=x,
+            past_key_values=cache if use_cache else None,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+        )
+
+
+class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TransNormerConfig):
+        super().__init__(config)
+        self.model = TransNormerModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        labels=None,
+        past_key_values=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         past_key_values=past_key_values, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states)
+        h = out.last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states)
+
+
+class TransNormerLMHead(nn.Module):
+    """RoBERTa-style MLM head: dense, GELU, LayerNorm, tied decoder with bias."""
+
+    def __init__(self, config: TransNormerConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.dense = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.decoder = nn.Linear(d, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x):
+        return self.decoder(self.norm(F.gelu(self.dense(x)))) + self.bias
+
+
+class TransNormerForMaskedLM(TransNormerPreTrainedModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TransNormerConfig):
+        super().__init__(config)
+        if config.causal:
+            raise ValueError("TransNormerForMaskedLM needs a bidirectional config (causal=False)")
+        self.model = TransNormerModel(config)
+        self.lm_head = TransNormerLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value):
+        self.lm_head.decoder = value
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, return_dict=None, **kwargs) -> MaskedLMOutput:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         output_hidden_states=output_hidden_states)
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """[B, T, d] → [B, d]: mean over real tokens, the first token, or the last real token."""
+    B, T, _ = hidden.shape
+    mask = torch.ones(B, T, dtype=torch.bool, device=hidden.device) if attention_mask is None else attention_mask.bool()
+    if mode == "mean":
+        m = mask[:, :, None].to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
+    idx = torch.arange(T, device=hidden.device).expand(B, T)
+    if mode == "first":
+        pos = torch.where(mask, idx, T).amin(1).clamp_max(T - 1)
+    elif mode == "last":
+        pos = torch.where(mask, idx, -1).amax(1).clamp_min(0)
+    else:
+        raise ValueError(f"pooling must be 'mean', 'first' or 'last', got {mode!r}")
+    return hidden[torch.arange(B, device=hidden.device), pos]
+
+
+class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
+    def __init__(self, config: TransNormerConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = TransNormerModel(config)
+        d = config.hidden_size
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
+        self.classifier = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Dropout(p), nn.Linear(d, config.num_labels))
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, return_dict=None, **kwargs) -> SequenceClassifierOutput:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         output_hidden_states=output_hidden_states)
+        logits = self.classifier(pool(out.last_hidden_state, attention_mask, self.config.classifier_pooling))
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels.long())
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)

@@ -1,0 +1,179 @@
+"""Model family: causality, padding invariance, save/load, presets, errors, decoding."""
+
+import pytest
+import torch
+
+from transnormer.models import (
+    TransNormerConfig,
+    TransNormerForCausalLM,
+    TransNormerForMaskedLM,
+    TransNormerForSequenceClassification,
+    TransNormerModel,
+)
+from transnormer.presets import build_model, count_parameters, get_config
+
+
+def small(**kw):
+    base = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, block_size=8,
+                chunk_size=8, dropout=0.0, max_position_embeddings=256)
+    base.update(kw)
+    return TransNormerConfig(**base)
+
+
+@pytest.mark.parametrize("variant", ["t1", "t2"])
+def test_causality_model_level(variant):
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small(variant=variant)).eval()
+    x = torch.randint(0, 97, (2, 40))
+    base = model(x).logits
+    for t in (0, 7, 8, 9, 23, 39):
+        y = x.clone()
+        y[:, t:] = torch.randint(0, 97, y[:, t:].shape)
+        out = model(y).logits
+        assert torch.allclose(out[:, :t], base[:, :t], atol=1e-6), t
+
+
+@pytest.mark.parametrize("variant", ["t1", "t2"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_bidirectional_padding_invariance(variant, side):
+    torch.manual_seed(0)
+    cfg = get_config(f"{variant}-roberta-tiny", vocab_size=97, block_size=8, chunk_size=8, dropout=0.0,
+                     attention_dropout=0.0)
+    model = TransNormerModel(cfg).eval()
+    x = torch.randint(3, 97, (1, 21))
+    ref = model(x).last_hidden_state
+    for pad in (1, 7, 19):
+        ids = torch.zeros(1, 21 + pad, dtype=torch.long)
+        mask = torch.zeros(1, 21 + pad, dtype=torch.bool)
+        sl = slice(0, 21) if side == "right" else slice(pad, pad + 21)
+        ids[:, sl], mask[:, sl] = x, True
+        out = model(ids, attention_mask=mask).last_hidden_state
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out[:, sl], ref, atol=1e-5), pad
+
+
+@pytest.mark.parametrize("variant", ["t1", "t2"])
+def test_causal_lm_batched_padding_equals_alone(variant):
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small(variant=variant)).eval()
+    a, b = torch.randint(3, 97, (1, 19)), torch.randint(3, 97, (1, 11))
+    ids = torch.zeros(2, 19, dtype=torch.long)
+    mask = torch.zeros(2, 19, dtype=torch.bool)
+    ids[0], mask[0] = a[0], True
+    ids[1, 8:], mask[1, 8:] = b[0], True  # left padding
+    out = model(ids, attention_mask=mask).logits
+    assert torch.allclose(out[0], model(a).logits[0], atol=1e-5)
+    assert torch.allclose(out[1, 8:], model(b).logits[0], atol=1e-5)
+
+
+def test_non_contiguous_mask_rejected():
+    model = TransNormerModel(small())
+    mask = torch.tensor([[1, 0, 1, 1]])
+    with pytest.raises(ValueError, match="contiguous"):
+        model(torch.ones(1, 4, dtype=torch.long), attention_mask=mask)
+
+
+@pytest.mark.parametrize("cls,task_kw", [
+    (TransNormerForCausalLM, {}),
+    (TransNormerForMaskedLM, {"causal": False}),
+    (TransNormerForSequenceClassification, {"causal": False, "num_labels": 3, "classifier_pooling": "last"}),
+])
+def test_save_load_round_trip(tmp_path, cls, task_kw):
+    torch.manual_seed(0)
+    model = cls(small(**task_kw)).eval()
+    x = torch.randint(0, 97, (2, 13))
+    ref = model(x).logits
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = cls.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded(x).logits, ref)
+
+
+def test_auto_classes(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    TransNormerForCausalLM(small()).save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "transnormer"
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), TransNormerForCausalLM)
+
+
+def test_tied_embeddings():
+    m = TransNormerForCausalLM(small())
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    m = TransNormerForMaskedLM(small(causal=False))
+    assert m.lm_head.decoder.weight is m.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["t1-lm", "t2-lm"])
+def test_lm_preset_parameter_count(name):
+    n = count_parameters(name)
+    assert abs(n - 156.0e6) / 156.0e6 < 0.005, n
+
+
+def test_presets_shapes():
+    assert get_config("t2-lm").num_hidden_layers == 6 and get_config("t2-lm").hidden_size == 512
+    r = get_config("t1-roberta")
+    assert (r.num_hidden_layers, r.hidden_size, r.num_attention_heads, r.pre_norm) == (12, 768, 12, False)
+    assert r.layer_types == ["diag"] * 6 + ["norm"] * 6
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_config("t3-lm")
+
+
+def test_t1_t2_differ_only_in_spec_items():
+    t1, t2 = build_model("t1-lm-tiny"), build_model("t2-lm-tiny")
+    assert [n for n, _ in t1.named_parameters()] == [n for n, _ in t2.named_parameters()]
+    a1, a2 = t1.model.layers[0].mixer, t2.model.layers[0].mixer
+    assert (a1.kernel, a2.kernel) == ("relu", "softmax") and a1.norm is not None and a2.norm is None
+    n1, n2 = t1.model.layers[-1].mixer, t2.model.layers[-1].mixer
+    assert (n1.kernel_name, n2.kernel_name) == ("elu", "1+elu")
+
+
+def test_classification_pooling_modes():
+    from transnormer.models import pool
+
+    h = torch.arange(12.0).view(1, 4, 3).repeat(2, 1, 1)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    assert torch.equal(pool(h, mask, "first")[1], h[1, 1])
+    assert torch.equal(pool(h, mask, "last")[0], h[0, 2])
+    assert torch.allclose(pool(h, mask, "mean")[0], h[0, :3].mean(0))
+
+
+@pytest.mark.parametrize("kw,exc,word", [
+    ({"layer_types": ["diag", "softmaxx", "norm", "norm"]}, ValueError, "unknown layer type"),
+    ({"norm_kernel": "tanh"}, ValueError, "norm_kernel"),
+    ({"norm_type": "group"}, ValueError, "norm_type"),
+    ({"block_size": 0}, ValueError, "block_size"),
+    ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ({"num_attention_heads": 5}, ValueError, "divisible"),
+    ({"layer_types": ["diag"]}, ValueError, "layer_types"),
+    ({"variant": "t3"}, ValueError, "variant"),
+])
+def test_config_errors(kw, exc, word):
+    with pytest.raises(exc, match=word):
+        TransNormerModel(small(**kw))
+
+
+def test_input_errors():
+    model = TransNormerModel(small(abs_pos="learned", max_position_embeddings=16))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model(torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("variant", ["t1", "t2"])
+@pytest.mark.parametrize("prompt_len", [5, 8, 9, 16])
+def test_decode_equals_full_forward(variant, prompt_len):
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small(variant=variant)).eval()
+    x = torch.randint(0, 97, (2, 30))
+    full = model(x).logits
+    out = model(x[:, :prompt_len], use_cache=True)
+    cache, logits = out.past_key_values, [out.logits]
+    for t in range(prompt_len, 30):
+        out = model(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    assert torch.allclose(torch.cat(logits, 1), full, atol=1e-4)
