@@ -1,0 +1,44 @@
+"""Timing helpers: median wall time over repeats, GEMM throughput, peak memory.
+
+This machine is shared and noisy, so benchmarks compare ratios measured in one run, and take
+the median of several repeats after a warm-up.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def measure(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3, min_time: float = 0.0) -> dict:
+    """Run ``fn`` ``warmup`` times, then at least ``repeat`` times (and ``min_time`` seconds).
+
+    Returns {"median_s", "min_s", "iqr_s", "n"}.
+    """
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeat or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return {"median_s": statistics.median(times), "min_s": min(times), "iqr_s": q[2] - q[0], "n": len(times)}
+
+
+def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
+    """Measured matmul throughput (GFLOP/s) of an n×n×n product in ``dtype``: the machine's limit."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    t = measure(lambda: a @ b, warmup=2, repeat=repeat)["median_s"]
+    return 2 * n**3 / t / 1e9
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (MiB; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
