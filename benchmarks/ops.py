@@ -48,8 +48,8 @@ def main() -> None:
             q, k, v = (torch.randn(B, T, H, D, dtype=dtype, requires_grad=True) for _ in range(3))
             with torch.no_grad():
                 q.mul_(0.1), k.mul_(0.1)
-            ours = measure(lambda: fwd_bwd_ours(q, k, v, args.chunk), repeat=args.repeat)["median_s"]
-            sdpa = measure(lambda: fwd_bwd_sdpa(q, k, v), repeat=args.repeat)["median_s"]
+            ours = measure(lambda q=q, k=k, v=v: fwd_bwd_ours(q, k, v, args.chunk), repeat=args.repeat)["median_s"]
+            sdpa = measure(lambda q=q, k=k, v=v: fwd_bwd_sdpa(q, k, v), repeat=args.repeat)["median_s"]
             results[(dname, T)] = sdpa / ours
             print(f"| {dname} | {T} | {ours * 1e3:.1f} | {sdpa * 1e3:.1f} | {sdpa / ours:.2f}x |", flush=True)
     for dname in args.dtypes:

@@ -171,9 +171,9 @@ def test_decode_equals_full_forward(variant, prompt_len):
     x = torch.randint(0, 97, (2, 30))
     full = model(x).logits
     out = model(x[:, :prompt_len], use_cache=True)
-    cache, logits = out.past_key_values, [out.logits]
+    cache, logits = out.cache, [out.logits]
     for t in range(prompt_len, 30):
-        out = model(x[:, t:t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(x[:, t:t + 1], cache=cache, use_cache=True)
+        cache = out.cache
         logits.append(out.logits)
     assert torch.allclose(torch.cat(logits, 1), full, atol=1e-4)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import rel_err
 
+from conftest import rel_err
 from transnormer.ops import (
     block_attn,
     block_attn_reference,

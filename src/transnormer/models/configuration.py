@@ -129,8 +129,8 @@ class TransNormerConfig(PretrainedConfig):
 
     def validate_layer_type(self) -> None:
         """Replaces HF's check (which only knows HF's attention names) with ours."""
-        from . import layer_builders  # noqa: F401  (registers the core layer types)
         from ..layers import LAYER_TYPES
+        from . import layer_builders  # noqa: F401  (registers the core layer types)
 
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(

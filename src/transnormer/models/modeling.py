@@ -154,10 +154,11 @@ class TransNormerModel(TransNormerPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: TransNormerCache | None = None,
+        cache: TransNormerCache | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: TransNormerCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
@@ -175,7 +176,10 @@ class TransNormerModel(TransNormerPreTrainedModel):
         use_cache = bool(use_cache)
         if use_cache and not self.config.causal:
             raise ValueError("use_cache=True needs a causal model (config.causal=True)")
-        cache = past_key_values
+        if cache is None:
+            cache = past_key_values  # the pre-v5 name
+        if cache is not None and not isinstance(cache, TransNormerCache):
+            raise TypeError(f"cache must be a TransNormerCache, got {type(cache).__name__}")
         if use_cache and cache is None:
             cache = TransNormerCache.empty(len(self.layers))
         decoding = cache is not None and cache.seen is not None
@@ -230,7 +234,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
             cache.length += T
         return BaseModelOutputWithPast(
             last_hidden_state=x,
-            past_key_values=cache if use_cache else None,
+            cache=cache if use_cache else None,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
 
@@ -259,15 +263,16 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         attention_mask=None,
         inputs_embeds=None,
         labels=None,
-        past_key_values=None,
+        cache=None,
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
         logits_to_keep: int = 0,
+        past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                         past_key_values=past_key_values, use_cache=use_cache,
+                         cache=cache if cache is not None else past_key_values, use_cache=use_cache,
                          output_hidden_states=output_hidden_states)
         h = out.last_hidden_state
         if logits_to_keep:
@@ -278,8 +283,29 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+
+    # Generation ------------------------------------------------------------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # our layers keep recurrent states, not HF key/value caches
+
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
+                                      use_cache=True, past_key_values=None, **kwargs):
+        """Feed only the tokens the cache has not seen; create the cache on the first call."""
+        cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None:
+            cache = TransNormerCache.empty(self.config.num_hidden_layers)
+        inputs = {"attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
+        if cache is not None and cache.length > 0:
+            inputs["input_ids"] = input_ids[:, cache.length:]
+        elif inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids
+        if kwargs.get("logits_to_keep") is not None:
+            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        return inputs
 
 
 class TransNormerLMHead(nn.Module):
