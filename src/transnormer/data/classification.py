@@ -1,0 +1,569 @@
+"""Sequence classification data from TSV / CSV / JSON-lines files (GLUE files work as distributed).
+
+Reading (:func:`read_classification_file`):
+
+* format from the suffix: ``.tsv``/``.txt`` tab-separated (no quoting, like GLUE: quotes are text),
+  ``.csv`` comma-separated (standard quoting), ``.jsonl``/``.ndjson``/``.json`` one JSON object per line
+  (a ``.json`` file holding a JSON array also works);
+* header: detected when the first row contains a known column name (or a column name you passed);
+  a header-less 4-column file is read as CoLA (``source, label, orig_label, sentence``); other header-less
+  files need integer ``text_column``/``label_column`` indices;
+* columns, when not given: a text pair among ``sentence1/sentence2``, ``question1/question2``,
+  ``question/sentence`` (QNLI), ``#1 String/#2 String`` (MRPC), ``premise/hypothesis``, ``text_a/text_b``;
+  else a single text among ``sentence``, ``text``, ...; the label among ``gold_label`` (MNLI/SNLI),
+  ``label``, ``Quality`` (MRPC), ``is_duplicate`` (QQP), ... Matching ignores case.
+* labels: required, except for files whose name says ``test`` (GLUE test files have none), unless
+  ``require_labels`` says otherwise.
+
+Encoding (:class:`ClassificationDataset`): ``<s> A </s>`` or ``<s> A </s> B </s>`` (whichever of BOS/EOS
+the tokenizer has). Sequences longer than ``max_length`` are truncated longest-first (default) or rejected
+with an error naming the file and line (``truncate=False``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ._util import atomic_write_text
+from .mlm import pad_sequences
+
+__all__ = [
+    "ClassificationCollator",
+    "ClassificationDataset",
+    "ClassificationExample",
+    "LabelSet",
+    "load_classification_splits",
+    "read_classification_file",
+]
+
+_PAIR_COLUMNS = (
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("question", "sentence"),
+    ("#1 string", "#2 string"),
+    ("premise", "hypothesis"),
+    ("text_a", "text_b"),
+    ("text1", "text2"),
+)
+_SINGLE_COLUMNS = ("sentence", "text", "review", "content", "document", "text_a", "question")
+_LABEL_COLUMNS = ("gold_label", "label", "quality", "is_duplicate", "labels", "class", "category", "target")
+_OTHER_KNOWN = ("index", "idx", "id", "#1 id", "#2 id", "qid1", "qid2", "pairid", "promptid", "genre")
+_KNOWN_COLUMNS = frozenset(
+    {c for pair in _PAIR_COLUMNS for c in pair} | set(_SINGLE_COLUMNS) | set(_LABEL_COLUMNS) | set(_OTHER_KNOWN)
+)
+_COLA_COLUMNS = ("source", "label", "orig_label", "sentence")
+
+ColumnSpec = str | int | None
+
+
+@dataclass(frozen=True)
+class ClassificationExample:
+    """One row: ``label`` is the normalised label string (``None`` in unlabelled files)."""
+
+    text: str
+    text_pair: str | None
+    label: str | None
+    source: str
+    line: int  # 1-based line where the record starts
+
+
+def _label_key(value, where: str) -> str:
+    """Normalise a label cell: ``1``, ``1.0``, ``"1"`` → ``"1"``; strings are stripped."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value.is_integer():
+            return str(int(value))
+        return repr(value)
+    if isinstance(value, str):
+        return value.strip()
+    raise ValueError(f"{where}: label {value!r} must be a string or a number")
+
+
+class LabelSet:
+    """Mapping between label names and class indices, fixed by the training file.
+
+    Integer-like labels (``"0"``, ``"1"``, ``"-1"``) are ordered numerically, others alphabetically, so the
+    same training labels always give the same indices.
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        names = list(names)
+        if not names:
+            raise ValueError("names: a label set needs at least one label")
+        for n in names:
+            if not isinstance(n, str):
+                raise TypeError(f"label names must be str, got {type(n).__name__} ({n!r})")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names contains duplicates: {names}")
+        self.names = names
+        self._index = {n: i for i, n in enumerate(names)}
+
+    @classmethod
+    def from_examples(cls, examples: Iterable[ClassificationExample]) -> LabelSet:
+        """Labels of ``examples`` in canonical order (numeric if all are integers, else alphabetical)."""
+        labels = {ex.label for ex in examples if ex.label is not None}
+        if not labels:
+            raise ValueError("examples: no labelled example to build a label set from")
+        if all(re.fullmatch(r"-?\d+", x) for x in labels):
+            return cls(sorted(labels, key=int))
+        return cls(sorted(labels))
+
+    def index(self, label: str, *, source: str = "", line: int | None = None) -> int:
+        """Class index of ``label``; ``ValueError`` naming the file, line and label when unknown."""
+        try:
+            return self._index[label]
+        except KeyError:
+            where = f"{source!r}, line {line}: " if source else ""
+            raise ValueError(
+                f"{where}label {label!r} is not in the label set {self.names} (built from the training file)"
+            ) from None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LabelSet) and other.names == self.names
+
+    def __repr__(self) -> str:
+        return f"LabelSet({self.names})"
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return dict(enumerate(self.names))
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return dict(self._index)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``{"labels": [...]}`` as JSON (atomically)."""
+        atomic_write_text(path, json.dumps({"labels": self.names}, indent=1, ensure_ascii=False) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LabelSet:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            return cls(data["labels"])
+        except FileNotFoundError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{str(path)!r} is not a label-set file: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------- reading
+
+
+def _file_format(path: Path, file_format: str | None) -> str:
+    if file_format is not None:
+        if file_format not in ("tsv", "csv", "jsonl"):
+            raise ValueError(f"file_format must be 'tsv', 'csv' or 'jsonl', got {file_format!r}")
+        return file_format
+    suffix = path.suffix.lower()
+    if suffix in (".tsv", ".txt", ".tab"):
+        return "tsv"
+    if suffix == ".csv":
+        return "csv"
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    raise ValueError(
+        f"{str(path)!r}: cannot tell the format from suffix {suffix!r}; pass file_format='tsv'|'csv'|'jsonl'"
+    )
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise FileNotFoundError(f"classification file {str(path)!r} does not exist")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{str(path)!r}: invalid UTF-8 at byte offset {e.start}") from None
+    if text.startswith("\ufeff"):  # MRPC's files start with a BOM
+        text = text[1:]
+    if not text.strip():
+        raise ValueError(f"{str(path)!r}: file is empty")
+    return text
+
+
+def _records_delimited(path: Path, text: str, fmt: str) -> tuple[list[tuple[int, list[str]]], int]:
+    """(start line, cells) for each non-empty row, and the widest row's width."""
+    if fmt == "tsv":
+        reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[tuple[int, list[str]]] = []
+    start = 1
+    try:
+        for cells in reader:
+            if any(c.strip() for c in cells):
+                rows.append((start, cells))
+            start = reader.line_num + 1
+    except csv.Error as e:
+        raise ValueError(f"{str(path)!r}, line {start}: malformed {fmt.upper()} ({e})") from e
+    return rows, max((len(c) for _, c in rows), default=0)
+
+
+def _records_json(path: Path, text: str) -> list[tuple[int, dict]]:
+    stripped = text.lstrip()
+    if stripped.startswith("["):  # a JSON array of objects
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{str(path)!r}: invalid JSON ({e})") from e
+        records = list(enumerate(items, 1))
+    else:
+        records = []
+        for lineno, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((lineno, json.loads(line)))
+            except ValueError as e:
+                raise ValueError(f"{str(path)!r}, line {lineno}: invalid JSON ({e.msg})") from None
+    for lineno, rec in records:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{str(path)!r}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
+    return records
+
+
+def _find(columns: Sequence[str], wanted: str) -> int | None:
+    """Index of column ``wanted`` (exact match first, then case-insensitive)."""
+    if wanted in columns:
+        return list(columns).index(wanted)
+    lowered = [c.strip().lower() for c in columns]
+    w = wanted.strip().lower()
+    return lowered.index(w) if w in lowered else None
+
+
+def _resolve(columns: Sequence[str], spec: ColumnSpec, what: str, path: Path) -> int | None:
+    if spec is None:
+        return None
+    if isinstance(spec, bool) or not isinstance(spec, (str, int)):
+        raise TypeError(f"{what} must be a column name (str) or index (int), got {type(spec).__name__}")
+    if isinstance(spec, int):
+        if not 0 <= spec < len(columns):
+            raise ValueError(f"{str(path)!r}: {what}={spec} is out of range for {len(columns)} columns")
+        return spec
+    idx = _find(columns, spec)
+    if idx is None:
+        raise ValueError(f"{str(path)!r}: {what}={spec!r} is not a column (columns: {list(columns)})")
+    return idx
+
+
+def _detect_columns(columns: Sequence[str], path: Path) -> tuple[int, int | None]:
+    for a, b in _PAIR_COLUMNS:
+        ia, ib = _find(columns, a), _find(columns, b)
+        if ia is not None and ib is not None:
+            return ia, ib
+    for name in _SINGLE_COLUMNS:
+        i = _find(columns, name)
+        if i is not None:
+            return i, None
+    raise ValueError(
+        f"{str(path)!r}: cannot tell which column holds the text (columns: {list(columns)}); "
+        "pass text_column= (and text_pair_column= for pairs)"
+    )
+
+
+def _names_split_test(name: str) -> bool:
+    words = re.split(r"[^a-z0-9]+", name.lower())
+    return "test" in words or "testing" in words
+
+
+def read_classification_file(
+    path: str | os.PathLike,
+    *,
+    text_column: ColumnSpec = None,
+    text_pair_column: ColumnSpec = None,
+    label_column: ColumnSpec = None,
+    require_labels: bool | None = None,
+    has_header: bool | None = None,
+    file_format: str | None = None,
+    drop_labels: Iterable[str] = (),
+    skip_bad_rows: bool = False,
+) -> list[ClassificationExample]:
+    """Read labelled (or unlabelled) text / text-pair examples (see the module docstring).
+
+    Args:
+        path: the file.
+        text_column, text_pair_column, label_column: column names (or 0-based indices); auto-detected
+            when ``None``. Giving ``text_column`` alone means single-text examples.
+        require_labels: ``True``: a missing label column is an error; ``False``: read labels if present;
+            ``None`` (default): required unless the file name contains the word ``test``.
+        has_header: force header / no header (default: detected).
+        file_format: ``"tsv"``, ``"csv"`` or ``"jsonl"`` (default: from the suffix).
+        drop_labels: rows with these labels are skipped (e.g. ``("-",)`` for SNLI's no-consensus rows).
+        skip_bad_rows: skip delimited rows that lack a needed column instead of raising.
+
+    Raises:
+        FileNotFoundError, ValueError: missing file, empty file, invalid UTF-8, malformed row, unknown
+            column, missing label column / empty label (messages name the file and line).
+    """
+    path = Path(path)
+    fmt = _file_format(path, file_format)
+    text = _read_text(path)
+    src = str(path)
+    drop = {_label_key(x, "drop_labels") for x in drop_labels}
+    if require_labels is None:
+        require_labels = not _names_split_test(path.name)
+        labels_by_default = True
+    else:
+        labels_by_default = False
+
+    if fmt == "jsonl":
+        records = _records_json(path, text)
+        keys: list[str] = []
+        for _, rec in records[:100]:  # columns from the first records (JSON objects may omit keys)
+            keys.extend(k for k in rec if k not in keys)
+        rows = [(lineno, rec) for lineno, rec in records]
+        columns = keys
+    else:
+        delimited, width = _records_delimited(path, text, fmt)
+        if not delimited:
+            raise ValueError(f"{src!r}: file has no rows")
+        first = [c.strip() for c in delimited[0][1]]
+        if has_header is None:
+            wanted = {
+                str(c).strip().lower() for c in (text_column, text_pair_column, label_column) if isinstance(c, str)
+            }
+            has_header = any(c.lower() in _KNOWN_COLUMNS or c.lower() in wanted for c in first)
+        if has_header:
+            columns, body = first, delimited[1:]
+        elif width == 4 and text_column is None and label_column is None:
+            columns, body = list(_COLA_COLUMNS), delimited  # CoLA's in-domain/out-of-domain files
+        else:
+            columns, body = [str(i) for i in range(width)], delimited
+        rows = body
+        if not rows:
+            raise ValueError(f"{src!r}: file has a header but no data rows")
+
+    text_idx = _resolve(columns, text_column, "text_column", path)
+    pair_idx = _resolve(columns, text_pair_column, "text_pair_column", path)
+    if text_idx is None:
+        if pair_idx is not None:
+            raise ValueError("text_pair_column given without text_column")
+        text_idx, pair_idx = _detect_columns(columns, path)
+    label_idx = _resolve(columns, label_column, "label_column", path)
+    if label_idx is None:
+        for name in _LABEL_COLUMNS:
+            label_idx = _find(columns, name)
+            if label_idx is not None:
+                break
+    if label_idx is None and require_labels:
+        hint = " or require_labels=False for an unlabelled file" if labels_by_default else ""
+        raise ValueError(
+            f"{src!r}: no label column (columns: {list(columns)}; looked for {list(_LABEL_COLUMNS)}); "
+            f"pass label_column={hint}"
+        )
+    if label_idx is not None and label_idx in (text_idx, pair_idx):
+        raise ValueError(f"{src!r}: label column {columns[label_idx]!r} is also a text column")
+
+    examples: list[ClassificationExample] = []
+    needed = [i for i in (text_idx, pair_idx, label_idx) if i is not None]
+    for lineno, row in rows:
+        where = f"{src!r}, line {lineno}"
+        if isinstance(row, dict):
+            names = [columns[i] for i in needed]
+            missing = [n for n in names if n not in row or row[n] is None]
+            cells = {i: row.get(columns[i]) for i in needed}
+        else:
+            missing = [columns[i] for i in needed if i >= len(row)]
+            cells = {i: row[i] for i in needed if i < len(row)}
+        if label_idx is not None and columns[label_idx] in missing and not require_labels and isinstance(row, dict):
+            missing.remove(columns[label_idx])  # optional labels may be absent from some JSON records
+        if missing:
+            if skip_bad_rows:
+                continue
+            raise ValueError(f"{where}: missing column(s) {missing} (row has {len(row)} field(s))")
+        label = None
+        if label_idx is not None and cells.get(label_idx) is not None:
+            label = _label_key(cells[label_idx], where)
+            if label == "":
+                if require_labels:
+                    raise ValueError(f"{where}: empty label in column {columns[label_idx]!r}")
+                label = None
+            elif label in drop:
+                continue
+        texts = []
+        for i in (text_idx, pair_idx):
+            if i is None:
+                texts.append(None)
+                continue
+            value = cells[i]
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: column {columns[i]!r} must hold text, got {type(value).__name__}")
+            texts.append(value)
+        examples.append(ClassificationExample(texts[0], texts[1], label, src, lineno))
+    if not examples:
+        raise ValueError(f"{src!r}: no examples left to read")
+    return examples
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+
+
+def _truncate_lengths(la: int, lb: int, budget: int) -> tuple[int, int]:
+    """Longest-first truncation of two lengths to a total of ``budget``."""
+    if la + lb <= budget:
+        return la, lb
+    if lb == 0:
+        return budget, 0
+    short, long_ = sorted((la, lb))
+    if short <= budget - short:  # trimming the longer one alone suffices
+        kept_long = budget - short
+        return (kept_long, lb) if la >= lb else (la, kept_long)
+    half = budget // 2
+    return budget - half, half  # both trimmed; the first text keeps the odd token
+
+
+class ClassificationDataset(torch.utils.data.Dataset):
+    """Tokenized classification examples.
+
+    Args:
+        examples: from :func:`read_classification_file`.
+        tokenizer: a :class:`~transnormer.data.tokenizer.TextTokenizer`.
+        label_set: maps labels to class indices; examples without a label get no ``labels`` entry.
+        max_length: the model's maximum sequence length (special tokens included).
+        truncate: truncate longest-first (default) or raise ``ValueError`` naming file and line.
+
+    Item ``i`` is ``{"input_ids": LongTensor[L_i], "labels": int}`` (``labels`` absent when unlabelled).
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[ClassificationExample],
+        tokenizer,
+        *,
+        label_set: LabelSet | None,
+        max_length: int,
+        truncate: bool = True,
+    ) -> None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        if label_set is not None and not isinstance(label_set, LabelSet):
+            raise TypeError(f"label_set must be a LabelSet, got {type(label_set).__name__}")
+        examples = list(examples)
+        if not examples:
+            raise ValueError("examples must not be empty")
+        has_pair = any(ex.text_pair is not None for ex in examples)
+        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        if has_pair and not eos:
+            raise ValueError("tokenizer has no EOS token to separate a text pair")
+        n_special = len(bos) + len(eos) * (2 if has_pair else 1)
+        budget = max_length - n_special
+        if budget < (2 if has_pair else 1):
+            raise ValueError(f"max_length={max_length} leaves no room for text after {n_special} special tokens")
+
+        first = tokenizer.encode_batch([ex.text for ex in examples])
+        second = tokenizer.encode_batch([ex.text_pair or "" for ex in examples]) if has_pair else None
+        self.input_ids: list[torch.Tensor] = []
+        self.labels: list[int | None] = []
+        self.num_truncated = 0
+        for k, ex in enumerate(examples):
+            a = first[k]
+            b = second[k] if second is not None and ex.text_pair is not None else []
+            total = len(a) + len(b) + n_special
+            if total > max_length:
+                if not truncate:
+                    raise ValueError(
+                        f"{ex.source!r}, line {ex.line}: {total} tokens exceed max_length={max_length}; "
+                        "raise max_length or pass truncate=True"
+                    )
+                la, lb = _truncate_lengths(len(a), len(b), budget)
+                a, b = a[:la], b[:lb]
+                self.num_truncated += 1
+            ids = bos + a + eos + (b + eos if ex.text_pair is not None else [])
+            self.input_ids.append(torch.tensor(ids, dtype=torch.long))
+            if ex.label is None:
+                self.labels.append(None)
+            elif label_set is None:
+                raise ValueError(f"{ex.source!r}, line {ex.line}: example has a label but no label_set was given")
+            else:
+                self.labels.append(label_set.index(ex.label, source=ex.source, line=ex.line))
+        self.label_set = label_set
+        self.max_length = max_length
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i: int) -> dict:
+        item: dict = {"input_ids": self.input_ids[i]}
+        if self.labels[i] is not None:
+            item["labels"] = self.labels[i]
+        return item
+
+
+class ClassificationCollator:
+    """Right-pad a list of dataset items.
+
+    Returns ``{"input_ids": LongTensor[B, L], "attention_mask": LongTensor[B, L], "labels": LongTensor[B]}``
+    (``labels`` only when every item has one), ``L`` the longest item (or ``pad_to``).
+    """
+
+    def __init__(self, pad_id: int | None, *, pad_to: int | None = None) -> None:
+        if pad_id is None:
+            raise ValueError("pad_id: the tokenizer has no pad token; pass an explicit pad_id")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+            raise ValueError(f"pad_id must be a non-negative int, got {pad_id!r}")
+        self.pad_id = pad_id
+        self.pad_to = pad_to
+
+    def __call__(self, items: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+        if len(items) == 0:
+            raise ValueError("items must not be empty")
+        ids, mask = pad_sequences([it["input_ids"] for it in items], self.pad_id, max_length=self.pad_to)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        has = ["labels" in it for it in items]
+        if all(has):
+            batch["labels"] = torch.tensor([int(it["labels"]) for it in items], dtype=torch.long)
+        elif any(has):
+            raise ValueError("items: some items have labels and some do not")
+        return batch
+
+
+def load_classification_splits(
+    files: Mapping[str, str | os.PathLike],
+    tokenizer,
+    *,
+    max_length: int,
+    truncate: bool = True,
+    train_split: str = "train",
+    label_set: LabelSet | None = None,
+    label_set_path: str | os.PathLike | None = None,
+    **read_kwargs,
+) -> tuple[dict[str, ClassificationDataset], LabelSet]:
+    """Read and tokenize several files (``{"train": ..., "valid": ..., "test": ...}``).
+
+    The label set is ``label_set`` if given, else built from ``files[train_split]``; it is written to
+    ``label_set_path`` when given. ``read_kwargs`` go to :func:`read_classification_file`.
+
+    Returns:
+        ``({split: dataset}, label_set)``.
+    """
+    if not isinstance(files, Mapping) or not files:
+        raise TypeError("files must be a non-empty mapping split -> path")
+    examples = {split: read_classification_file(p, **read_kwargs) for split, p in files.items()}
+    if label_set is None:
+        if train_split not in examples:
+            raise ValueError(f"train_split: {train_split!r} not in files ({sorted(files)}) and no label_set given")
+        label_set = LabelSet.from_examples(examples[train_split])
+    if label_set_path is not None:
+        label_set.save(label_set_path)
+    datasets = {
+        split: ClassificationDataset(exs, tokenizer, label_set=label_set, max_length=max_length, truncate=truncate)
+        for split, exs in examples.items()
+    }
+    return datasets, label_set

@@ -1,0 +1,532 @@
+"""Text corpora for language modelling, built from one ``--data`` spec string.
+
+A spec is one of
+
+* ``"stdlib"`` (the default): English docstrings of the running Python's standard library
+  (:mod:`transnormer.data.stdlib_docs`), cached per Python version, works offline;
+* ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a dataset loaded with the optional ``datasets`` package;
+* a path: a text file (``.txt``, ``.tokens``, ... optionally compressed ``.xz``/``.gz``/``.bz2``) or a
+  directory of them (searched recursively).
+
+Splits. Files whose name (or a parent directory name, for a directory spec) contains a split word —
+``train``/``training``, ``valid``/``validation``/``val``/``dev``, ``test``/``testing`` as a separate word,
+e.g. ``docs.train.txt.xz``, ``wiki.valid.tokens``, ``train.txt``, ``valid/part0.txt`` — form that split.
+A file spec whose name names a split is loaded together with its siblings (``docs.train.txt.xz`` also picks
+up ``docs.valid.txt.xz`` and ``docs.test.txt.xz``). A missing ``valid``/``test`` split, or all splits when
+no file names one, is carved out of the training documents by :func:`split_documents`.
+
+Documents. Text is cut into documents by :func:`split_into_documents`: at header lines ``= = = ... = = =``
+if the text has any (the format of ``/work/shared/data/lm``), else at WikiText article titles
+(`` = Title = ``), else at blank lines (paragraphs).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+import os
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._util import atomic_write_text, resolve_cache_dir, sha256_text, stable_unit_hash
+
+__all__ = [
+    "SPLITS",
+    "Corpus",
+    "load_corpus",
+    "read_text_file",
+    "split_documents",
+    "split_into_documents",
+    "split_of_name",
+]
+
+SPLITS = ("train", "valid", "test")
+
+# Words (after cutting a file name at non-alphanumerics) that name a split.
+_SPLIT_WORDS = {
+    "train": "train",
+    "training": "train",
+    "valid": "valid",
+    "validation": "valid",
+    "val": "valid",
+    "dev": "valid",
+    "test": "test",
+    "testing": "test",
+}
+_COMPRESSED = {".xz": lzma.open, ".lzma": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
+# Suffixes (before any compression suffix) that a directory scan treats as text.
+_TEXT_SUFFIXES = frozenset({".txt", ".text", ".tokens", ".raw"})
+
+_DEFAULT_FRACTIONS = {"path": 0.01, "hf": 0.01, "stdlib": 0.02}
+_STDLIB_FORMAT = 1  # bump when extraction changes so old caches are not reused
+
+_HEADER = re.compile(r"^= = = .*$", re.MULTILINE)
+_WIKITEXT_TITLE = re.compile(r"^ = [^=\n][^\n]* = $", re.MULTILINE)
+_BLANK_LINES = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")
+
+
+@dataclass
+class Corpus:
+    """Documents of each split.
+
+    Attributes:
+        name: human-readable source (``"stdlib"``, a path, ``"hf:wikitext:wikitext-2-raw-v1"``).
+        splits: ``{"train": [...], "valid": [...], "test": [...]}``; each a list of documents (str).
+        fingerprint: sha256 hex over the split names and document texts; equal fingerprints mean equal
+            content, so it keys tokenizer and token caches.
+        sources: per split, the files (or other origins) its documents came from.
+
+    Treat a corpus as immutable: the fingerprint is computed once, at construction.
+    """
+
+    name: str
+    splits: dict[str, list[str]]
+    fingerprint: str = ""
+    sources: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for split, docs in self.splits.items():
+            if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
+                raise TypeError(f"splits[{split!r}] must be a list of str")
+        if not self.fingerprint:
+            self.fingerprint = corpus_fingerprint(self.splits)
+
+    def __getitem__(self, split: str) -> list[str]:
+        if split not in self.splits:
+            raise KeyError(f"split {split!r} not in corpus {self.name!r}; have {sorted(self.splits)}")
+        return self.splits[split]
+
+    def num_chars(self, split: str) -> int:
+        return sum(len(d) for d in self[split])
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{s}={len(d)} docs/{self.num_chars(s)} chars" for s, d in self.splits.items())
+        return f"Corpus({self.name!r}, {sizes}, fingerprint={self.fingerprint[:12]})"
+
+
+def corpus_fingerprint(splits: dict[str, list[str]]) -> str:
+    """sha256 over split names and document texts (order matters)."""
+    parts: list[str] = []
+    for split in sorted(splits):
+        parts.append(f"<split {split} {len(splits[split])}>")
+        parts.extend(splits[split])
+    return sha256_text(*parts)
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def _strip_compression(name: str) -> tuple[str, str | None]:
+    lower = name.lower()
+    for suffix in _COMPRESSED:
+        if lower.endswith(suffix):
+            return name[: -len(suffix)], suffix
+    return name, None
+
+
+def read_text_file(path: str | os.PathLike) -> str:
+    """Read a UTF-8 text file, transparently decompressing ``.xz``/``.lzma``/``.gz``/``.bz2``.
+
+    Line endings are normalised to ``"\\n"`` and a leading BOM is dropped.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is empty or blank, not valid UTF-8 (message names the byte offset in the
+            decompressed data), or a corrupt compressed stream.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} is not a regular file")
+    _, compression = _strip_compression(path.name)
+    try:
+        if compression is None:
+            raw = path.read_bytes()
+        else:
+            with _COMPRESSED[compression](path, "rb") as f:
+                raw = f.read()
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        raise ValueError(f"{str(path)!r}: cannot decompress ({compression} stream): {e}") from e
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = " of the decompressed data" if compression else ""
+        raise ValueError(
+            f"{str(path)!r}: invalid UTF-8 at byte offset {e.start}{where} (byte 0x{raw[e.start]:02x}); "
+            "convert the file to UTF-8"
+        ) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if not text.strip():
+        raise ValueError(
+            f"{str(path)!r}: file is empty" if not raw else f"{str(path)!r}: file contains only whitespace"
+        )
+    return text
+
+
+# ------------------------------------------------------------------------------------------- documents
+
+
+def split_into_documents(text: str) -> list[str]:
+    """Cut ``text`` into documents.
+
+    Rule, first that applies:
+
+    1. lines starting with ``"= = = "`` are headers; each starts a document (header line included);
+    2. WikiText article titles (a line `` = Title = `` with a single ``=`` each side) start a document;
+    3. otherwise, paragraphs separated by one or more blank lines are documents.
+
+    Text before the first header is a document of its own. Documents are stripped of surrounding blank
+    lines (not of leading spaces on their first line: WikiText lines start with a space); blank ones are
+    dropped.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, got {type(text).__name__}")
+    for pattern in (_HEADER, _WIKITEXT_TITLE):
+        starts = [m.start() for m in pattern.finditer(text)]
+        if starts:
+            bounds = ([0] if starts[0] > 0 else []) + starts + [len(text)]
+            pieces = (text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+            return [d for d in (_trim(p) for p in pieces) if d]
+    return [d for d in (_trim(p) for p in _BLANK_LINES.split(text)) if d]
+
+
+def _trim(doc: str) -> str:
+    # Drop blank lines around the document and trailing spaces, but keep the first line's indentation.
+    lines = doc.rstrip().split("\n")
+    start = 0
+    while start < len(lines) and not lines[start].strip():
+        start += 1
+    return "\n".join(lines[start:])
+
+
+def split_documents(
+    docs: Sequence[str],
+    *,
+    seed: int = 0,
+    valid_fraction: float = 0.01,
+    test_fraction: float = 0.01,
+    keys: Sequence[object] | None = None,
+) -> dict[str, list[str]]:
+    """Deterministic document-level train/valid/test split.
+
+    Each document gets the score ``stable_unit_hash(seed, key)`` (sha256-based, independent of
+    ``PYTHONHASHSEED`` and of the platform), where ``key`` is its index unless ``keys`` are given. Documents
+    are ranked by score; the lowest ``max(1, round(valid_fraction * n))`` go to ``valid``, the next
+    ``max(1, round(test_fraction * n))`` to ``test`` (0 when the fraction is 0), the rest to ``train``.
+    Exact counts (rather than thresholding each score) keep small corpora from ending with an empty split.
+    Each split keeps the original document order.
+
+    Returns:
+        ``{"train": [...], "valid": [...], "test": [...]}`` (a split with fraction 0 is omitted).
+    """
+    for name, frac in (("valid_fraction", valid_fraction), ("test_fraction", test_fraction)):
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+            raise ValueError(f"{name} must be a number in [0, 1), got {frac!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    n = len(docs)
+    if keys is None:
+        keys = range(n)
+    elif len(keys) != n:
+        raise ValueError(f"keys has {len(keys)} entries but docs has {n}")
+    n_valid = max(1, round(valid_fraction * n)) if valid_fraction > 0 else 0
+    n_test = max(1, round(test_fraction * n)) if test_fraction > 0 else 0
+    if n < n_valid + n_test + 1:
+        raise ValueError(
+            f"cannot split {n} document(s) into train/valid/test: need at least {n_valid + n_test + 1}; "
+            "provide more documents (separate them by blank lines) or explicit split files"
+        )
+    order = sorted(range(n), key=lambda i: (stable_unit_hash(seed, keys[i]), i))
+    assign = {}
+    for rank, i in enumerate(order):
+        assign[i] = "valid" if rank < n_valid else "test" if rank < n_valid + n_test else "train"
+    out: dict[str, list[str]] = {"train": []}
+    if n_valid:
+        out["valid"] = []
+    if n_test:
+        out["test"] = []
+    for i, doc in enumerate(docs):
+        out[assign[i]].append(doc)
+    return out
+
+
+# --------------------------------------------------------------------------------------- path corpora
+
+
+def split_of_name(name: str) -> str | None:
+    """The split a file or directory name names (``"docs.train.txt.xz"`` → ``"train"``), else ``None``.
+
+    Raises:
+        ValueError: the name contains words of two different splits (e.g. ``train_test.txt``).
+    """
+    found = {_SPLIT_WORDS[w] for w in re.split(r"[^a-z0-9]+", name.lower()) if w in _SPLIT_WORDS}
+    if len(found) > 1:
+        raise ValueError(f"file name {name!r} names more than one split ({sorted(found)}); rename it")
+    return found.pop() if found else None
+
+
+def _is_text_file(path: Path) -> bool:
+    if path.name.startswith(".") or not path.is_file():
+        return False
+    base, _ = _strip_compression(path.name)
+    return Path(base).suffix.lower() in _TEXT_SUFFIXES
+
+
+def _split_template(name: str) -> tuple[tuple[str, ...], str] | None:
+    """``("docs", "{}", "txt", "xz"), "train"`` for ``docs.train.txt.xz``: name words with the split word
+    replaced, so that siblings of the same family compare equal."""
+    words = re.split(r"([^a-z0-9]+)", name.lower())
+    split = None
+    for i, w in enumerate(words):
+        if w in _SPLIT_WORDS:
+            split = _SPLIT_WORDS[w]
+            words[i] = "{}"
+    return (tuple(words), split) if split else None
+
+
+def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]:
+    """Files of each named split, and the unnamed files (``{}`` when no file names a split)."""
+    if spec_path.is_file():
+        template = _split_template(spec_path.name)
+        split_of_name(spec_path.name)  # raises on ambiguous names
+        if template is None:
+            return {}, [spec_path]
+        family: dict[str, list[Path]] = {}
+        for sib in sorted(spec_path.parent.iterdir()):
+            sib_template = _split_template(sib.name)
+            if sib.is_file() and sib_template is not None and sib_template[0] == template[0]:
+                family.setdefault(sib_template[1], []).append(sib)
+        return family, []
+    files = sorted(p for p in spec_path.rglob("*") if _is_text_file(p) and not _hidden(p, spec_path))
+    if not files:
+        raise ValueError(
+            f"directory {str(spec_path)!r} contains no text files "
+            f"(looked for {', '.join(sorted(_TEXT_SUFFIXES))}, optionally .xz/.gz/.bz2)"
+        )
+    by_split: dict[str, list[Path]] = {}
+    unnamed: list[Path] = []
+    for f in files:
+        # A split word may be in the file name or in a directory below the spec ("valid/part0.txt").
+        rel_parts = f.relative_to(spec_path).parts
+        splits = {s for s in (split_of_name(p) for p in rel_parts) if s}
+        if len(splits) > 1:
+            raise ValueError(f"path {str(f)!r} names more than one split ({sorted(splits)}); rename it")
+        if splits:
+            by_split.setdefault(splits.pop(), []).append(f)
+        else:
+            unnamed.append(f)
+    return by_split, unnamed
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _read_documents(files: list[Path]) -> list[str]:
+    docs: list[str] = []
+    for f in files:
+        docs.extend(split_into_documents(read_text_file(f)))
+    return docs
+
+
+def _carve_missing(
+    splits: dict[str, list[str]], seed: int, valid_fraction: float, test_fraction: float
+) -> dict[str, list[str]]:
+    """Carve the missing valid/test splits out of train."""
+    missing_valid, missing_test = "valid" not in splits, "test" not in splits
+    if not (missing_valid or missing_test):
+        return splits
+    carved = split_documents(
+        splits["train"],
+        seed=seed,
+        valid_fraction=valid_fraction if missing_valid else 0.0,
+        test_fraction=test_fraction if missing_test else 0.0,
+    )
+    # Train loses the carved documents; a split given by file name is kept as it is.
+    return {s: carved[s] if s == "train" or s not in splits else splits[s] for s in SPLITS}
+
+
+def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fraction: float) -> Corpus:
+    if not path.exists():
+        raise FileNotFoundError(f"--data path {str(path)!r} does not exist (nor is it 'stdlib' or 'hf:NAME')")
+    by_split, unnamed = _files_by_split(path)
+    if by_split:
+        if "train" not in by_split:
+            raise ValueError(
+                f"{str(path)!r}: found {sorted(by_split)} split file(s) but no training file "
+                "(a name containing 'train')"
+            )
+        if unnamed:
+            warnings.warn(
+                f"{str(path)!r}: ignoring {len(unnamed)} file(s) whose name names no split, e.g. {str(unnamed[0])!r}",
+                stacklevel=3,
+            )
+        splits = {s: _read_documents(by_split[s]) for s in SPLITS if s in by_split}
+        for s, docs in splits.items():
+            if not docs:
+                raise ValueError(f"{str(path)!r}: split {s!r} has no documents")
+        splits = _carve_missing(splits, seed, valid_fraction, test_fraction)
+        sources = {s: [str(f) for f in by_split.get(s, by_split["train"])] for s in SPLITS}
+    else:
+        docs = _read_documents(unnamed)
+        splits = split_documents(docs, seed=seed, valid_fraction=valid_fraction, test_fraction=test_fraction)
+        splits = {s: splits.get(s, []) for s in SPLITS}
+        sources = {s: [str(f) for f in unnamed] for s in SPLITS}
+    return Corpus(name=str(path), splits=splits, sources=sources)
+
+
+# ----------------------------------------------------------------------------------------- hf corpora
+
+
+def _load_hf_corpus(spec: str, seed: int, valid_fraction: float, test_fraction: float) -> Corpus:
+    rest = spec[len("hf:") :]
+    name, _, config = rest.partition(":")
+    if not name:
+        raise ValueError(f"data spec {spec!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
+    try:
+        import datasets  # optional dependency, imported only when asked for
+    except ImportError as e:
+        raise ImportError(
+            f"data spec {spec!r} needs the 'datasets' package: pip install datasets "
+            "(or pip install 'transnormer[data]')"
+        ) from e
+    ds = datasets.load_dataset(name, config or None)
+    aliases = {"train": "train", "validation": "valid", "valid": "valid", "dev": "valid", "test": "test"}
+    splits: dict[str, list[str]] = {}
+    for hf_split in ds:
+        ours = aliases.get(hf_split)
+        if ours is None or ours in splits:
+            continue
+        splits[ours] = _hf_documents(ds[hf_split], f"{spec} [{hf_split}]")
+    if "train" not in splits:
+        raise ValueError(f"data spec {spec!r}: the dataset has no 'train' split (has {list(ds)})")
+    splits = _carve_missing(splits, seed, valid_fraction, test_fraction)
+    return Corpus(name=spec, splits=splits, sources={s: [spec] for s in splits})
+
+
+def _hf_documents(split_ds, where: str) -> list[str]:
+    columns = list(split_ds.column_names)
+    if "text" in columns:
+        column = "text"
+    else:
+        features = getattr(split_ds, "features", {}) or {}
+        strings = [c for c in columns if getattr(features.get(c), "dtype", None) == "string"]
+        if not strings:
+            raise ValueError(f"{where}: no 'text' column and no string column among {columns}")
+        column = strings[0]
+    rows = [r for r in split_ds[column] if isinstance(r, str)]
+    nonblank = [r for r in rows if r.strip()]
+    # Line-based datasets (WikiText on the hub: one row per line, each ending in "\n") are joined back
+    # into the original text and cut into documents by the usual rule; otherwise a row is a document.
+    if nonblank and sum(r.endswith("\n") for r in nonblank) >= 0.5 * len(nonblank):
+        return split_into_documents("".join(rows))
+    return [r.strip() for r in nonblank]
+
+
+# -------------------------------------------------------------------------------------- stdlib corpus
+
+
+def _stdlib_cache_file(cache_dir: Path) -> Path:
+    impl = sys.implementation.name
+    version = ".".join(map(str, sys.version_info[:3]))
+    from .stdlib_docs import stdlib_root
+
+    # The stdlib path is part of the key: two installs of the same version may be patched differently.
+    root_key = sha256_text(str(stdlib_root()))[:8]
+    return cache_dir / "corpora" / f"stdlib-{impl}{version}-{root_key}-v{_STDLIB_FORMAT}.json"
+
+
+def _stdlib_documents(cache_dir: Path) -> list[tuple[str, str]]:
+    from .stdlib_docs import extract_stdlib_documents
+
+    cache_file = _stdlib_cache_file(cache_dir)
+    if cache_file.is_file():
+        try:
+            payload = json.loads(cache_file.read_text(encoding="utf-8"))
+            if payload.get("format") == _STDLIB_FORMAT:
+                docs = [(str(k), str(t)) for k, t in payload["documents"]]
+                if docs and sha256_text(*(k + "\0" + t for k, t in docs)) == payload.get("sha256"):
+                    return docs
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or corrupt cache: rebuild it below
+    docs = extract_stdlib_documents()
+    if not docs:
+        raise RuntimeError("found no usable docstrings in the standard library; pass a --data path instead")
+    payload = {
+        "format": _STDLIB_FORMAT,
+        "python": sys.version,
+        "documents": [[k, t] for k, t in docs],
+        "sha256": sha256_text(*(k + "\0" + t for k, t in docs)),
+    }
+    atomic_write_text(cache_file, json.dumps(payload, ensure_ascii=False))
+    return docs
+
+
+def _load_stdlib_corpus(cache_dir, seed: int, valid_fraction: float, test_fraction: float) -> Corpus:
+    docs = _stdlib_documents(resolve_cache_dir(cache_dir))
+    # Keyed by module name, not index, so that a module keeps its split when another module is added.
+    splits = split_documents(
+        [t for _, t in docs],
+        keys=[k for k, _ in docs],
+        seed=seed,
+        valid_fraction=valid_fraction,
+        test_fraction=test_fraction,
+    )
+    splits = {s: splits.get(s, []) for s in SPLITS}
+    return Corpus(name="stdlib", splits=splits, sources={s: ["stdlib"] for s in SPLITS})
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+
+def load_corpus(
+    spec: str | os.PathLike = "stdlib",
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    valid_fraction: float | None = None,
+    test_fraction: float | None = None,
+) -> Corpus:
+    """Load the corpus named by a ``--data`` spec (see the module docstring).
+
+    Args:
+        spec: ``"stdlib"``, ``"hf:NAME[:CONFIG]"`` or a file/directory path.
+        cache_dir: where the stdlib corpus is cached; default ``$TRANSNORMER_CACHE`` or
+            ``~/.cache/transnormer``.
+        seed: seed of the document-level split (only used for splits that are carved out).
+        valid_fraction, test_fraction: share of documents carved out for valid/test when a split is not
+            given by file name; default 0.01 (0.02 for ``stdlib``, whose documents are whole modules).
+
+    Returns:
+        A :class:`Corpus` with splits ``train``, ``valid`` and ``test``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str or path, got {type(spec).__name__}")
+    if not spec.strip():
+        raise ValueError("spec must not be empty (use 'stdlib', 'hf:NAME[:CONFIG]' or a path)")
+    kind = "stdlib" if spec == "stdlib" else "hf" if spec.startswith("hf:") else "path"
+    vf = _DEFAULT_FRACTIONS[kind] if valid_fraction is None else valid_fraction
+    tf = _DEFAULT_FRACTIONS[kind] if test_fraction is None else test_fraction
+    for name, frac in (("valid_fraction", vf), ("test_fraction", tf)):
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac < 0.5:
+            raise ValueError(f"{name} must be a number in (0, 0.5), got {frac!r}")
+    if kind == "stdlib":
+        return _load_stdlib_corpus(cache_dir, seed, vf, tf)
+    if kind == "hf":
+        return _load_hf_corpus(spec, seed, vf, tf)
+    return _load_path_corpus(Path(spec).expanduser(), seed, vf, tf)

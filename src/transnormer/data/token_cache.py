@@ -1,0 +1,177 @@
+"""Token ids of each corpus split, cached on disk as memory-mapped numpy arrays.
+
+Layout (one directory per corpus x tokenizer)::
+
+    <cache_dir>/tokens/<corpus fp[:16]>-<tokenizer fp[:16]>/
+        train.bin   train.json   valid.bin   valid.json   test.bin   test.json
+
+``<split>.bin`` is the raw little-endian id stream (``uint16`` when ``vocab_size <= 65536``, else
+``uint32``): every document's ids followed by the EOS id, so documents are separated by EOS. The JSON
+sidecar records dtype, length, number of documents and both full fingerprints.
+
+A cached split is used only when its sidecar matches the corpus and tokenizer fingerprints and the
+``.bin`` has the recorded size; anything else is rebuilt. Both files are written to temporary files and
+moved in place with ``os.replace``, the ``.bin`` first and the sidecar last: the sidecar is the commit
+mark, so a build that fails or is interrupted leaves no file that could be mistaken for a cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ._util import atomic_path, atomic_write_text, resolve_cache_dir
+
+__all__ = ["build_token_cache", "token_cache_dir", "token_dtype", "open_token_split"]
+
+_FORMAT = 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id (``< vocab_size``) fits in 16 bits, else ``uint32``."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if vocab_size > 2**32:
+        raise ValueError(f"vocab_size {vocab_size} does not fit uint32 ids")
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def token_cache_dir(corpus, tokenizer, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory holding the token cache of ``corpus`` under ``tokenizer`` (not created)."""
+    root = resolve_cache_dir(cache_dir)
+    return root / "tokens" / f"{corpus.fingerprint[:16]}-{tokenizer.fingerprint[:16]}"
+
+
+def open_token_split(directory: str | os.PathLike, split: str, *, expect: dict | None = None) -> np.ndarray | None:
+    """Memory-map ``<directory>/<split>.bin`` if its sidecar is valid, else return ``None``.
+
+    Args:
+        expect: sidecar entries that must match (e.g. the fingerprints).
+
+    Returns:
+        1-D read-only array of ids, shape ``[num_tokens]``.
+    """
+    directory = Path(directory)
+    meta_path, bin_path = directory / f"{split}.json", directory / f"{split}.bin"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        dtype = np.dtype(meta["dtype"])
+        n = int(meta["num_tokens"])
+        if meta.get("format") != _FORMAT or any(meta.get(k) != v for k, v in (expect or {}).items()):
+            return None
+        if bin_path.stat().st_size != n * dtype.itemsize:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if n == 0:  # mmap cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
+
+
+def _write_split(
+    docs: list[str], tokenizer, bin_path: Path, dtype: np.dtype, batch_docs: int, progress
+) -> tuple[int, int]:
+    eos = tokenizer.eos_id
+    n_tokens = 0
+    with atomic_path(bin_path) as tmp, open(tmp, "wb") as f:
+        for start in range(0, len(docs), batch_docs):
+            batch = docs[start : start + batch_docs]
+            pieces = []
+            for ids in tokenizer.encode_batch(batch):
+                pieces.append(np.asarray(ids, dtype=np.int64))
+                pieces.append(np.asarray([eos], dtype=np.int64))
+            chunk = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+            if chunk.size and (chunk.min() < 0 or chunk.max() >= np.iinfo(dtype).max + 1):
+                raise ValueError(f"tokenizer produced id {int(chunk.max())} that does not fit {dtype}")
+            f.write(chunk.astype(dtype).tobytes())
+            n_tokens += int(chunk.size)
+            if progress is not None:
+                progress.update(len(batch))
+    return n_tokens, len(docs)
+
+
+def build_token_cache(
+    corpus,
+    tokenizer,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    splits: tuple[str, ...] | list[str] | None = None,
+    rebuild: bool = False,
+    batch_docs: int = 64,
+    show_progress: bool = False,
+) -> dict[str, np.ndarray]:
+    """Tokenize ``corpus`` with ``tokenizer`` into the cache (if needed) and memory-map the result.
+
+    Args:
+        corpus: a :class:`~transnormer.data.corpus.Corpus`.
+        tokenizer: a :class:`~transnormer.data.tokenizer.TextTokenizer` (needs ``eos_id``).
+        cache_dir: cache root (default ``$TRANSNORMER_CACHE`` or ``~/.cache/transnormer``).
+        splits: which splits (default: all of the corpus).
+        rebuild: ignore an existing valid cache and tokenize again.
+        batch_docs: documents per ``encode_batch`` call (memory vs. parallelism).
+
+    Returns:
+        ``{split: ids}`` with ``ids`` a read-only 1-D ``np.memmap`` of shape ``[num_tokens]``.
+    """
+    if not hasattr(corpus, "fingerprint") or not isinstance(getattr(corpus, "splits", None), dict):
+        raise TypeError(f"corpus must be a Corpus, got {type(corpus).__name__}")
+    if not hasattr(tokenizer, "encode_batch") or not hasattr(tokenizer, "fingerprint"):
+        raise TypeError(f"tokenizer must be a TextTokenizer, got {type(tokenizer).__name__}")
+    if tokenizer.eos_id is None:
+        raise ValueError("tokenizer has no EOS token; the token cache separates documents with EOS")
+    if isinstance(batch_docs, bool) or not isinstance(batch_docs, int) or batch_docs < 1:
+        raise ValueError(f"batch_docs must be a positive int, got {batch_docs!r}")
+    wanted = list(corpus.splits) if splits is None else list(splits)
+    for s in wanted:
+        if s not in corpus.splits:
+            raise ValueError(f"splits: {s!r} is not a split of the corpus (has {sorted(corpus.splits)})")
+    directory = token_cache_dir(corpus, tokenizer, cache_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    expect = {
+        "corpus_fingerprint": corpus.fingerprint,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "dtype": dtype.str,
+    }
+    out: dict[str, np.ndarray] = {}
+    for split in wanted:
+        arr = None if rebuild else open_token_split(directory, split, expect=expect)
+        if arr is None:
+            docs = corpus.splits[split]
+            # Remove the commit mark first: if we die mid-build, an older sidecar must not vouch for a
+            # .bin that is about to be replaced.
+            with contextlib.suppress(FileNotFoundError):
+                (directory / f"{split}.json").unlink()
+            progress = None
+            if show_progress:
+                from tqdm.auto import tqdm
+
+                progress = tqdm(total=len(docs), desc=f"tokenizing {split}", unit="doc")
+            try:
+                n_tokens, n_docs = _write_split(
+                    docs, tokenizer, directory / f"{split}.bin", dtype, batch_docs, progress
+                )
+            finally:
+                if progress is not None:
+                    progress.close()
+            meta = dict(
+                expect,
+                format=_FORMAT,
+                split=split,
+                num_tokens=n_tokens,
+                num_docs=n_docs,
+                eos_id=tokenizer.eos_id,
+                vocab_size=tokenizer.vocab_size,
+                corpus=corpus.name,
+                tokenizer=tokenizer.name,
+            )
+            atomic_write_text(directory / f"{split}.json", json.dumps(meta, indent=1))
+            arr = open_token_split(directory, split, expect=expect)
+            if arr is None:  # pragma: no cover - would mean the filesystem lost our write
+                raise RuntimeError(f"token cache {str(directory)!r}: {split} unreadable right after writing it")
+        out[split] = arr
+    return out

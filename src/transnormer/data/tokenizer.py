@@ -1,0 +1,390 @@
+"""Tokenizers: a byte-level BPE trained on a corpus (cached), or any saved / Hugging Face tokenizer.
+
+:class:`TextTokenizer` is the one small interface the rest of the data code uses::
+
+    tok = build_tokenizer(corpus, vocab_size=8192)      # trained once, then read from the cache
+    ids = tok.encode("Return the sum.")                  # no special tokens added
+    tok.decode(ids) == "Return the sum."                 # byte-level BPE round-trips exactly
+    tok.pad_id, tok.bos_id, tok.eos_id, tok.mask_id
+    tok.save("out/tokenizer")                            # loadable by load_tokenizer and AutoTokenizer
+    hf = tok.to_hf()                                     # transformers.PreTrainedTokenizerFast
+
+The trained BPE has special tokens ``<pad>=0, <s>=1, </s>=2, <unk>=3, <mask>=4``. ``encode`` treats text
+that happens to spell a special token (``"<s>"`` inside a docstring) as ordinary text, so raw data can
+never inject control tokens; only the code that builds sequences inserts specials, by id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from ._util import atomic_write_text, resolve_cache_dir, sha256_text
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "TextTokenizer",
+    "build_tokenizer",
+    "load_tokenizer",
+    "train_bpe",
+]
+
+SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
+_BPE_FORMAT = 1  # bump when the trained pipeline changes so that cached tokenizers are not reused
+_MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the 256 byte symbols
+
+# Names that common tokenizer files use for each role, tried in order when the file says nothing.
+_ROLE_CANDIDATES = {
+    "pad": ("<pad>", "[PAD]", "<|pad|>", "<|padding|>"),
+    "bos": ("<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]", "<|endoftext|>"),
+    "eos": ("</s>", "<|end_of_text|>", "<|endoftext|>", "[SEP]"),
+    "unk": ("<unk>", "[UNK]", "<|unk|>"),
+    "mask": ("<mask>", "[MASK]", "<|mask|>"),
+}
+
+
+class TextTokenizer:
+    """Thin wrapper over a ``tokenizers.Tokenizer`` (or, for exotic HF tokenizers, a transformers one).
+
+    Args:
+        backend: the Rust tokenizer; ``None`` only together with ``hf``.
+        special_tokens: role (``pad``/``bos``/``eos``/``unk``/``mask``) → token string; roles not given are
+            looked up among common names (``<pad>``, ``[PAD]``, ``<|endoftext|>``, ...).
+        hf: a ``transformers`` tokenizer to use when there is no Rust backend.
+        name: where it came from (for messages).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer | None = None,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        hf=None,
+        name: str = "",
+    ) -> None:
+        if backend is None and hf is None:
+            raise ValueError("backend: give a tokenizers.Tokenizer (or hf, a transformers tokenizer)")
+        if backend is not None and not isinstance(backend, tokenizers.Tokenizer):
+            raise TypeError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
+        self.name = name
+        self._hf = hf
+        self._hf_vocab: dict[str, int] | None = None
+        if backend is not None:
+            # Private copy with encode_special_tokens=True: literal "<s>" in data text stays text. The flag is
+            # not serialised, so saved files and to_hf() behave like any normal tokenizer.
+            self._json = backend.to_str()
+            self._backend = tokenizers.Tokenizer.from_str(self._json)
+            self._backend.encode_special_tokens = True
+        else:
+            self._json = None
+            self._backend = None
+        self._special: dict[str, str | None] = {}
+        given = special_tokens or {}
+        unknown = set(given) - set(_ROLE_CANDIDATES)
+        if unknown:
+            raise ValueError(f"special_tokens: unknown role(s) {sorted(unknown)}; use {sorted(_ROLE_CANDIDATES)}")
+        for role, candidates in _ROLE_CANDIDATES.items():
+            token = given.get(role)
+            if token is not None and self._token_to_id(token) is None:
+                raise ValueError(
+                    f"special_tokens[{role!r}]={token!r} is not in the vocabulary of {name or 'tokenizer'}"
+                )
+            if token is None and role not in given:
+                token = next((c for c in candidates if self._token_to_id(c) is not None), None)
+            self._special[role] = token
+
+    # ------------------------------------------------------------------------------------------ lookup
+    def _token_to_id(self, token: str) -> int | None:
+        if self._backend is not None:
+            return self._backend.token_to_id(token)
+        if self._hf_vocab is None:
+            self._hf_vocab = dict(self._hf.get_vocab())
+        return self._hf_vocab.get(token)
+
+    def _role_id(self, role: str) -> int | None:
+        token = self._special.get(role)
+        return None if token is None else self._token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (including added/special tokens): ids are in ``[0, vocab_size)``."""
+        if self._backend is not None:
+            return self._backend.get_vocab_size(with_added_tokens=True)
+        return len(self._hf)
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._role_id("pad")
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._role_id("bos")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._role_id("eos")
+
+    @property
+    def unk_id(self) -> int | None:
+        return self._role_id("unk")
+
+    @property
+    def mask_id(self) -> int | None:
+        return self._role_id("mask")
+
+    @property
+    def special_tokens(self) -> dict[str, str | None]:
+        """Role → token string (``None`` when the tokenizer has no such token)."""
+        return dict(self._special)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of all special tokens: the pad/bos/eos/unk/mask roles plus any other special added token."""
+        ids = {self._role_id(r) for r in self._special}
+        if self._backend is not None:
+            ids |= {int(i) for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
+        else:
+            ids |= set(getattr(self._hf, "all_special_ids", ()))
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer's JSON (vocabulary, merges, pipeline) and its special-token roles."""
+        roles = json.dumps(self._special, sort_keys=True)
+        if self._json is not None:
+            return sha256_text(self._json, roles)
+        vocab = json.dumps(sorted(self._hf.get_vocab().items()))
+        return sha256_text(type(self._hf).__name__, vocab, roles)
+
+    # ---------------------------------------------------------------------------------------- encoding
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without any special token added."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, in parallel in the Rust backend."""
+        texts = list(texts)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{i}] must be str, got {type(t).__name__}")
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (a list, array or tensor of ints)."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids: {bad[0]} is outside [0, vocab_size={self.vocab_size})")
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({self.name!r}, vocab_size={self.vocab_size}, specials={self._special})"
+
+    # ----------------------------------------------------------------------------------------- export
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` content (Rust-backed tokenizers only)."""
+        if self._json is None:
+            raise TypeError(f"{self.name!r} has no tokenizers backend; it cannot be exported as tokenizer.json")
+        return self._json
+
+    def to_hf(self):
+        """A ``transformers.PreTrainedTokenizerFast`` with the same vocabulary and special tokens.
+
+        Note: HF's ``tokenizer(text)`` applies the saved post-processor (for trained BPEs:
+        ``<s> A </s>`` / ``<s> A </s> B </s>``), unlike :meth:`encode`.
+        """
+        if self._hf is not None:
+            return self._hf
+        from transformers import PreTrainedTokenizerFast  # heavy import, only when asked for
+
+        kwargs = {f"{role}_token": tok for role, tok in self._special.items() if tok is not None}
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(self._json), **kwargs)
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (created).
+
+        The directory loads with :func:`load_tokenizer` and with ``transformers.AutoTokenizer``.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.to_hf().save_pretrained(str(directory))
+        if self._json is not None:
+            # save_pretrained re-serialises the tokenizer; write our exact JSON so fingerprints survive.
+            atomic_write_text(directory / "tokenizer.json", self._json)
+        return directory
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int = 8192,
+    *,
+    min_frequency: int = 2,
+    show_progress: bool = False,
+    length: int | None = None,
+) -> TextTokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenisation, no prefix space) on ``texts``.
+
+    Args:
+        texts: training documents.
+        vocab_size: target size including the 5 special tokens and 256 byte symbols (>= 261). The result
+            can be smaller when the text has too few distinct pairs.
+        min_frequency: pairs seen fewer times are not merged.
+        length: number of texts, only for the progress bar.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if vocab_size < _MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {_MIN_VOCAB} (5 special tokens + 256 bytes), got {vocab_size}")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
+        raise ValueError(f"min_frequency must be an int >= 1, got {min_frequency!r}")
+    if isinstance(texts, str):
+        raise TypeError("texts must be an iterable of str, not a single str")
+    tok = tokenizers.Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = list(SPECIAL_TOKENS.values())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,  # first, so they get ids 0..4 in SPECIAL_TOKENS order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    bos, eos = SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"]
+    # Only used by HF-side tokenizer(text) calls (RoBERTa-like framing); our encode() adds nothing.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}",
+        pair=f"{bos} $A {eos} $B:1 {eos}:1",
+        special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))],
+    )
+    return TextTokenizer(tok, special_tokens=dict(SPECIAL_TOKENS), name="bpe")
+
+
+def build_tokenizer(
+    corpus,
+    vocab_size: int = 8192,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    min_frequency: int = 2,
+    show_progress: bool = False,
+) -> TextTokenizer:
+    """Byte-level BPE trained on ``corpus.splits["train"]``, cached by corpus fingerprint and settings.
+
+    The cache file is ``<cache_dir>/tokenizers/bpe-<corpus fp>-v<vocab>-m<min_freq>-f<format>.json``,
+    written atomically, so a second call with the same corpus and options does not train again.
+    """
+    fingerprint = getattr(corpus, "fingerprint", None)
+    splits = getattr(corpus, "splits", None)
+    if not fingerprint or not isinstance(splits, dict) or "train" not in splits:
+        raise TypeError("corpus must be a Corpus (with .fingerprint and a 'train' split); see load_corpus")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {_MIN_VOCAB}, got {vocab_size!r}")
+    path = (
+        resolve_cache_dir(cache_dir)
+        / "tokenizers"
+        / f"bpe-{fingerprint[:20]}-v{vocab_size}-m{min_frequency}-f{_BPE_FORMAT}.json"
+    )
+    if path.is_file():
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+            return TextTokenizer(backend, special_tokens=dict(SPECIAL_TOKENS), name=str(path))
+        except Exception:  # noqa: BLE001 - a corrupt cache file is rebuilt, never fatal
+            pass
+    train = splits["train"]
+    tok = train_bpe(train, vocab_size, min_frequency=min_frequency, show_progress=show_progress, length=len(train))
+    atomic_write_text(path, tok.to_json())
+    tok.name = str(path)
+    return tok
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _config_specials(directory: Path) -> dict[str, str | None]:
+    """Special tokens named in tokenizer_config.json / special_tokens_map.json, if any."""
+    found: dict[str, str | None] = {}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        f = directory / fname
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"{str(f)!r} is not valid JSON: {e}") from e
+        for role in _ROLE_CANDIDATES:
+            value = cfg.get(f"{role}_token")
+            if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+                value = value.get("content")
+            if isinstance(value, str) and role not in found:
+                found[role] = value
+    return found
+
+
+def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
+    """Load a tokenizer from a ``tokenizer.json`` file, a directory, or a Hugging Face name.
+
+    * a file: read with ``tokenizers.Tokenizer.from_file``; special tokens found by common names;
+    * a directory with ``tokenizer.json`` (e.g. from :meth:`TextTokenizer.save` or ``save_pretrained``):
+      that file, with special tokens from ``tokenizer_config.json`` when present;
+    * anything else (a directory without ``tokenizer.json``, a hub name like ``"gpt2"``):
+      ``transformers.AutoTokenizer.from_pretrained`` (needs the files locally or network access).
+    """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str or path, got {type(spec).__name__}")
+    if not spec:
+        raise ValueError("spec must not be empty")
+    path = Path(spec).expanduser()
+    json_file = path / "tokenizer.json" if path.is_dir() else path
+    if json_file.is_file():
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(json_file))
+        except Exception as e:  # the Rust error type is not importable; report the file
+            raise ValueError(f"{str(json_file)!r} is not a valid tokenizer.json: {e}") from e
+        specials = _config_specials(path) if path.is_dir() else {}
+        return TextTokenizer(backend, special_tokens=specials, name=str(path))
+    if path.is_dir():
+        pass  # e.g. a sentencepiece-only directory: AutoTokenizer below knows how to read it
+    elif spec.startswith((".", "/", "~")) or path.suffix == ".json":
+        raise FileNotFoundError(f"tokenizer {spec!r}: no such file or directory")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is a hard dependency
+        raise ImportError(f"loading tokenizer {spec!r} needs the transformers package") from e
+    try:
+        hf = AutoTokenizer.from_pretrained(spec)
+    except Exception as e:
+        raise ValueError(
+            f"could not load tokenizer {spec!r}: not a tokenizer.json file or directory, and "
+            f"AutoTokenizer.from_pretrained failed ({type(e).__name__}: {e})"
+        ) from e
+    backend = getattr(hf, "backend_tokenizer", None)
+    specials = {
+        role: getattr(hf, f"{role}_token", None) for role in _ROLE_CANDIDATES if getattr(hf, f"{role}_token", None)
+    }
+    if not isinstance(backend, tokenizers.Tokenizer):
+        backend = None
+    return TextTokenizer(backend, hf=hf, special_tokens=specials, name=spec)

@@ -1,0 +1,241 @@
+"""Sequence classification files: TSV/CSV/JSONL, pairs, GLUE layouts, label sets, truncation, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transnormer.data import (
+    ClassificationCollator,
+    ClassificationDataset,
+    LabelSet,
+    load_classification_splits,
+    read_classification_file,
+    train_bpe,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    text = "the movie was great and the plot was not bad but the acting is terrible what a film " * 30
+    return train_bpe([text, "Amrozi accused his brother of deliberately distorting evidence ."], vocab_size=320)
+
+
+def _write(path, text: str, encoding="utf-8"):
+    path.write_text(text, encoding=encoding)
+    return path
+
+
+# -------------------------------------------------------------------------------------------------- GLUE
+
+
+def test_sst2_tsv_with_quotes_and_unlabelled_test(tmp_path):
+    train = _write(tmp_path / "train.tsv", 'sentence\tlabel\nhe said "great movie\t1\nterrible acting \t0\n\n')
+    exs = read_classification_file(train)
+    assert [(e.text, e.text_pair, e.label, e.line) for e in exs] == [
+        ('he said "great movie', None, "1", 2),
+        ("terrible acting ", None, "0", 3),
+    ]
+    test = _write(tmp_path / "test.tsv", "index\tsentence\n0\ta film\n1\tthe plot\n")
+    unlabelled = read_classification_file(test)
+    assert [e.label for e in unlabelled] == [None, None] and unlabelled[1].text == "the plot"
+
+
+def test_cola_headerless(tmp_path):
+    path = _write(
+        tmp_path / "in_domain_train.tsv",
+        "gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThe more we study verbs, the crazier.\n",
+    )
+    exs = read_classification_file(path)
+    assert [(e.text, e.label) for e in exs] == [
+        ("Our friends won't buy this analysis.", "1"),
+        ("The more we study verbs, the crazier.", "0"),
+    ]
+
+
+def test_mrpc_with_bom_pairs(tmp_path):
+    path = _write(
+        tmp_path / "msr_paraphrase_train.txt",
+        "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+        "1\t702876\t702977\tAmrozi accused his brother .\tReferring to him as the witness .\n",
+    )
+    (ex,) = read_classification_file(path)
+    assert (ex.text, ex.text_pair, ex.label) == (
+        "Amrozi accused his brother .",
+        "Referring to him as the witness .",
+        "1",
+    )
+
+
+def test_qnli_rte_mnli_columns(tmp_path):
+    qnli = _write(tmp_path / "qnli.tsv", "index\tquestion\tsentence\tlabel\n0\tWhat came?\tThe treaty.\tentailment\n")
+    (q,) = read_classification_file(qnli)
+    assert (q.text, q.text_pair, q.label) == ("What came?", "The treaty.", "entailment")
+    rte = _write(tmp_path / "rte.tsv", "index\tsentence1\tsentence2\tlabel\n0\tA dog.\tAn animal.\tnot_entailment\n")
+    (r,) = read_classification_file(rte)
+    assert (r.text, r.text_pair, r.label) == ("A dog.", "An animal.", "not_entailment")
+    header = "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1\tsentence2\tlabel1\tgold_label\n"
+    mnli = _write(
+        tmp_path / "dev_matched.tsv",
+        header + "0\t1\t1e\tgov\t( x )\t( y )\tPremise here.\tHypothesis.\tneutral\tentailment\n",
+    )
+    (m,) = read_classification_file(mnli)
+    assert (m.text, m.text_pair, m.label) == ("Premise here.", "Hypothesis.", "entailment")
+    mnli_test = _write(tmp_path / "test_matched.tsv", "index\tsentence1\tsentence2\n0\tP.\tH.\n")
+    assert read_classification_file(mnli_test)[0].label is None
+
+
+# ---------------------------------------------------------------------------------------- CSV and JSONL
+
+
+def test_csv_quoting_multiline_and_explicit_columns(tmp_path):
+    path = _write(
+        tmp_path / "reviews.csv",
+        'id,review,stars\n1,"good, really good",pos\n2,"line one\nline two",neg\n3,plain,pos\n',
+    )
+    exs = read_classification_file(path, label_column="stars")
+    assert [(e.text, e.label, e.line) for e in exs] == [
+        ("good, really good", "pos", 2),
+        ("line one\nline two", "neg", 3),
+        ("plain", "pos", 5),
+    ]
+    headerless = _write(tmp_path / "h.csv", "pos,nice film\nneg,bad film\n")
+    exs = read_classification_file(headerless, text_column=1, label_column=0)
+    assert [(e.text, e.label) for e in exs] == [("nice film", "pos"), ("bad film", "neg")]
+
+
+def test_jsonl_pairs_int_labels_and_drop(tmp_path):
+    rows = [
+        {"premise": "A man.", "hypothesis": "A person.", "label": 0},
+        {"premise": "A cat.", "hypothesis": "A dog.", "label": 2},
+        {"premise": "?", "hypothesis": "?", "label": "-"},
+        {"premise": "Two.", "hypothesis": "Some.", "label": 1.0},
+    ]
+    path = _write(tmp_path / "snli.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n")
+    exs = read_classification_file(path, drop_labels=["-"])
+    assert [(e.text, e.text_pair, e.label, e.line) for e in exs] == [
+        ("A man.", "A person.", "0", 1),
+        ("A cat.", "A dog.", "2", 2),
+        ("Two.", "Some.", "1", 4),
+    ]
+    array = _write(tmp_path / "arr.json", json.dumps([{"text": "x y", "label": "a"}]))
+    assert read_classification_file(array)[0].text == "x y"
+
+
+# ----------------------------------------------------------------------------------- label sets, datasets
+
+
+def test_label_set_order_save_load(tmp_path):
+    ints = LabelSet.from_examples(
+        read_classification_file(_write(tmp_path / "a.tsv", "sentence\tlabel\na\t10\nb\t2\nc\t-1\n"))
+    )
+    assert ints.names == ["-1", "2", "10"] and ints.index("10") == 2
+    strs = LabelSet(["neutral", "entailment"])
+    strs.save(tmp_path / "labels.json")
+    assert LabelSet.load(tmp_path / "labels.json") == strs
+    assert strs.id2label == {0: "neutral", 1: "entailment"} and strs.label2id["entailment"] == 1
+    with pytest.raises(ValueError, match="duplicates"):
+        LabelSet(["a", "a"])
+    with pytest.raises(ValueError, match="not a label-set file"):
+        LabelSet.load(_write(tmp_path / "bad.json", "[1, 2]"))
+
+
+def test_dataset_collate_and_splits(tmp_path, tok):
+    train = _write(
+        tmp_path / "train.tsv",
+        "sentence1\tsentence2\tlabel\nthe movie\twas great\tyes\nthe plot\tbad\tno\nfilm\tacting\tyes\n",
+    )
+    dev = _write(tmp_path / "dev.tsv", "sentence1\tsentence2\tlabel\nthe film\tterrible\tno\n")
+    test = _write(tmp_path / "test.tsv", "sentence1\tsentence2\nwhat a\tfilm\n")
+    data, labels = load_classification_splits(
+        {"train": train, "valid": dev, "test": test}, tok, max_length=64, label_set_path=tmp_path / "labels.json"
+    )
+    assert labels.names == ["no", "yes"] and LabelSet.load(tmp_path / "labels.json") == labels
+    item = data["train"][0]
+    a, b = tok.encode("the movie"), tok.encode("was great")
+    assert item["input_ids"].tolist() == [tok.bos_id, *a, tok.eos_id, *b, tok.eos_id] and item["labels"] == 1
+    assert "labels" not in data["test"][0]
+
+    collate = ClassificationCollator(tok.pad_id)
+    batch = collate([data["train"][i] for i in range(3)])
+    lengths = [len(data["train"][i]["input_ids"]) for i in range(3)]
+    assert batch["input_ids"].shape == (3, max(lengths))
+    assert batch["attention_mask"].sum(1).tolist() == lengths
+    assert batch["labels"].tolist() == [1, 0, 1] and batch["labels"].dtype == torch.long
+    for row, n in enumerate(lengths):
+        assert (batch["input_ids"][row, n:] == tok.pad_id).all()  # right padding
+    assert set(collate([data["test"][0]])) == {"input_ids", "attention_mask"}
+    with pytest.raises(ValueError, match="some items have labels"):
+        collate([data["train"][0], data["test"][0]])
+    with pytest.raises(ValueError, match="pad_id"):
+        ClassificationCollator(None)
+
+
+def test_truncation_and_too_long_error(tmp_path, tok):
+    long_text = "the movie was great " * 40
+    path = _write(tmp_path / "train.tsv", f"sentence1\tsentence2\tlabel\n{long_text}\tshort one\t1\nok\tfine\t0\n")
+    exs = read_classification_file(path)
+    labels = LabelSet.from_examples(exs)
+    ds = ClassificationDataset(exs, tok, label_set=labels, max_length=32)
+    ids = ds[0]["input_ids"].tolist()
+    assert len(ids) == 32 and ds.num_truncated == 1
+    short = tok.encode("short one")
+    assert ids[-len(short) - 1 : -1] == short  # longest-first: the short second text survives intact
+    assert ids[0] == tok.bos_id and ids.count(tok.eos_id) == 2
+    with pytest.raises(ValueError, match=r"train\.tsv', line 2: \d+ tokens exceed max_length=32"):
+        ClassificationDataset(exs, tok, label_set=labels, max_length=32, truncate=False)
+    with pytest.raises(ValueError, match="max_length=3 leaves no room"):
+        ClassificationDataset(exs, tok, label_set=labels, max_length=3)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_errors(tmp_path, tok):
+    train = _write(tmp_path / "train.tsv", "sentence\tlabel\ngood\tpos\nbad\tneg\n")
+    dev = _write(tmp_path / "dev.tsv", "sentence\tlabel\nfine\tpos\nmeh\tneutral\n")
+    labels = LabelSet.from_examples(read_classification_file(train))
+    with pytest.raises(ValueError, match=r"dev\.tsv', line 3: label 'neutral' is not in the label set"):
+        ClassificationDataset(read_classification_file(dev), tok, label_set=labels, max_length=16)
+
+    no_label = _write(tmp_path / "train2.tsv", "sentence\tscore\ngood\t0.5\n")
+    with pytest.raises(ValueError, match=r"train2\.tsv.*no label column"):
+        read_classification_file(no_label)
+    with pytest.raises(ValueError, match="label_column='stars' is not a column"):
+        read_classification_file(train, label_column="stars")
+    assert read_classification_file(no_label, require_labels=False)[0].label is None
+
+    empty_label = _write(tmp_path / "e.tsv", "sentence\tlabel\ngood\t\n")
+    with pytest.raises(ValueError, match="line 2: empty label"):
+        read_classification_file(empty_label)
+    short_row = _write(tmp_path / "s.tsv", "sentence\tlabel\ngood\n")
+    with pytest.raises(ValueError, match=r"line 2: missing column\(s\) \['label'\]"):
+        read_classification_file(short_row)
+    assert (
+        read_classification_file(_write(tmp_path / "s2.tsv", "sentence\tlabel\ngood\nok\t1\n"), skip_bad_rows=True)[
+            0
+        ].text
+        == "ok"
+    )
+    no_text = _write(tmp_path / "n.tsv", "foo\tlabel\nx\t1\n")
+    with pytest.raises(ValueError, match="which column holds the text"):
+        read_classification_file(no_text)
+    with pytest.raises(ValueError, match="file is empty"):
+        read_classification_file(_write(tmp_path / "empty.tsv", ""))
+    bad_utf8 = tmp_path / "bad.tsv"
+    bad_utf8.write_bytes(b"sentence\tlabel\ncaf\xe9\t1\n")
+    with pytest.raises(ValueError, match=r"bad\.tsv.*invalid UTF-8 at byte offset 18"):
+        read_classification_file(bad_utf8)
+    bad_json = _write(tmp_path / "b.jsonl", '{"text": "a", "label": 1}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"b\.jsonl', line 2: invalid JSON"):
+        read_classification_file(bad_json)
+    with pytest.raises(FileNotFoundError, match="missing.tsv"):
+        read_classification_file(tmp_path / "missing.tsv")
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        read_classification_file(_write(tmp_path / "x.parquet", "a"))
+    with pytest.raises(ValueError, match="max_length"):
+        ClassificationDataset(read_classification_file(train), tok, label_set=labels, max_length=0)
+    with pytest.raises(ValueError, match="label_set"):
+        ClassificationDataset(read_classification_file(train), tok, label_set=None, max_length=16)

@@ -1,0 +1,293 @@
+"""Corpus loading: the embedded stdlib corpus, path corpora (files, directories, compression), errors."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import lzma
+import sys
+import types
+
+import pytest
+
+from transnormer.data import corpus as corpus_mod
+from transnormer.data import default_cache_dir, load_corpus, split_documents, split_into_documents
+
+
+def _sha(docs: list[str]) -> str:
+    return hashlib.sha256("\x00".join(docs).encode()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def stdlib_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("stdlib_cache_a")
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus(stdlib_cache):
+    return load_corpus("stdlib", cache_dir=stdlib_cache)
+
+
+# ------------------------------------------------------------------------------------------------- stdlib
+
+
+def test_stdlib_corpus_is_large_english_and_deterministic(stdlib_corpus, tmp_path):
+    c1 = stdlib_corpus
+    total = sum(c1.num_chars(s) for s in c1.splits)
+    assert total > 500_000
+    assert set(c1.splits) == {"train", "valid", "test"}
+    assert all(len(c1[s]) > 0 for s in c1.splits)
+    # A second, independent build (different cache dir) gives byte-identical splits.
+    c2 = load_corpus("stdlib", cache_dir=tmp_path / "b")
+    for s in ("train", "valid", "test"):
+        assert _sha(c1[s]) == _sha(c2[s]), s
+    assert c1.fingerprint == c2.fingerprint
+    # English prose, not code garbage.
+    text = "\n".join(c1["train"][:50])
+    assert " the " in text and " return" in text.lower()
+
+
+def test_stdlib_splits_disjoint(stdlib_corpus):
+    c = stdlib_corpus
+    train, valid, test = (set(c[s]) for s in ("train", "valid", "test"))
+    assert not train & valid and not train & test and not valid & test
+    assert len(c["valid"]) >= 5 and len(c["test"]) >= 5
+    assert c.sources["train"] == ["stdlib"]
+
+
+def test_stdlib_cache_reuse_and_seed(stdlib_corpus, stdlib_cache, monkeypatch):
+    first = stdlib_corpus
+    cached = list((stdlib_cache / "corpora").glob("stdlib-*.json"))
+    assert len(cached) == 1 and sys.implementation.name in cached[0].name
+    assert not list((stdlib_cache / "corpora").glob("*.tmp"))
+
+    # Loading again must come from the cache: extraction is not called.
+    import transnormer.data.stdlib_docs as sd
+
+    monkeypatch.setattr(sd, "extract_stdlib_documents", lambda *a, **k: pytest.fail("cache not used"))
+    again = load_corpus("stdlib", cache_dir=stdlib_cache)
+    assert again.fingerprint == first.fingerprint
+    other_seed = load_corpus("stdlib", cache_dir=stdlib_cache, seed=1)
+    assert other_seed.fingerprint != first.fingerprint
+    all_docs = sorted(d for s in first.splits.values() for d in s)
+    assert all_docs == sorted(d for s in other_seed.splits.values() for d in s)
+
+
+def test_stdlib_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
+    import transnormer.data.stdlib_docs as sd
+
+    fake = [(f"mod{i}", f"Docstring number {i} of the module.") for i in range(100)]
+    monkeypatch.setattr(sd, "extract_stdlib_documents", lambda *a, **k: list(fake))
+    first = load_corpus("stdlib", cache_dir=tmp_path)
+    (cache_file,) = (tmp_path / "corpora").glob("stdlib-*.json")
+    cache_file.write_text("{not json", encoding="utf-8")
+    assert load_corpus("stdlib", cache_dir=tmp_path).fingerprint == first.fingerprint
+    assert sum(len(v) for v in first.splits.values()) == 100 and len(first["valid"]) == 2
+
+
+def test_default_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRANSNORMER_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("TRANSNORMER_CACHE")
+    assert default_cache_dir().parts[-2:] == (".cache", "transnormer")
+
+
+# ---------------------------------------------------------------------------------------------- documents
+
+
+def test_split_into_documents_rules():
+    headers = "= = = a.rst = = =\n\nAlpha text.\n\nMore alpha.\n= = = b.rst = = =\nBeta.\n"
+    assert split_into_documents(headers) == [
+        "= = = a.rst = = =\n\nAlpha text.\n\nMore alpha.",
+        "= = = b.rst = = =\nBeta.",
+    ]
+    wiki = " = Valkyria = \n\n Senjo no Valkyria .\n\n = = Gameplay = = \n\n Play .\n = Tower = \n\n Built .\n"
+    docs = split_into_documents(wiki)
+    assert len(docs) == 2 and docs[0].startswith(" = Valkyria = ") and "Gameplay" in docs[0]
+    assert split_into_documents("one\ntwo\n\n\n  \nthree\n\n") == ["one\ntwo", "three"]
+    with pytest.raises(TypeError, match="text"):
+        split_into_documents(b"bytes")
+
+
+def test_split_documents_deterministic_exact_and_disjoint():
+    docs = [f"doc {i}" for i in range(300)]
+    a = split_documents(docs, seed=3, valid_fraction=0.1, test_fraction=0.05)
+    b = split_documents(docs, seed=3, valid_fraction=0.1, test_fraction=0.05)
+    assert a == b
+    assert (len(a["train"]), len(a["valid"]), len(a["test"])) == (255, 30, 15)
+    assert sorted(a["train"] + a["valid"] + a["test"]) == sorted(docs)
+    assert a["valid"] == sorted(a["valid"], key=docs.index)  # original order kept
+    assert split_documents(docs, seed=4, valid_fraction=0.1, test_fraction=0.05) != a
+    small = split_documents(["x", "y", "z"], seed=0)
+    assert [len(small[s]) for s in ("train", "valid", "test")] == [1, 1, 1]
+    with pytest.raises(ValueError, match="cannot split 2 document"):
+        split_documents(["x", "y"])
+    with pytest.raises(ValueError, match="valid_fraction"):
+        split_documents(docs, valid_fraction=1.5)
+
+
+# ------------------------------------------------------------------------------------------- path corpora
+
+
+def _paragraphs(prefix: str, n: int) -> str:
+    return "\n\n".join(f"{prefix} paragraph {i} has some words." for i in range(n)) + "\n"
+
+
+def test_directory_with_split_names(tmp_path):
+    (tmp_path / "train.txt").write_text(_paragraphs("tr", 20), encoding="utf-8")
+    (tmp_path / "wiki.valid.tokens").write_text(_paragraphs("va", 3), encoding="utf-8")
+    with gzip.open(tmp_path / "dev-extra.txt.gz", "wt", encoding="utf-8") as f:  # dev = valid, gz read
+        f.write(_paragraphs("dv", 2))
+    with lzma.open(tmp_path / "test.txt.xz", "wt", encoding="utf-8") as f:
+        f.write(_paragraphs("te", 4))
+    (tmp_path / "notes.md").write_text("not a text file suffix", encoding="utf-8")
+    c = load_corpus(tmp_path)
+    assert len(c["train"]) == 20 and all(d.startswith("tr ") for d in c["train"])
+    assert len(c["valid"]) == 5 and {d[:2] for d in c["valid"]} == {"va", "dv"}
+    assert len(c["test"]) == 4 and all(d.startswith("te ") for d in c["test"])
+    assert c.fingerprint == load_corpus(str(tmp_path)).fingerprint
+
+
+def test_file_with_split_name_loads_siblings_xz(tmp_path):
+    for split, n in (("train", 10), ("valid", 2), ("test", 3)):
+        with lzma.open(tmp_path / f"docs.{split}.txt.xz", "wt", encoding="utf-8") as f:
+            f.write("".join(f"= = = {split}/{i}.rst = = =\nBody {i} of {split}.\n\nSecond para.\n" for i in range(n)))
+    (tmp_path / "other.valid.txt").write_text("unrelated family\n", encoding="utf-8")
+    c = load_corpus(tmp_path / "docs.train.txt.xz")
+    assert [len(c[s]) for s in ("train", "valid", "test")] == [10, 2, 3]
+    assert c["valid"][0] == "= = = valid/0.rst = = =\nBody 0 of valid.\n\nSecond para."
+
+
+def test_split_subdirectories_and_missing_splits_carved(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "a.txt").write_text(_paragraphs("a", 30), encoding="utf-8")
+    (tmp_path / "train" / "b.txt").write_text(_paragraphs("b", 30), encoding="utf-8")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "c.txt").write_text(_paragraphs("c", 5), encoding="utf-8")
+    c = load_corpus(tmp_path, seed=0, valid_fraction=0.1)
+    assert len(c["test"]) == 5 and len(c["valid"]) == 6 and len(c["train"]) == 54
+    assert not set(c["valid"]) & set(c["train"])
+
+
+def test_single_file_seeded_split(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(_paragraphs("p", 200), encoding="utf-8")
+    a = load_corpus(path, seed=0)
+    assert [len(a[s]) for s in ("train", "valid", "test")] == [196, 2, 2]
+    assert a.fingerprint == load_corpus(path, seed=0).fingerprint
+    b = load_corpus(path, seed=1)
+    assert b.fingerprint != a.fingerprint
+    assert sorted(sum(b.splits.values(), [])) == sorted(sum(a.splits.values(), []))
+
+
+def test_bz2_and_crlf_and_bom(tmp_path):
+    import bz2
+
+    path = tmp_path / "c.txt.bz2"
+    path.write_bytes(bz2.compress("\ufeffone\r\n\r\ntwo\r\n\r\nthree\r\n".encode()))
+    c = load_corpus(path)
+    assert sorted(sum(c.splits.values(), [])) == ["one", "three", "two"]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_corpus(tmp_path / "nope.txt")
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.txt.*empty"):
+        load_corpus(empty)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="only whitespace"):
+        load_corpus(blank)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hello\n\xff\xfeworld")
+    with pytest.raises(ValueError, match=r"bad\.txt.*invalid UTF-8 at byte offset 6"):
+        load_corpus(bad)
+    bad_xz = tmp_path / "bad.txt.xz"
+    bad_xz.write_bytes(lzma.compress(b"abc\n\ndef\xc3"))
+    with pytest.raises(ValueError, match=r"bad\.txt\.xz.*byte offset 8 of the decompressed"):
+        load_corpus(bad_xz)
+    corrupt = tmp_path / "corrupt.txt.gz"
+    corrupt.write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="cannot decompress"):
+        load_corpus(corrupt)
+    no_text = tmp_path / "dir"
+    no_text.mkdir()
+    (no_text / "x.csv").write_text("a,b\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="contains no text files"):
+        load_corpus(no_text)
+    only_valid = tmp_path / "ov"
+    only_valid.mkdir()
+    (only_valid / "valid.txt").write_text("a\n\nb\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no training file"):
+        load_corpus(only_valid)
+    ambiguous = tmp_path / "amb"
+    ambiguous.mkdir()
+    (ambiguous / "train_test.txt").write_text("a\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="more than one split"):
+        load_corpus(ambiguous)
+    one_doc = tmp_path / "one.txt"
+    one_doc.write_text("just one paragraph\nover two lines\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="cannot split 1 document"):
+        load_corpus(one_doc)
+    with pytest.raises(TypeError, match="spec"):
+        load_corpus(123)
+    with pytest.raises(ValueError, match="spec"):
+        load_corpus("  ")
+    with pytest.raises(TypeError, match="seed"):
+        load_corpus("stdlib", seed="0")
+    with pytest.raises(ValueError, match="valid_fraction"):
+        load_corpus(one_doc, valid_fraction=0.7)
+
+
+# ------------------------------------------------------------------------------------------------ hf:
+
+
+class _FakeSplit:
+    def __init__(self, rows):
+        self._rows = rows
+        self.column_names = ["text"]
+
+    def __getitem__(self, column):
+        assert column == "text"
+        return list(self._rows)
+
+
+def test_hf_spec_with_fake_datasets(monkeypatch):
+    calls = []
+
+    def load_dataset(name, config):
+        calls.append((name, config))
+        # WikiText-style: one row per line.
+        lines = []
+        for i in range(10):
+            lines += [f" = Article {i} = \n", "\n", f" Body of article {i} .\n", "\n"]
+        return {"train": _FakeSplit(lines), "validation": _FakeSplit([" = V = \n", " v .\n"])}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    c = load_corpus("hf:wikitext:wikitext-2-raw-v1")
+    assert calls == [("wikitext", "wikitext-2-raw-v1")]
+    assert c.name == "hf:wikitext:wikitext-2-raw-v1"
+    assert len(c["valid"]) == 1 and len(c["test"]) == 1 and len(c["train"]) == 9
+    assert c["valid"][0] == " = V = \n v ."
+
+
+def test_hf_spec_without_datasets(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(ImportError, match="needs the 'datasets' package"):
+        load_corpus("hf:wikitext")
+    with pytest.raises(ValueError, match="hf:NAME"):
+        load_corpus("hf:")
+
+
+def test_corpus_type_checks():
+    with pytest.raises(TypeError, match="splits"):
+        corpus_mod.Corpus(name="x", splits={"train": "not a list"})
+    c = corpus_mod.Corpus(name="x", splits={"train": ["a"], "valid": ["b"], "test": ["c"]})
+    with pytest.raises(KeyError, match="split 'dev'"):
+        c["dev"]
+    assert "x" in repr(c)

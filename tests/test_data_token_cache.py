@@ -1,0 +1,129 @@
+"""Token cache: contents, dtype, reuse, invalidation, and no partial files after a failed build."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from transnormer.data import Corpus, build_token_cache, token_cache_dir, token_dtype, train_bpe
+
+
+def make_docs(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = "the of to and a in is return value list string file data when if this with error".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return Corpus(name="c", splits={"train": make_docs(200, 0), "valid": make_docs(20, 1), "test": make_docs(20, 2)})
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    return train_bpe(corpus["train"], vocab_size=300)
+
+
+def test_contents_dtype_and_sidecar(corpus, tok, tmp_path):
+    arrays = build_token_cache(corpus, tok, cache_dir=tmp_path)
+    assert set(arrays) == {"train", "valid", "test"}
+    for split, arr in arrays.items():
+        assert isinstance(arr, np.memmap) and arr.dtype == np.uint16 and arr.ndim == 1
+        expected = [i for doc in corpus[split] for i in tok.encode(doc) + [tok.eos_id]]
+        assert arr.tolist() == expected
+        meta = json.loads((token_cache_dir(corpus, tok, tmp_path) / f"{split}.json").read_text())
+        assert meta["num_tokens"] == len(expected) and meta["num_docs"] == len(corpus[split])
+        assert meta["corpus_fingerprint"] == corpus.fingerprint
+        assert meta["tokenizer_fingerprint"] == tok.fingerprint
+    # Documents are separated by EOS: as many EOS as documents.
+    assert int((arrays["valid"] == tok.eos_id).sum()) == len(corpus["valid"])
+    assert not arrays["train"].flags.writeable
+
+
+def test_token_dtype():
+    assert token_dtype(500) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(250_000) == np.uint32
+    with pytest.raises(ValueError, match="vocab_size"):
+        token_dtype(0)
+
+
+class _BigVocabTokenizer:
+    """Duck-typed tokenizer with ids above 65535 (checks the uint32 path without a huge vocab)."""
+
+    vocab_size, eos_id, name, fingerprint = 70_000, 69_999, "big", "f" * 64
+
+    def encode_batch(self, texts):
+        return [[65_536 + len(t), 1] for t in texts]
+
+
+def test_uint32_for_large_vocab(corpus, tmp_path):
+    arr = build_token_cache(corpus, _BigVocabTokenizer(), cache_dir=tmp_path, splits=["valid"])["valid"]
+    assert arr.dtype == np.uint32
+    assert arr[:3].tolist() == [65_536 + len(corpus["valid"][0]), 1, 69_999]
+
+
+def test_reuse_and_rebuild(corpus, tok, tmp_path, monkeypatch):
+    first = build_token_cache(corpus, tok, cache_dir=tmp_path)
+    # Same corpus + tokenizer: no tokenization at all.
+    monkeypatch.setattr(type(tok), "encode_batch", lambda *a, **k: pytest.fail("cache not reused"))
+    again = build_token_cache(corpus, tok, cache_dir=tmp_path)
+    assert all(np.array_equal(first[s], again[s]) for s in first)
+    monkeypatch.undo()
+
+    # Changed corpus → new key, rebuilt with the new text.
+    changed = Corpus(name="c", splits={**corpus.splits, "valid": corpus["valid"][:-1]})
+    rebuilt = build_token_cache(changed, tok, cache_dir=tmp_path, splits=["valid"])
+    assert len(rebuilt["valid"]) < len(first["valid"])
+    # Changed tokenizer → new key.
+    tok2 = train_bpe(corpus["train"], vocab_size=280)
+    assert tok2.fingerprint != tok.fingerprint
+    other = build_token_cache(corpus, tok2, cache_dir=tmp_path, splits=["valid"])
+    assert other["valid"].tolist() == [i for d in corpus["valid"] for i in tok2.encode(d) + [tok2.eos_id]]
+    assert len({p.name for p in (tmp_path / "tokens").iterdir()}) == 3
+
+    # A cache whose .bin does not match its sidecar (e.g. truncated by hand) is rebuilt.
+    directory = token_cache_dir(corpus, tok, tmp_path)
+    expected = first["test"].tolist()
+    del first, again  # (unlink, not truncate in place: live memmaps of the old file stay valid)
+    (directory / "test.bin").unlink()
+    (directory / "test.bin").write_bytes(b"\x00\x00")
+    fixed = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["test"])
+    assert fixed["test"].tolist() == expected
+
+
+def test_failed_build_leaves_no_partial_files(corpus, tok, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = type(tok).encode_batch
+
+    def flaky(self, texts):
+        calls["n"] += 1
+        if calls["n"] == 3:  # midway through the train split
+            raise RuntimeError("tokenizer crashed")
+        return real(self, texts)
+
+    monkeypatch.setattr(type(tok), "encode_batch", flaky)
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"], batch_docs=16)
+    directory = token_cache_dir(corpus, tok, tmp_path)
+    assert calls["n"] == 3
+    assert sorted(p.name for p in directory.iterdir()) == []  # no .bin, no sidecar, no temp file
+    monkeypatch.undo()
+
+    # The next build succeeds and is complete.
+    arr = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"], batch_docs=16)["train"]
+    assert arr.tolist() == [i for d in corpus["train"] for i in tok.encode(d) + [tok.eos_id]]
+    assert sorted(p.name for p in directory.iterdir()) == ["train.bin", "train.json"]
+
+
+def test_argument_errors(corpus, tok, tmp_path):
+    with pytest.raises(ValueError, match="splits"):
+        build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["dev"])
+    with pytest.raises(TypeError, match="corpus"):
+        build_token_cache(["text"], tok, cache_dir=tmp_path)
+    with pytest.raises(TypeError, match="tokenizer"):
+        build_token_cache(corpus, object(), cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="batch_docs"):
+        build_token_cache(corpus, tok, cache_dir=tmp_path, batch_docs=0)

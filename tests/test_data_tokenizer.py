@@ -1,0 +1,146 @@
+"""Byte-level BPE training, caching, saving/loading and the HF bridge."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from transnormer.data import Corpus, TextTokenizer, build_tokenizer, load_tokenizer, train_bpe
+from transnormer.data import tokenizer as tok_mod
+
+_WORDS = (
+    "the of to and a in is it that for return value list string object file data when if this with "
+    "as not are be by on or from an default raise error name type None True key item number module "
+    "function class method argument attribute instance buffer stream encoding character line path"
+).split()
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(15, 40))).capitalize() + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small_corpus() -> Corpus:
+    return Corpus(name="small", splits={"train": make_docs(300), "valid": make_docs(5, 1), "test": make_docs(5, 2)})
+
+
+@pytest.fixture(scope="module")
+def bpe(small_corpus) -> TextTokenizer:
+    return train_bpe(small_corpus["train"], vocab_size=500)
+
+
+def test_train_bpe_specials_and_round_trip(bpe):
+    assert 261 < bpe.vocab_size <= 500
+    assert (bpe.pad_id, bpe.bos_id, bpe.eos_id, bpe.unk_id, bpe.mask_id) == (0, 1, 2, 3, 4)
+    assert bpe.special_ids == frozenset({0, 1, 2, 3, 4})
+    for text in ["Return the value of the list.", "  leading spaces\n\ttabs\n", "naïve café ✓ 日本語", ""]:
+        ids = bpe.encode(text)
+        assert all(isinstance(i, int) and 0 <= i < bpe.vocab_size for i in ids)
+        assert bpe.decode(ids) == text
+    # Frequent words became single tokens: BPE merged something.
+    assert len(bpe.encode("the value of the")) < len("the value of the")
+    # Literal special-token text in data is ordinary text, never a control id.
+    ids = bpe.encode("a <mask> and <s> here")
+    assert not set(ids) & bpe.special_ids
+    assert bpe.decode(ids) == "a <mask> and <s> here"
+    assert bpe.encode_batch(["the list", "a file"]) == [bpe.encode("the list"), bpe.encode("a file")]
+
+
+def test_decode_accepts_tensors_and_checks_range(bpe):
+    import torch
+
+    ids = bpe.encode("the file")
+    assert bpe.decode(torch.tensor(ids)) == "the file"
+    assert bpe.decode([1] + ids + [2], skip_special_tokens=True) == "the file"
+    with pytest.raises(ValueError, match="outside"):
+        bpe.decode([bpe.vocab_size])
+    with pytest.raises(TypeError, match="text must be str"):
+        bpe.encode(3)
+
+
+def test_train_bpe_argument_errors():
+    with pytest.raises(ValueError, match="vocab_size must be >= 261"):
+        train_bpe(["abc"], vocab_size=100)
+    with pytest.raises(TypeError, match="vocab_size"):
+        train_bpe(["abc"], vocab_size="500")
+    with pytest.raises(TypeError, match="texts"):
+        train_bpe("a single string", vocab_size=300)
+    with pytest.raises(ValueError, match="min_frequency"):
+        train_bpe(["abc"], vocab_size=300, min_frequency=0)
+
+
+def test_build_tokenizer_cache_reuse(small_corpus, tmp_path, monkeypatch):
+    t1 = build_tokenizer(small_corpus, vocab_size=400, cache_dir=tmp_path)
+    files = sorted(p.name for p in (tmp_path / "tokenizers").iterdir())
+    assert len(files) == 1 and small_corpus.fingerprint[:20] in files[0] and "-v400-" in files[0]
+
+    monkeypatch.setattr(tok_mod, "train_bpe", lambda *a, **k: pytest.fail("cached tokenizer not reused"))
+    t2 = build_tokenizer(small_corpus, vocab_size=400, cache_dir=tmp_path)
+    assert t2.fingerprint == t1.fingerprint
+    assert t2.encode("the data") == t1.encode("the data")
+    monkeypatch.undo()
+
+    # Another vocab size or another corpus is another cache entry.
+    t3 = build_tokenizer(small_corpus, vocab_size=420, cache_dir=tmp_path)
+    assert t3.fingerprint != t1.fingerprint
+    other = Corpus(name="other", splits={"train": make_docs(300, 7), "valid": ["v"], "test": ["t"]})
+    build_tokenizer(other, vocab_size=400, cache_dir=tmp_path)
+    assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 3
+    assert not list((tmp_path / "tokenizers").glob("*.tmp"))
+
+    with pytest.raises(TypeError, match="corpus"):
+        build_tokenizer(["not", "a", "corpus"], cache_dir=tmp_path)
+
+
+def test_save_load_and_hf(bpe, tmp_path):
+    out = bpe.save(tmp_path / "tok")
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    for spec in (out, str(out / "tokenizer.json")):
+        loaded = load_tokenizer(spec)
+        assert loaded.fingerprint == bpe.fingerprint
+        assert (loaded.pad_id, loaded.bos_id, loaded.eos_id, loaded.mask_id) == (0, 1, 2, 4)
+        assert loaded.encode("the module name") == bpe.encode("the module name")
+
+    hf = bpe.to_hf()
+    text = "Return the default encoding."
+    assert hf(text, add_special_tokens=False)["input_ids"] == bpe.encode(text)
+    assert hf(text)["input_ids"] == [bpe.bos_id] + bpe.encode(text) + [bpe.eos_id]
+    assert (hf.pad_token_id, hf.mask_token_id) == (bpe.pad_id, bpe.mask_id)
+
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(out))
+    assert auto(text, add_special_tokens=False)["input_ids"] == bpe.encode(text)
+
+
+def test_load_tokenizer_generic_json_and_errors(tmp_path):
+    # A tokenizer.json with other special-token names: roles found by common names.
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    t = tokenizers.Tokenizer(
+        models.WordLevel({"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "hi": 5}, unk_token="[UNK]")
+    )
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    path = tmp_path / "wl.json"
+    path.write_text(t.to_str(), encoding="utf-8")
+    loaded = load_tokenizer(path)
+    assert (loaded.pad_id, loaded.bos_id, loaded.eos_id, loaded.unk_id, loaded.mask_id) == (0, 2, 3, 1, 4)
+    assert loaded.encode("hi hi") == [5, 5]
+
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_tokenizer(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"not": "a tokenizer"}), encoding="utf-8")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        load_tokenizer(bad)
+    with pytest.raises(TypeError, match="spec"):
+        load_tokenizer(5)
+    with pytest.raises(ValueError, match="special_tokens"):
+        TextTokenizer(t, special_tokens={"pad": "<nope>"})
+    with pytest.raises(ValueError, match="unknown role"):
+        TextTokenizer(t, special_tokens={"sep": "[SEP]"})
