@@ -1,0 +1,257 @@
+"""``transnormer train|eval|compare|generate|lra|analyze|bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False) -> None:
+    from .train.loop import TrainConfig
+
+    d = TrainConfig()
+    p.add_argument("--task", default="clm", choices=["clm", "mlm", "cls"])
+    if not preset_required:
+        p.add_argument("--preset", default=d.preset, help="preset name (python -m transnormer.presets)")
+        p.add_argument("--config", dest="config_file", help="a config.json instead of a preset")
+        p.add_argument("--init-from", help="pretrained model directory to fine-tune")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (JSON value), e.g. --set dropout=0.0")
+    p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG]")
+    p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--cache-dir")
+    p.add_argument("--text-column")
+    p.add_argument("--text-pair-column")
+    p.add_argument("--label-column")
+    p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process and micro-step")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--budget", help="tokens ('200k', '2M') or time ('90s', '5min')")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--schedule", default=d.schedule, choices=["cosine", "inverse_sqrt", "polynomial", "constant"])
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--betas", type=float, nargs=2, default=list(d.betas))
+    p.add_argument("--adam-eps", type=float, default=d.adam_eps)
+    p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clipping; 0 = off")
+    p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--strategy", default=d.strategy, choices=["ddp", "fsdp"])
+    p.add_argument("--device")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", dest="out_dir", default=d.out_dir)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--keep-last", type=int, default=d.keep_last)
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
+    p.add_argument("--grad-stats", action="store_true", help="record attention-gradient norms (RSD analysis)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _train_config(args) -> object:
+    from .train.loop import TrainConfig
+
+    overrides = {}
+    for item in args.set:
+        if "=" not in item:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            overrides[k] = json.loads(v)
+        except json.JSONDecodeError:
+            overrides[k] = v
+    read = {k: getattr(args, k) for k in ("text_column", "text_pair_column", "label_column")
+            if getattr(args, k, None)}
+    fields = TrainConfig.__dataclass_fields__
+    kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    kw["betas"] = tuple(args.betas)
+    return TrainConfig(overrides=overrides, cls_read_kwargs=read, **kw)
+
+
+def cmd_train(args) -> int:
+    from .train import train
+
+    summary = train(_train_config(args))
+    print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .train.compare import compare
+
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    args.preset = presets[0]
+    cfg = _train_config(args)
+    result = compare(presets, cfg)
+    if args.sample:
+        first = Path(cfg.out_dir) / presets[0]
+        print(f"\nsample from {presets[0]} (greedy, checkpoint {resolve_model_dir(first)}):")
+        generate_text(first, args.sample_prompt, max_new_tokens=40, temperature=0.0, top_p=1.0, stream=True)
+    print(f"\nwrote {Path(cfg.out_dir) / 'comparison.md'} and {result['plot']}")
+    return 0
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory, a checkpoint root, or a run directory → the model directory."""
+    path = Path(path)
+    for root in (path, path / "checkpoints"):
+        if (root / "latest").is_file():
+            return root / (root / "latest").read_text().strip()
+    if (path / "config.json").is_file():
+        return path
+    raise ValueError(f"--model: no model in {path} (expected config.json, or a run/checkpoint directory)")
+
+
+def load_tokenizer_for(model_dir: Path, spec: str | None = None):
+    from .data.tokenizer import load_tokenizer
+
+    if spec:
+        return load_tokenizer(spec)
+    for cand in (model_dir / "tokenizer", model_dir):
+        if (cand / "tokenizer.json").is_file():
+            return load_tokenizer(cand)
+    raise ValueError(f"no tokenizer in {model_dir}; pass --tokenizer")
+
+
+def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.8,
+                  top_p: float = 0.95, tokenizer: str | None = None, stream: bool = True, seed: int = 0) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, TextStreamer
+
+    from . import models  # noqa: F401  (registers the Auto classes)
+
+    model_dir = resolve_model_dir(model_path)
+    tok = load_tokenizer_for(model_dir, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok.encode(prompt)
+    if tok.bos_id is not None:
+        ids = [tok.bos_id] + ids
+    input_ids = torch.tensor([ids])
+    hf_tok = tok.to_hf()
+    streamer = TextStreamer(hf_tok, skip_prompt=False, skip_special_tokens=True) if stream else None
+    torch.manual_seed(seed)
+    sample = temperature > 0
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=sample,
+                         temperature=temperature if sample else None, top_p=top_p if sample else None,
+                         streamer=streamer, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id,
+                         attention_mask=torch.ones_like(input_ids))
+    return tok.decode(out[0].tolist(), skip_special_tokens=True)
+
+
+def cmd_generate(args) -> int:
+    text = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, tokenizer=args.tokenizer, stream=not args.no_stream, seed=args.seed)
+    if args.no_stream:
+        print(text)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from .train.distributed import setup_distributed
+    from .train.loop import TrainConfig, build_model_for
+    from .train.tasks import build_task_data
+
+    model_dir = resolve_model_dir(args.model)
+    tok_dir = args.tokenizer or str(model_dir / "tokenizer")
+    cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=tok_dir,
+                      seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
+                      cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype,
+                      cls_read_kwargs={k: getattr(args, k) for k in ("text_column", "text_pair_column",
+                                                                     "label_column") if getattr(args, k)})
+    info = setup_distributed(args.device)
+
+    def autocast():
+        return torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+    data = build_task_data(cfg, info, autocast)
+    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    res = data.evaluate(model, args.split, args.max_batches)
+    res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
+           "seq_len": args.seq_len, "stride": args.stride, **res}
+    print(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="transnormer", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a preset or config on a text or classification dataset")
+    _add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="train several presets with the same data, budget and seed")
+    p.add_argument("--presets", required=True, help="comma-separated preset names")
+    _add_train_args(p, preset_required=True)
+    p.add_argument("--sample", action="store_true", help="print a generated sample from the first preset")
+    p.add_argument("--sample-prompt", default="Return the")
+    p.set_defaults(func=cmd_compare, config_file=None, init_from=None)
+
+    p = sub.add_parser("eval", help="perplexity (clm, mlm) or accuracy/F1/MCC (cls) of a trained model")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", default="stdlib")
+    p.add_argument("--task", default="clm", choices=["clm", "mlm", "cls"])
+    p.add_argument("--split", default="valid", choices=["valid", "test", "train"])
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--stride", type=int, help="clm sliding-window stride (default: seq-len)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-batches", type=int)
+    p.add_argument("--tokenizer")
+    p.add_argument("--cache-dir")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device")
+    p.add_argument("--text-column")
+    p.add_argument("--text-pair-column")
+    p.add_argument("--label-column")
+    p.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="stream text from a causal LM (recurrent decoding)")
+    p.add_argument("--model", required=True, help="model dir, checkpoint dir or run dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--tokenizer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stream", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    for extra in ("lra", "analyze", "bench"):
+        try:
+            mod = __import__(f"transnormer.cli_{extra}", fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != f"transnormer.cli_{extra}":
+                raise
+            continue
+        mod.register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        if "TRANSNORMER_DEBUG" in __import__("os").environ:
+            raise
+        print(f"transnormer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Checkpoints: written atomically, verified on load, the last N kept.
+
+A checkpoint is a directory ``step-00000100/`` holding
+    model.safetensors, config.json (+ generation_config.json)   # HF ``save_pretrained``: loadable as a model
+    tokenizer/                                                  # when the run has one
+    trainer_state.pt   optimizer, scheduler, RNG states, data position, step, counters
+    manifest.json      size and SHA-256 of every file above
+It is written into ``.tmp-step-...`` and renamed into place, then ``latest`` (a one-line text
+file, itself replaced atomically) points at it. Loading checks the manifest, so a truncated or
+corrupt file raises :class:`CheckpointError` naming the file, and
+:func:`latest_valid_checkpoint` falls back to the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or corrupt."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: dict, *, tokenizer=None,
+                    keep_last: int = 3) -> Path:
+    """Write checkpoint ``root/step-{step:08d}`` atomically and prune to the newest ``keep_last``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one line per checkpoint is enough
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save(tmp / "tokenizer")
+        torch.save(trainer_state, tmp / STATE)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest_tmp = root / f".latest-{os.getpid()}"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, root / "latest")
+    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Checkpoint directories under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check every file against the manifest; return the manifest or raise CheckpointError."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete write?)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {mf} is corrupt: {e}") from e
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size = f.stat().st_size
+        if size != meta["size"]:
+            raise CheckpointError(f"checkpoint file {f} is truncated or corrupt: {size} bytes, expected {meta['size']}")
+        if _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt: SHA-256 does not match the manifest")
+    return manifest
+
+
+def load_trainer_state(path: str | os.PathLike) -> dict:
+    """Verify checkpoint ``path`` and return its trainer state (model weights are loaded separately)."""
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        return torch.load(path / STATE, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise CheckpointError(f"checkpoint file {path / STATE} cannot be read: {e}") from e
+
+
+def load_model_weights(model, path: str | os.PathLike) -> None:
+    """Load ``model.safetensors`` of a verified checkpoint into ``model`` (strict, ties restored)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    f = path / "model.safetensors"
+    try:
+        state = load_file(str(f))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint file {f} cannot be read: {e}") from e
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint file {f} does not match the model: missing {missing}, unexpected {unexpected}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def latest_valid_checkpoint(root: str | os.PathLike, log=print) -> Path | None:
+    """Newest checkpoint under ``root`` that passes verification (corrupt ones are reported and skipped)."""
+    for ckpt in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CheckpointError as e:
+            log(f"warning: skipping {ckpt.name}: {e}")
+    return None

@@ -1,0 +1,76 @@
+"""``transnormer compare``: train several presets on the same data, budget and seed; tabulate.
+
+Writes ``<out>/<preset>/`` per run (metrics, checkpoint, loss.png), ``<out>/comparison.md``,
+``<out>/comparison.json`` and ``<out>/valid_curves.png`` (validation loss against tokens seen).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import multiprocessing
+import os
+from pathlib import Path
+
+from .loop import TrainConfig, parse_budget, train
+from .metrics import plot_curves, read_metrics
+
+
+def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) -> dict:
+    if not presets:
+        raise ValueError("presets: give at least one preset name")
+    from ..presets import get_config
+
+    for p in presets:
+        get_config(p)  # fail fast on an unknown name, before any training
+    out = Path(base.out_dir)
+    kind, amount = parse_budget(base.budget) if base.budget else ("steps", base.max_steps)
+    summaries, curves = [], {}
+    for name in presets:
+        cfg = copy.deepcopy(base)
+        cfg.preset, cfg.out_dir = name, str(out / name)
+        if kind == "seconds":
+            cfg.eval_every_s = amount / evals_per_run
+        elif kind == "steps":
+            cfg.eval_every = max(1, amount // evals_per_run)
+        else:
+            steps = math.ceil(amount / (cfg.batch_size * cfg.seq_len * cfg.grad_accum))
+            cfg.eval_every = max(1, steps // evals_per_run)
+        print(f"\n=== {name} ===", flush=True)
+        summary = _train_isolated(cfg)
+        summaries.append(summary)
+        records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+        curves[name] = [(r["tokens"], r["loss"]) for r in records if r.get("kind") == "eval"]
+    table = comparison_table(summaries, base)
+    (out / "comparison.md").write_text(table + "\n")
+    (out / "comparison.json").write_text(json.dumps(summaries, indent=1))
+    plot_curves(curves, out / "valid_curves.png", xlabel="training tokens", ylabel="validation loss",
+                title=f"{base.data}, budget {base.budget or base.max_steps}, seed {base.seed}")
+    print("\n" + table)
+    return {"summaries": summaries, "table": table, "plot": str(out / "valid_curves.png")}
+
+
+def _train_isolated(cfg: TrainConfig) -> dict:
+    """Train in a fresh process so that peak memory is this run's own (single-process runs only)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return train(cfg)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(train, (cfg,))
+
+
+def comparison_table(summaries: list[dict], base: TrainConfig) -> str:
+    rows = [
+        f"Data `{base.data}`, budget {base.budget or f'{base.max_steps} steps'}, seq_len {base.seq_len}, "
+        f"batch {base.batch_size}x{base.grad_accum}, seed {base.seed}, {base.dtype}.",
+        "",
+        "| model | params | steps | tokens | tokens/s | peak mem (MB) | valid loss | valid ppl |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        ev = s.get("eval") or {}
+        rows.append(f"| {s['name']} | {s['params'] / 1e6:.2f}M | {s['steps']} | {s['tokens']:,} | "
+                    f"{s['tokens_per_s']:,.0f} | {s['peak_mem_mb']:,.0f} | {ev.get('loss', float('nan')):.4f} | "
+                    f"{ev.get('ppl', float('nan')):.2f} |")
+    return "\n".join(rows)

@@ -1,0 +1,99 @@
+"""The one seam between the training loop and parallelism: ``setup_distributed`` / ``wrap_model``.
+
+Launched by ``torchrun`` the environment carries RANK / WORLD_SIZE / LOCAL_RANK; otherwise the run
+is a single process. CPU uses the gloo backend (``torchrun --nproc_per_node 2`` works on this
+machine), CUDA uses NCCL. DDP is the default; FSDP2 (``fully_shard``) on GPUs by flag.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup_distributed(device: str | None = None) -> DistInfo:
+    """Initialise the process group when launched by torchrun; pick the device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Module:
+    """DDP (default) or FSDP2 (GPU) around ``model``; the model itself unchanged when single-process."""
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if not info.enabled:
+        return model
+    if strategy == "fsdp":
+        if info.device.type != "cuda":
+            raise ValueError("strategy='fsdp' needs GPUs; use 'ddp' on CPU")
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(getattr(model, "model", model), "layers", []):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def all_reduce_mean(value: float, info: DistInfo) -> float:
+    """Average a Python float over ranks (identity when single-process)."""
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return float(t.item()) / info.world_size
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,329 @@
+"""The training loop: one function, read top to bottom.
+
+    cfg = TrainConfig(task="clm", preset="t2-lm-tiny", data="stdlib", budget="2min", out_dir="runs/x")
+    summary = train(cfg)
+
+Everything it writes goes to ``out_dir``: ``metrics.jsonl`` (one line per step and per
+evaluation), ``checkpoints/step-*/`` (atomic, resumable), ``loss.png``, ``summary.json``.
+Parallelism is confined to ``setup_distributed()`` / ``wrap_model()``; run it under
+``torchrun --nproc_per_node N`` for DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import (
+    latest_valid_checkpoint,
+    load_model_weights,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from .distributed import DistInfo, all_reduce_mean, cleanup, setup_distributed, unwrap, wrap_model
+from .metrics import MetricsLogger, plot_curves, read_metrics, truncate_metrics
+from .schedule import SCHEDULES, make_scheduler
+from .tasks import build_task_data
+
+
+@dataclass
+class TrainConfig:
+    task: str = "clm"  # clm | mlm | cls
+    preset: str | None = "t2-lm-tiny"
+    config_file: str | None = None  # a config.json (overrides preset)
+    overrides: dict = field(default_factory=dict)  # config fields, e.g. {"dropout": 0.0}
+    init_from: str | None = None  # pretrained model dir to fine-tune from
+    data: str = "stdlib"
+    data_seed: int = 0
+    tokenizer: str | None = None  # a saved tokenizer / HF name; default: train a BPE on the data
+    vocab_size: int = 8192
+    cache_dir: str | None = None
+    cls_read_kwargs: dict = field(default_factory=dict)
+    no_truncate: bool = False
+    seq_len: int = 256
+    batch_size: int = 8  # per rank, per micro-step
+    grad_accum: int = 1
+    max_steps: int | None = None
+    budget: str | None = None  # "50k" / "2M" tokens, or "90s" / "5min" / "1h"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.01
+    betas: tuple = (0.9, 0.98)
+    adam_eps: float = 1e-8
+    clip: float = 1.0  # 0 disables clipping
+    dtype: str = "fp32"  # fp32 | bf16 (autocast)
+    compile: bool = False
+    strategy: str = "ddp"
+    device: str | None = None
+    seed: int = 0
+    out_dir: str = "runs/train"
+    eval_every: int = 0  # steps; 0 = only at the end
+    eval_every_s: float = 0.0  # seconds of training between evaluations (time budgets); 0 = off
+    eval_batches: int | None = 50
+    eval_stride: int | None = None
+    save_every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 3
+    resume: bool = False
+    log_every: int = 1
+    grad_stats: bool = False
+    stop_after: int | None = None  # stop (as if killed) after this step: for tests and demos
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.task not in ("clm", "mlm", "cls"):
+            raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {self.task!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        for name in ("seq_len", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is None and self.budget is None:
+            raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
+
+
+def parse_budget(budget: str) -> tuple[str, float]:
+    """'2min' / '90s' / '1.5h' → ('seconds', x); '200k' / '2M' / '12345' → ('tokens', n)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|sec|m|min|h|k|K|M|G|B)?\s*", str(budget))
+    if not m:
+        raise ValueError(f"budget must look like '200k' (tokens) or '5min' (time), got {budget!r}")
+    x, unit = float(m.group(1)), m.group(2) or ""
+    if unit in ("s", "sec"):
+        return "seconds", x
+    if unit in ("m", "min"):
+        return "seconds", 60 * x
+    if unit == "h":
+        return "seconds", 3600 * x
+    return "tokens", x * {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}[unit]
+
+
+def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
+    """The model named by the config (preset, config file, or a pretrained directory)."""
+    from ..models import TransNormerConfig
+    from ..presets import build_model, get_config
+
+    head = {"clm": "CausalLM", "mlm": "MaskedLM", "cls": "SequenceClassification"}[cfg.task]
+    extra = {"num_labels": num_labels} if num_labels else {}
+    if cfg.init_from:
+        import transformers
+
+        auto = getattr(transformers, f"AutoModelFor{head}")
+        return auto.from_pretrained(cfg.init_from, **extra)
+    overrides = dict(cfg.overrides)
+    overrides.setdefault("vocab_size", vocab_size)
+    if pad_id is not None:
+        overrides.setdefault("pad_token_id", pad_id)
+    if cfg.task == "clm":
+        overrides.setdefault("max_position_embeddings", max(cfg.seq_len, 512))
+    if cfg.config_file:
+        config = TransNormerConfig.from_json_file(cfg.config_file)
+        for k, v in {**overrides, **extra}.items():
+            setattr(config, k, v)
+    else:
+        config = get_config(cfg.preset, **overrides, **extra)
+    return build_model(config, task=cfg.task)
+
+
+def param_groups(model, weight_decay: float):
+    """No weight decay on biases, norms, embeddings' positions and scalars."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def peak_memory_mb(info: DistInfo) -> float:
+    if info.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(info.device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train(cfg: TrainConfig) -> dict:
+    cfg.check()
+    info = setup_distributed(cfg.device)
+    out = Path(cfg.out_dir)
+    ckpt_root = out / "checkpoints"
+    log = print if info.is_main else (lambda *a, **k: None)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+
+    def autocast():
+        return torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+
+    # data → model → optimizer
+    data = build_task_data(cfg, info, autocast)
+    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                                  eps=cfg.adam_eps)
+    tokens_per_step = data.tokens_per_step * cfg.grad_accum * info.world_size
+    budget_kind, budget = parse_budget(cfg.budget) if cfg.budget else ("steps", None)
+    if cfg.max_steps is not None:
+        total_steps = cfg.max_steps
+    elif budget_kind == "tokens":
+        total_steps = max(1, math.ceil(budget / tokens_per_step))
+    else:
+        total_steps = None  # time budget: estimated from the first steps' speed
+    sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or 10**9,
+             "min_lr_ratio": cfg.min_lr_ratio}
+    scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
+
+    # resume
+    step, tokens_seen, elapsed = 0, 0, 0.0
+    if cfg.resume:
+        ckpt = latest_valid_checkpoint(ckpt_root, log=log)
+        if ckpt is None:
+            log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
+        else:
+            state = load_trainer_state(ckpt)
+            load_model_weights(model, ckpt)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            sched.update(state["sched"])
+            data.train.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
+            total_steps = state["total_steps"]
+            if info.is_main:
+                truncate_metrics(out / "metrics.jsonl", step)
+            log(f"resumed from {ckpt} at step {step}")
+
+    recorder = None
+    if cfg.grad_stats:
+        from ..analysis.grad_stats import GradientRecorder
+
+        recorder = GradientRecorder()
+    if cfg.compile:
+        model = torch.compile(model)
+    wrapped = wrap_model(model, info, cfg.strategy)
+    metrics = MetricsLogger(out / "metrics.jsonl", enabled=info.is_main)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str))
+    log(f"{cfg.preset or cfg.config_file or cfg.init_from}: {n_params / 1e6:.2f}M parameters, task {cfg.task}, "
+        f"{tokens_per_step} tokens/step, world size {info.world_size}, {cfg.dtype}")
+
+    def checkpoint():
+        state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
+                 "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
+        if info.is_main:
+            save_checkpoint(ckpt_root, step, unwrap(model), state, tokenizer=data.tokenizer, keep_last=cfg.keep_last)
+
+    def evaluate(split="valid"):
+        res = data.evaluate(unwrap(model), split, cfg.eval_batches)
+        metrics.log({"kind": "eval", "step": step, "split": split, "tokens": tokens_seen, "elapsed": elapsed, **res})
+        return {**res, "_step": step}
+
+    model.train()
+    bar = None
+    if info.is_main and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
+    last_eval = None
+    next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
+    while True:
+        if total_steps is not None and step >= total_steps:
+            break
+        if budget_kind == "seconds" and elapsed >= budget:
+            break
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            batch = {k: v.to(info.device) for k, v in next(data.train).items()}
+            sync = micro == cfg.grad_accum - 1 or not info.enabled
+            ctx = contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
+            with ctx:
+                with autocast():
+                    loss = wrapped(**batch).loss
+                (loss / cfg.grad_accum).backward()
+            loss_sum += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
+        if recorder is not None:
+            recorder.record(unwrap(model), step)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += tokens_per_step
+        dt = time.perf_counter() - t0
+        elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
+        if total_steps is None and budget_kind == "seconds" and step == 3:
+            total_steps_est = max(step + 1, int(budget / max(elapsed / step, 1e-6)))
+            sched["total_steps"] = total_steps_est
+            if bar is not None:
+                bar.total = total_steps_est
+        loss_val = all_reduce_mean(loss_sum / cfg.grad_accum, info)
+        if step % cfg.log_every == 0 or step == 1:
+            metrics.log({"kind": "train", "step": step, "loss": loss_val, "lr": optimizer.param_groups[0]["lr"],
+                         "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt,
+                         "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)})
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+        if not math.isfinite(loss_val):
+            log(f"step {step}: loss is {loss_val}; stopping")
+            break
+        if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
+            last_eval = evaluate()
+            if next_eval_s is not None:
+                next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s))
+        if cfg.save_every and step % cfg.save_every == 0:
+            checkpoint()
+        if cfg.stop_after is not None and step >= cfg.stop_after:
+            if bar is not None:
+                bar.close()
+            metrics.close()
+            cleanup(info)
+            return {"stopped_at": step}
+    if bar is not None:
+        bar.close()
+
+    if last_eval is None or last_eval.get("_step") != step:
+        last_eval = evaluate()
+    checkpoint()
+    records = read_metrics(out / "metrics.jsonl") if info.is_main else []
+    train_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and r["step"] > 2]
+    summary = {
+        "name": cfg.preset or cfg.config_file or cfg.init_from, "task": cfg.task, "params": n_params,
+        "steps": step, "tokens": tokens_seen, "elapsed_s": elapsed,
+        "tokens_per_s": float(np.median(speeds)) if speeds else tokens_seen / max(elapsed, 1e-9),
+        "peak_mem_mb": peak_memory_mb(info), "final_train_loss": train_pts[-1][1] if train_pts else None,
+        "eval": {k: v for k, v in last_eval.items() if not k.startswith("_")}, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
+    }
+    if recorder is not None and info.is_main:
+        summary["grad_stats"] = recorder.save(out / "grad_stats.json")
+    if info.is_main:
+        eval_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
+        plot_curves({"train": train_pts, "valid": eval_pts}, out / "loss.png", title=str(summary["name"]))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    metrics.close()
+    cleanup(info)
+    return summary
+
+
+def set_threads_from_env() -> None:
+    n = os.environ.get("TRANSNORMER_THREADS")
+    if n:
+        torch.set_num_threads(int(n))

@@ -1,0 +1,94 @@
+"""Metrics: one JSON line per event (every step), TensorBoard when installed, loss-curve PNGs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    """Append-only JSONL writer (rank 0 only) with an optional TensorBoard mirror."""
+
+    def __init__(self, path: str | Path, *, enabled: bool = True, tensorboard: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard is optional
+                self._tb = None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._tb is not None and "step" in record:
+            kind = record.get("kind", "train")
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(f"{kind}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self._f.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: str | Path, after_step: int) -> None:
+    """Drop records past ``after_step`` (a resumed run rewrites the steps it repeats)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= after_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+
+
+def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, *, xlabel: str = "step",
+                ylabel: str = "loss", title: str = "", logy: bool = False) -> Path | None:
+    """One PNG with a line per named series of (x, y) points; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in series.items():
+        pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y)]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=name, marker="o" if len(pts) < 30 else None, markersize=3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

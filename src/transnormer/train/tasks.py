@@ -1,0 +1,240 @@
+"""Turn a ``--data`` spec into step-indexed training batches and an evaluation function, per task.
+
+    clm: corpus → BPE tokenizer → token cache → contiguous windows (labels = inputs; the model shifts)
+    mlm: the same windows, then 15% BERT masking drawn from a generator seeded by (seed, step, rank)
+    cls: TSV/CSV/JSONL files (GLUE layout) → tokenized examples → padded batches
+
+Every batch source has ``__next__``, ``state_dict()`` and ``load_state_dict()``, and batch k is a
+pure function of (seed, k), so a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.corpus import Corpus, load_corpus
+from ..data.lm import LMBatchIterator, eval_batches
+from ..data.mlm import mask_tokens
+from ..data.sampler import StepBatchSampler
+from ..data.token_cache import build_token_cache
+from ..data.tokenizer import build_tokenizer, load_tokenizer
+from .distributed import DistInfo, all_reduce_sum, barrier
+
+CLS_SPLIT_NAMES = {"train": ("train",), "valid": ("dev", "valid", "validation", "val", "dev_matched"),
+                   "test": ("test", "test_matched")}
+CLS_EXTS = (".tsv", ".csv", ".jsonl", ".json")
+
+
+@dataclass
+class TaskData:
+    tokenizer: object
+    train: object  # step-indexed batch source
+    evaluate: object  # callable(model, split, max_batches) -> dict
+    tokens_per_step: int  # tokens one optimizer micro-batch holds on this rank
+    num_labels: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class MLMBatches:
+    """Masks LM windows; the mask of batch k depends only on (seed, k, rank)."""
+
+    def __init__(self, windows: LMBatchIterator, tokenizer, seed: int, rank: int):
+        self.windows, self.tok, self.seed, self.rank = windows, tokenizer, seed, rank
+
+    def masked(self, batch: dict, step: int) -> dict:
+        seed = int(np.random.SeedSequence([self.seed, step, self.rank]).generate_state(1)[0])
+        g = torch.Generator().manual_seed(seed)
+        ids, labels = mask_tokens(batch["input_ids"], mask_id=self.tok.mask_id, vocab_size=self.tok.vocab_size,
+                                  special_ids=self.tok.special_ids, generator=g)
+        return {"input_ids": ids, "labels": labels}
+
+    def __next__(self) -> dict:
+        step = self.windows.state_dict()["step"]
+        return self.masked(next(self.windows), step)
+
+    def state_dict(self) -> dict:
+        return self.windows.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.windows.load_state_dict(state)
+
+
+class ClsBatches:
+    def __init__(self, dataset, collate, sampler: StepBatchSampler):
+        self.dataset, self.collate, self.sampler = dataset, collate, sampler
+
+    def __next__(self) -> dict:
+        return self.collate([self.dataset[int(i)] for i in next(self.sampler)])
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def get_tokenizer(cfg, corpus: Corpus | None, info: DistInfo):
+    """The run's tokenizer: a given one, or a BPE trained (once, by rank 0) on the training split."""
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    if corpus is None:
+        raise ValueError("tokenizer: this task needs --tokenizer (or --init-from a checkpoint that has one)")
+    if info.is_main:
+        tok = build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir)
+    barrier(info)
+    if not info.is_main:
+        tok = build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir)
+    return tok
+
+
+def _token_splits(cfg, info: DistInfo):
+    corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir, seed=cfg.data_seed)
+    tok = get_tokenizer(cfg, corpus, info)
+    if info.is_main:
+        tokens = build_token_cache(corpus, tok, cache_dir=cfg.cache_dir)
+    barrier(info)
+    if not info.is_main:
+        tokens = build_token_cache(corpus, tok, cache_dir=cfg.cache_dir)
+    for split in ("train", "valid"):
+        if len(tokens[split]) < cfg.seq_len + 1:
+            raise ValueError(f"data: the {split} split of {cfg.data!r} has {len(tokens[split])} tokens, "
+                             f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
+    return corpus, tok, tokens
+
+
+@torch.no_grad()
+def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, shift: bool) -> dict:
+    """Token-weighted mean cross-entropy over the scored targets, and its perplexity.
+
+    ``shift``: causal LM (predict token t+1 at t); MLM labels sit at their own positions.
+    """
+    model.eval()
+    total, count = 0.0, 0
+    for i, batch in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        with autocast():
+            logits = model(input_ids=batch["input_ids"]).logits
+        labels = batch["labels"]
+        if shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+        total += float(loss)
+        count += int((labels != -100).sum())
+    model.train()
+    total, count = all_reduce_sum([total, count], info)
+    loss = total / max(count, 1)
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+
+
+def _find_cls_files(spec: str) -> dict[str, Path]:
+    root = Path(spec)
+    if root.is_file():
+        return {"train": root}
+    if not root.is_dir():
+        raise ValueError(f"data: {spec!r} is neither a classification file nor a directory of them")
+    files: dict[str, Path] = {}
+    for split, names in CLS_SPLIT_NAMES.items():
+        for name in names:
+            hits = [root / f"{name}{ext}" for ext in CLS_EXTS if (root / f"{name}{ext}").is_file()]
+            if hits:
+                files[split] = hits[0]
+                break
+    if "train" not in files:
+        raise ValueError(f"data: no train.{{tsv,csv,jsonl}} in {root}")
+    return files
+
+
+@torch.no_grad()
+def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batches, autocast) -> dict:
+    from .evaluate import classification_metrics
+
+    model.eval()
+    preds, golds, loss_sum = [], [], 0.0
+    n = len(dataset)
+    idx = list(range(info.rank, n, info.world_size))
+    for b, start in enumerate(range(0, len(idx), batch_size)):
+        if max_batches is not None and b >= max_batches:
+            break
+        batch = collate([dataset[i] for i in idx[start:start + batch_size]])
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        with autocast():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        preds.append(logits.argmax(-1).cpu())
+        golds.append(batch["labels"].cpu())
+        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="sum"))
+    model.train()
+    if info.enabled:
+        import torch.distributed as dist
+
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, (torch.cat(preds), torch.cat(golds)))
+        p = torch.cat([g[0] for g in gathered])
+        y = torch.cat([g[1] for g in gathered])
+    else:
+        p, y = torch.cat(preds), torch.cat(golds)
+    (loss_sum,) = all_reduce_sum([loss_sum], info)
+    return {"loss": loss_sum / max(len(y), 1), **classification_metrics(p, y)}
+
+
+def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
+    """Everything the loop needs from the data side for ``cfg.task``."""
+    if cfg.task in ("clm", "mlm"):
+        corpus, tok, tokens = _token_splits(cfg, info)
+        windows = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                  world_size=info.world_size)
+        if cfg.task == "clm":
+            train = windows
+
+            def evaluate(model, split="valid", max_batches=None):
+                return _eval_lm(model, eval_batches(tokens[split], cfg.seq_len, cfg.batch_size,
+                                                    stride=cfg.eval_stride, rank=info.rank,
+                                                    world_size=info.world_size),
+                                info, max_batches, autocast, shift=True)
+        else:
+            train = MLMBatches(windows, tok, cfg.seed, info.rank)
+            masker = MLMBatches(windows, tok, cfg.seed + 1_000_003, info.rank)
+
+            def evaluate(model, split="valid", max_batches=None):
+                windows = eval_batches(tokens[split], cfg.seq_len, cfg.batch_size, rank=info.rank,
+                                       world_size=info.world_size)
+                masked = (masker.masked(b, i) for i, b in enumerate(windows))
+                return _eval_lm(model, masked, info, max_batches, autocast, shift=False)
+        return TaskData(tok, train, evaluate, cfg.batch_size * cfg.seq_len,
+                        extra={"corpus": corpus.name, "train_tokens": int(len(tokens["train"]))})
+
+    if cfg.task == "cls":
+        from ..data.classification import ClassificationCollator, load_classification_splits
+
+        files = _find_cls_files(cfg.data)
+        if cfg.tokenizer:
+            tok = load_tokenizer(cfg.tokenizer)
+        else:
+            from ..data.classification import read_classification_file
+
+            texts = [" ".join(t for t in (ex.text, ex.text_pair) if t)
+                     for ex in read_classification_file(files["train"], **cfg.cls_read_kwargs)]
+            tok = get_tokenizer(cfg, Corpus(name=str(files["train"]), splits={"train": texts}), info)
+        datasets, labels = load_classification_splits(
+            {k: v for k, v in files.items() if k != "test"}, tok, max_length=cfg.seq_len,
+            truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
+        collate = ClassificationCollator(tok.pad_id)
+        sampler = StepBatchSampler(len(datasets["train"]), cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                   world_size=info.world_size)
+        eval_split = "valid" if "valid" in datasets else "train"
+
+        def evaluate(model, split=eval_split, max_batches=None):
+            ds = datasets.get(split, datasets[eval_split])
+            return _eval_cls(model, ds, collate, info, cfg.batch_size, max_batches, autocast)
+
+        return TaskData(tok, ClsBatches(datasets["train"], collate, sampler), evaluate,
+                        cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),
+                        extra={"label_set": labels})
+    raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {cfg.task!r}")
