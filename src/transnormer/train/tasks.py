@@ -186,6 +186,10 @@ def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batc
 
 def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
     """Everything the loop needs from the data side for ``cfg.task``."""
+    if cfg.task == "cls" and str(cfg.data).startswith("lra:"):
+        from .lra_tasks import build_lra_task_data  # Long Range Arena: "lra:TASK[:ROOT]"
+
+        return build_lra_task_data(cfg, info, autocast)
     if cfg.task in ("clm", "mlm"):
         corpus, tok, tokens = _token_splits(cfg, info)
         windows = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
