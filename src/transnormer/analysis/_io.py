@@ -1,0 +1,51 @@
+"""Shared output helpers of the analysis tools: JSON files and headless matplotlib figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def to_jsonable(obj):
+    """Tensors → lists, non-finite floats → None (strict JSON has no NaN/Infinity)."""
+    if isinstance(obj, torch.Tensor):
+        return to_jsonable(obj.detach().cpu().tolist())
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def save_json(obj, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(obj), indent=2) + "\n")
+    return path
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (5.0, 4.0), **kw):
+    """A Figure and its axes without pyplot, so no backend is selected or changed for the caller
+    (the tools run headless in CI and inside notebooks alike)."""
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as e:  # the `plot` extra
+        raise ModuleNotFoundError("plotting needs matplotlib: pip install 'transnormer[plot]'") from e
+    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
+    return fig, axes
+
+
+def save_figure(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path

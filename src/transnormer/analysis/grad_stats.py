@@ -1,0 +1,260 @@
+"""Gradient stability during training: G_t = ‖∇_θ L_t‖₂ and its relative standard deviation (spec §10).
+
+    recorder = GradientRecorder(params="mixer", per_layer=True, jsonl_path="run/grad_norms.jsonl")
+    for step, batch in ...:
+        loss.backward()
+        recorder.record(model, step)        # after backward, before optimizer.step / zero_grad
+        ...
+    recorder.save_summary("run/grad_rsd.json", start=1000)   # RSD = std_t(G_t) / mean_t(G_t)
+
+Mode ``norm_over_steps`` (ours, spec §10): RSD over steps of the global L2 norm of the selected
+parameters' gradients; std is the population std (ddof = 0). Every summary names the mode, the
+parameter set and the step range, as reported RSDs must. ``record`` does no host sync: norms
+stay on the device and are copied in one transfer every ``sync_every`` records (or on demand).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from ._io import new_figure, save_figure, save_json, to_jsonable
+
+MODE = "norm_over_steps"
+PARAM_SETS = {"mixer": ("*.mixer.*", "mixer.*"), "all": ("*",)}
+_LAYER_RE = re.compile(r"(?:^|\.)(layers\.\d+)(?:\.|$)")
+
+
+def _layer_key(name: str, param_set: str) -> str:
+    """Group name for per-layer norms: 'layers.3' (or the mixer's own prefix, or 'other')."""
+    m = _LAYER_RE.search(name)
+    if m:
+        return m.group(1)
+    if param_set == "mixer" and ".mixer." in name:
+        return name.split(".mixer.")[0]
+    return "other"
+
+
+def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, key: str = "grad_norm",
+              start: int | None = None, end: int | None = None) -> dict:
+    """RSD of ``values`` restricted to steps in [start, end]; non-finite values are counted and excluded."""
+    pairs = [(s, v) for s, v in zip(steps, values, strict=True)
+             if (start is None or s >= start) and (end is None or s <= end)]
+    finite = [(s, v) for s, v in pairs if v is not None and math.isfinite(v)]
+    out = {"mode": MODE, "param_set": param_set, "key": key, "std": "population (ddof=0)",
+           "step_range": [finite[0][0], finite[-1][0]] if finite else None,
+           "requested_range": [start, end], "num_steps": len(finite), "num_nonfinite": len(pairs) - len(finite)}
+    if not finite:
+        return {**out, "mean": None, "stdev": None, "rsd": None}
+    x = torch.tensor([v for _, v in finite], dtype=torch.float64)
+    mean, std = float(x.mean()), float(x.std(correction=0))
+    return {**out, "mean": mean, "stdev": std, "rsd": std / mean if mean > 0 else None}
+
+
+class GradientRecorder:
+    """Records G_t after each backward.
+
+    params: "mixer" (default; parameters under ``*.mixer.*``, the token mixers), "all", or a list of
+    fnmatch patterns over parameter names. per_layer: also record one norm per layer
+    (``layers.<i>``). jsonl_path: append one JSON line per record at each sync.
+    """
+
+    def __init__(self, params: str | Sequence[str] = "mixer", *, per_layer: bool = False,
+                 jsonl_path: str | Path | None = None, sync_every: int = 100):
+        if isinstance(params, str):
+            if params not in PARAM_SETS:
+                raise ValueError(f"params must be one of {tuple(PARAM_SETS)} or a list of name patterns, got {params!r}")
+            self.param_set, self.patterns = params, PARAM_SETS[params]
+        else:
+            self.patterns = tuple(params)
+            if not self.patterns:
+                raise ValueError("params: empty pattern list")
+            self.param_set = ",".join(self.patterns)
+        self.per_layer = per_layer
+        self.jsonl_path = Path(jsonl_path) if jsonl_path is not None else None
+        self.sync_every = max(1, int(sync_every))
+        self._steps: list[int] = []
+        self._values: list[float] = []
+        self._layer_values: dict[str, list[float]] = {}
+        # (step, [1 + n_groups] norms still on the device, group names)
+        self._pending: list[tuple[int, torch.Tensor, list[str]]] = []
+        self._selection: tuple[int, list[tuple[str, torch.nn.Parameter]], list[str]] | None = None
+        self.skipped_steps: list[int] = []
+
+    # -- selection ------------------------------------------------------------------------
+    def _select(self, model) -> tuple[list[tuple[str, torch.nn.Parameter]], list[str]]:
+        # The selection is cached per model object: name matching every step would cost more
+        # than the norms on a small model.
+        if self._selection is None or self._selection[0] != id(model):
+            chosen = [(n, p) for n, p in model.named_parameters()
+                      if p.requires_grad and any(fnmatch.fnmatchcase(n, pat) for pat in self.patterns)]
+            if not chosen:
+                raise ValueError(f"no trainable parameter matches {self.patterns} (param set {self.param_set!r})")
+            groups = sorted({_layer_key(n, self.param_set) for n, _ in chosen},
+                            key=lambda g: (int(g.split(".")[1]) if g.startswith("layers.") else 1 << 30, g))
+            self._selection = (id(model), chosen, groups)
+        return self._selection[1], self._selection[2]
+
+    # -- recording ------------------------------------------------------------------------
+    @torch.no_grad()
+    def record(self, model, step: int) -> None:
+        """Store G_t for this step (call after backward). Steps where no selected parameter has a
+        gradient are skipped and listed in ``skipped_steps``."""
+        chosen, groups = self._select(model)
+        with_grad = [(n, p.grad) for n, p in chosen if p.grad is not None]
+        if not with_grad:
+            self.skipped_steps.append(int(step))
+            return
+        # per-parameter norms in fp32 (one fused kernel per device/dtype), squared and summed:
+        # the global norm equals √Σ‖g_p‖², the per-layer norms are partial sums of the same terms
+        # (selection by Python lists of 0-d tensors, not index tensors: no host→device copies)
+        sq = [n.float().pow(2) for n in torch._foreach_norm([g for _, g in with_grad])]
+        norms = [torch.stack(sq).sum().sqrt()]
+        if self.per_layer:
+            keys = [_layer_key(n, self.param_set) for n, _ in with_grad]
+            for grp in groups:
+                part = [v for v, k in zip(sq, keys, strict=True) if k == grp]
+                norms.append(torch.stack(part).sum().sqrt() if part else sq[0].new_full((), float("nan")))
+        self._pending.append((int(step), torch.stack(norms), groups))
+        if len(self._pending) >= self.sync_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Copy pending norms to the host (one transfer) and append them to the JSONL file."""
+        if not self._pending:
+            return
+        host = torch.stack([v for _, v, _ in self._pending]).double().cpu().tolist()
+        lines = []
+        for (step, _, groups), vals in zip(self._pending, host, strict=True):
+            self._steps.append(step)
+            self._values.append(vals[0])
+            rec = {"step": step, "grad_norm": vals[0], "param_set": self.param_set}
+            if self.per_layer:
+                per = dict(zip(groups, vals[1:], strict=True))
+                for g, v in per.items():
+                    self._layer_values.setdefault(g, []).append(v)
+                rec["per_layer"] = per
+            lines.append(rec)
+        self._pending.clear()
+        if self.jsonl_path is not None:
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.jsonl_path.open("a") as f:
+                for rec in lines:
+                    f.write(json.dumps(to_jsonable(rec)) + "\n")
+
+    # -- results (each accessor flushes first, so it never misses pending steps) --------------
+    @property
+    def steps(self) -> list[int]:
+        self.flush()
+        return self._steps
+
+    @property
+    def values(self) -> list[float]:
+        """G_t per recorded step, aligned with ``steps``."""
+        self.flush()
+        return self._values
+
+    @property
+    def layer_values(self) -> dict[str, list[float]]:
+        self.flush()
+        return self._layer_values
+
+    def rsd(self, start: int | None = None, end: int | None = None) -> float | None:
+        """std_t(G_t) / mean_t(G_t) over recorded steps in [start, end]."""
+        return self.summary(start, end)["rsd"]
+
+    def summary(self, start: int | None = None, end: int | None = None) -> dict:
+        """RSD summary (mode, param set, step range, mean, stdev, rsd) and per-layer RSDs."""
+        self.flush()
+        out = summarize(self.values, self.steps, param_set=self.param_set, start=start, end=end)
+        out["skipped_steps"] = len(self.skipped_steps)
+        if self.per_layer:
+            out["per_layer"] = {g: summarize(v, self.steps, param_set=f"{self.param_set}@{g}", start=start, end=end)
+                                for g, v in self.layer_values.items()}
+        return out
+
+    def save_summary(self, path, start: int | None = None, end: int | None = None) -> Path:
+        return save_json(self.summary(start, end), path)
+
+    def save_jsonl(self, path) -> Path:
+        """Write every recorded step (one JSON line each) to ``path`` (overwrites)."""
+        self.flush()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for i, (step, v) in enumerate(zip(self.steps, self.values, strict=True)):
+                rec = {"step": step, "grad_norm": v, "param_set": self.param_set}
+                if self.per_layer:
+                    rec["per_layer"] = {g: vals[i] for g, vals in self.layer_values.items()}
+                f.write(json.dumps(to_jsonable(rec)) + "\n")
+        return path
+
+    def plot(self, path, title: str | None = None) -> Path:
+        self.flush()
+        return plot_grad_norms(self.steps, self.values, path, title=title or f"G_t over {self.param_set}",
+                               per_layer=self.layer_values if self.per_layer else None)
+
+
+def plot_grad_norms(steps: Sequence[int], values: Sequence[float], path, *, title: str = "",
+                    per_layer: dict[str, Sequence[float]] | None = None) -> Path:
+    fig, axes = new_figure(size=(6.0, 4.0))
+    ax = axes[0, 0]
+    clean = [float("nan") if v is None else v for v in values]
+    ax.plot(steps, clean, lw=1.2, color="k", label="total")
+    for g, vals in (per_layer or {}).items():
+        ax.plot(steps, vals, lw=0.8, label=g)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("‖∇θ L‖₂")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def read_jsonl(path) -> Iterable[dict]:
+    with Path(path).open() as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                yield json.loads(line)
+
+
+def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, end: int | None = None,
+                   param_set: str | None = None, step_key: str = "step") -> dict:
+    """RSD of ``key`` over the lines of a metrics JSONL file (lines without the key are ignored).
+
+    ``param_set`` is recorded in the summary; if None it is taken from the lines' "param_set"
+    field when present, else "unknown" (name it: spec §10 asks every RSD to say what it covers).
+    """
+    steps, values, sets = [], [], set()
+    for rec in read_jsonl(path):
+        if key in rec and step_key in rec:
+            steps.append(int(rec[step_key]))
+            values.append(rec[key])
+            if "param_set" in rec:
+                sets.add(rec["param_set"])
+    if param_set is None:
+        param_set = ",".join(sorted(sets)) or "unknown"
+    out = summarize(values, steps, param_set=param_set, key=key, start=start, end=end)
+    out["source"] = str(path)
+    return out
+
+
+def run_grad_stats(metrics_jsonl, out_dir="analysis_out/grad_stats", *, key: str = "grad_norm",
+                   start: int | None = None, end: int | None = None, param_set: str | None = None) -> dict:
+    """RSD from a metrics JSONL: writes grad_rsd.json and grad_norms.png; returns the summary."""
+    out = Path(out_dir)
+    summary = rsd_from_jsonl(metrics_jsonl, key, start=start, end=end, param_set=param_set)
+    recs = [r for r in read_jsonl(metrics_jsonl) if key in r and "step" in r]
+    files = [save_json(summary, out / "grad_rsd.json"),
+             plot_grad_norms([r["step"] for r in recs], [r[key] for r in recs], out / "grad_norms.png",
+                             title=f"{key}: RSD={summary['rsd']} ({summary['param_set']})")]
+    summary["files"] = [str(f) for f in files]
+    return summary
