@@ -1,0 +1,100 @@
+"""Training-step throughput and peak memory of a preset, each measurement in a fresh process.
+
+A fresh process per configuration makes the peak RSS (CPU) or peak allocated memory (GPU) that
+configuration's own. The step is a full optimizer step (forward, backward, AdamW) on random
+tokens with a fixed number of tokens per step, so lengths are compared at equal work per step.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+
+
+def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_size: int | None, steps: int,
+             threads: int | None, overrides: dict) -> dict:
+    import resource
+
+    import torch
+
+    from ..presets import build_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    kw = {"dropout": 0.0, "max_position_embeddings": max(seq_len, 512), **overrides}
+    if vocab_size:
+        kw["vocab_size"] = vocab_size
+    model = build_model(preset, task="clm", **kw).train()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = max(1, tokens_per_step // seq_len)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=dev)
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return float(loss)
+
+    loss = step()  # warm-up (allocations, optimizer state)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    t = times[len(times) // 2]
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return {"preset": preset, "seq_len": seq_len, "batch": batch, "dtype": dtype, "step_s": t,
+            "tokens_per_s": batch * seq_len / t, "peak_mem_mb": peak, "loss": loss,
+            "params": sum(p.numel() for p in model.parameters()), "finite": bool(torch.isfinite(torch.tensor(loss)))}
+
+
+def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tokens_per_step: int = 8192,
+                          vocab_size: int | None = 32768, steps: int = 3, threads: int | None = None,
+                          overrides: dict | None = None, isolate: bool = True) -> dict:
+    """Median step time, tokens/s and peak memory of one configuration (see module docstring)."""
+    args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {})
+    if not isolate:
+        return _measure(*args)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_measure, args)
+
+
+def model_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward) of the dense GEMMs and the mixers.
+
+    Dense: 2·(non-embedding params + LM head). Mixers per layer, by type (forward, per token):
+    softmax causal ≈ 2·T·d (QKᵀ and AV on the causal half), norm ≈ 4·d·e + 2·c·d (states + intra-chunk),
+    diag ≈ 2·w·d (causal half of a block). Used to print the ideal time ratio beside the measured one.
+    """
+    d, L = config.hidden_size, config.num_hidden_layers
+    e = d // config.num_attention_heads
+    ffn_hidden = config.ffn_hidden_size or (int(8 * d / 3) if config.ffn_type == "glu" else 4 * d)
+    per_layer_dense = 2 * (4 * d * d + (3 if config.ffn_type == "glu" else 2) * d * ffn_hidden)
+    mixer = 0.0
+    for t in config.layer_types:
+        if t == "softmax":
+            mixer += 2 * seq_len * d
+        elif t == "norm":
+            mixer += 4 * d * e + 2 * config.chunk_size * d
+        elif t == "diag":
+            mixer += 2 * config.block_size * d
+        else:
+            mixer += 4 * d * e
+    head = 2 * d * config.vocab_size
+    return 3 * (L * per_layer_dense + mixer + head)
+
+
+def dump(results: list[dict], path) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
