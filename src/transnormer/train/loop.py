@@ -211,7 +211,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.grad_stats:
         from ..analysis.grad_stats import GradientRecorder
 
-        recorder = GradientRecorder()
+        recorder = GradientRecorder("mixer")  # ‖∇‖ over attention-module parameters, every step
     if cfg.compile:
         model = torch.compile(model)
     wrapped = wrap_model(model, info, cfg.strategy)
@@ -313,7 +313,10 @@ def train(cfg: TrainConfig) -> dict:
         "eval": {k: v for k, v in last_eval.items() if not k.startswith("_")}, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
     }
     if recorder is not None and info.is_main:
-        summary["grad_stats"] = recorder.save(out / "grad_stats.json")
+        recorder.save_jsonl(out / "grad_norms.jsonl")
+        recorder.save_summary(out / "grad_rsd.json")
+        recorder.plot(out / "grad_norms.png")
+        summary["grad_stats"] = recorder.summary()
     if info.is_main:
         eval_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
         plot_curves({"train": train_pts, "valid": eval_pts}, out / "loss.png", title=str(summary["name"]))

@@ -1,0 +1,147 @@
+"""``transnormer analyze gradient-bound|dilution|grad-stats|ablation``: the paper's evidence as tools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _dump(obj) -> None:
+    print(json.dumps(obj, indent=1, default=str)[:4000])
+
+
+def cmd_gradient_bound(args) -> int:
+    from .analysis import run_gradient_bound
+
+    res = run_gradient_bound(args.out, seed=args.seed)
+    _dump(res["summary"])
+    print("wrote", ", ".join(res["files"]))
+    return 0
+
+
+def _text_ids(data: str, tokenizer, seq_len: int, n: int, cache_dir):
+    import torch
+
+    from .data.corpus import load_corpus
+
+    corpus = load_corpus(data, cache_dir=cache_dir)
+    text = "\n\n".join(corpus.splits["valid"])
+    ids = tokenizer.encode(text)
+    if len(ids) < seq_len * n:
+        raise ValueError(f"--data: the valid split has {len(ids)} tokens, fewer than {n} x --seq-len {seq_len}")
+    return torch.tensor(ids[: seq_len * n]).view(n, seq_len)
+
+
+def cmd_dilution(args) -> int:
+    from .analysis import run_dilution
+    from .cli import load_tokenizer_for, resolve_model_dir
+    from .data.corpus import load_corpus
+    from .data.tokenizer import build_tokenizer, load_tokenizer
+
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    models, tok = {}, None
+    for name in names:
+        if Path(name).exists():
+            from transformers import AutoModel
+
+            from . import models as _  # noqa: F401
+
+            d = resolve_model_dir(name)
+            models[name] = AutoModel.from_pretrained(d).eval()
+            tok = tok or load_tokenizer_for(d, args.tokenizer)
+    if tok is None:
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(
+            load_corpus(args.data, cache_dir=args.cache_dir), args.vocab_size, cache_dir=args.cache_dir)
+    for name in names:
+        if name not in models:
+            from .presets import build_model
+
+            models[name] = build_model(name, vocab_size=tok.vocab_size, dropout=0.0,
+                                       max_position_embeddings=max(512, args.seq_len)).eval()
+    ids = _text_ids(args.data, tok, args.seq_len, args.samples, args.cache_dir)
+    res = run_dilution(models, ids, args.out, mode=args.mode, seq_len=args.seq_len)
+    _dump(res["summary"])
+    print("wrote", ", ".join(str(f) for f in res["files"]))
+    return 0
+
+
+def cmd_grad_stats(args) -> int:
+    from .analysis import run_grad_stats
+
+    res = run_grad_stats(args.metrics, args.out, key=args.key, start=args.start, end=args.end)
+    _dump(res)
+    return 0
+
+
+def cmd_ablation(args) -> int:
+    from .analysis.ablation import run_scaling_ablation
+    from .train.loop import TrainConfig, train
+    from .train.metrics import read_metrics
+
+    out = Path(args.out)
+
+    def train_fn(config, budget):
+        run = out / config.name_or_path if getattr(config, "name_or_path", "") else out / "run"
+        run.mkdir(parents=True, exist_ok=True)
+        cfg_path = run / "model_config.json"
+        config.to_json_file(cfg_path)
+        cfg = TrainConfig(preset=None, config_file=str(cfg_path), data=args.data, budget=budget,
+                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                          clip=0.0, out_dir=str(run), seed=args.seed, vocab_size=args.vocab_size,
+                          cache_dir=args.cache_dir, eval_batches=10, progress=False)
+        train(cfg)
+        return [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+
+    from .analysis.ablation import ablation_configs
+
+    configs = ablation_configs(args.base)
+    for name, c in configs.items():
+        c.name_or_path = name
+    res = run_scaling_ablation(train_fn, args.budget, out, base=args.base, configs=configs)
+    _dump(res["stats"])
+    print("wrote", ", ".join(res["files"]))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("analyze", help="gradient bound, attention dilution, gradient stability, scaling ablation")
+    asub = p.add_subparsers(dest="analysis", required=True)
+
+    q = asub.add_parser("gradient-bound", help="Proposition 3.1: softmax vs linear vs NormAttention gradients")
+    q.add_argument("--out", default="runs/analysis/gradient_bound")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=cmd_gradient_bound)
+
+    q = asub.add_parser("dilution", help="locally accumulated attention score l(r) per layer")
+    q.add_argument("--models", required=True, help="comma-separated presets (random init) or model/run dirs")
+    q.add_argument("--data", default="stdlib")
+    q.add_argument("--tokenizer")
+    q.add_argument("--vocab-size", type=int, default=8192)
+    q.add_argument("--cache-dir")
+    q.add_argument("--seq-len", type=int, default=512)
+    q.add_argument("--samples", type=int, default=2)
+    q.add_argument("--mode", default="clip", choices=["clip", "shift", "causal"])
+    q.add_argument("--out", default="runs/analysis/dilution")
+    q.set_defaults(func=cmd_dilution)
+
+    q = asub.add_parser("grad-stats", help="relative std of gradient norms from a run's metrics")
+    q.add_argument("--metrics", required=True, help="grad_norms.jsonl (train --grad-stats) or metrics.jsonl")
+    q.add_argument("--key", default="grad_norm")
+    q.add_argument("--start", type=int)
+    q.add_argument("--end", type=int)
+    q.add_argument("--out", default="runs/analysis/grad_stats")
+    q.set_defaults(func=cmd_grad_stats)
+
+    q = asub.add_parser("ablation", help="linear_elu with / without denominator vs NormAttention, same budget")
+    q.add_argument("--base", default="t2-lm-tiny")
+    q.add_argument("--data", default="stdlib")
+    q.add_argument("--budget", default="300k")
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--batch-size", type=int, default=8)
+    q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--warmup", type=int, default=20)
+    q.add_argument("--vocab-size", type=int, default=8192)
+    q.add_argument("--cache-dir")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--out", default="runs/analysis/ablation")
+    q.set_defaults(func=cmd_ablation)
