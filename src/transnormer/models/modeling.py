@@ -64,6 +64,14 @@ class TransNormerCache:
         return self
 
 
+def _fp32_unless_autocast(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits of a half-precision model are upcast for the loss; under autocast the
+    loss is already computed in fp32 without a materialised copy."""
+    if logits.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(logits.device.type):
+        return logits.float()
+    return logits
+
+
 class TransNormerBlock(nn.Module):
     """Pre-norm: x += Drop(Mix(N(x))); x += Drop(FFN(N(x))). Post-norm: x = N(x + Drop(Mix(x))) ..."""
 
@@ -280,9 +288,10 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
-            )
+            # Shift the labels, not the logits: slicing [B, T, V] logits copies them (and their gradient).
+            shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                                   ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # Generation ------------------------------------------------------------------------------
@@ -347,7 +356,8 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
         logits = self.lm_head(out.last_hidden_state)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 

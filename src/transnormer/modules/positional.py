@@ -24,21 +24,26 @@ def rotate(x: torch.Tensor, angles: torch.Tensor, pairing: str = "interleaved") 
 
     ``interleaved`` pairs (2i, 2i+1) (TransNormer LRPE); ``half`` pairs (i, i + D/2) (GAU RoPE).
     Channels beyond the 2P rotated ones pass through unchanged (odd D: the last channel).
+
+    Written as x·cos + swap(x)·sin with full-width cos/sin tables: no strided slices, whose
+    backward would allocate and fill a zero tensor per slice.
     """
     P = angles.shape[-1]
-    cos = torch.cos(angles)[:, :, None, :].to(x.dtype)
-    sin = torch.sin(angles)[:, :, None, :].to(x.dtype)
-    if pairing == "interleaved":
-        rot, rest = x[..., : 2 * P], x[..., 2 * P :]
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    elif pairing == "half":
-        rot, rest = x[..., : 2 * P], x[..., 2 * P :]
-        a, b = rot[..., :P], rot[..., P:]
-        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    else:
+    if pairing not in ("interleaved", "half"):
         raise ValueError(f"pairing must be 'interleaved' or 'half', got {pairing!r}")
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    D = x.shape[-1]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    rot = x[..., : 2 * P] if D != 2 * P else x
+    if pairing == "interleaved":
+        cos2 = torch.stack((cos, cos), -1).flatten(-2)
+        sin2 = torch.stack((-sin, sin), -1).flatten(-2)
+        swapped = rot.unflatten(-1, (P, 2)).flip(-1).flatten(-2)  # (a, b) -> (b, a)
+    else:
+        cos2 = torch.cat((cos, cos), -1)
+        sin2 = torch.cat((-sin, sin), -1)
+        swapped = torch.cat((rot[..., P:], rot[..., :P]), -1)
+    out = rot * cos2[:, :, None].to(x.dtype) + swapped * sin2[:, :, None].to(x.dtype)
+    return torch.cat((out, x[..., 2 * P :]), dim=-1) if D != 2 * P else out
 
 
 class LRPE(nn.Module):
@@ -75,8 +80,9 @@ class LRPE(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.u is not None:
+            # P = I − 2uuᵀ as one small matmul (fewer full-size elementwise passes than x − 2(x·u)u)
             u = self.u.to(x.dtype)
-            x = x - 2.0 * (x @ u)[..., None] * u
+            x = x @ (torch.eye(self.head_dim, dtype=x.dtype, device=x.device) - 2.0 * torch.outer(u, u))
         angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
         return rotate(x, angles, self.pairing)
 
