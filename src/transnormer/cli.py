@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         if "TRANSNORMER_DEBUG" in __import__("os").environ:
             raise
         print(f"transnormer {args.command}: error: {e}", file=sys.stderr)

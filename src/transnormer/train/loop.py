@@ -95,6 +95,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps is None and self.budget is None:
             raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
+        if self.budget is not None:
+            parse_budget(self.budget)
+        if self.preset and not (self.config_file or self.init_from):
+            from ..presets import get_config
+
+            get_config(self.preset)  # an unknown name fails here, before any data work
 
 
 def parse_budget(budget: str) -> tuple[str, float]:
