@@ -12,36 +12,61 @@ import multiprocessing
 import time
 
 
+def build_bench_model(preset: str, seq_len: int, vocab_size: int | None, overrides: dict):
+    """A causal LM for benchmarking: one of our presets, or a peer (``peer:NAME``, see bench/peers.py)."""
+    if preset.startswith("peer:"):
+        from .peers import build_peer_model
+
+        return build_peer_model(preset[5:], seq_len=seq_len, vocab_size=vocab_size, **overrides)
+    from ..presets import build_model
+
+    kw = {"dropout": 0.0, "max_position_embeddings": max(seq_len, 512), **overrides}
+    if vocab_size:
+        kw["vocab_size"] = vocab_size
+    return build_model(preset, task="clm", **kw)
+
+
+def lm_loss(model, ids):
+    """Next-token loss of our models (HF output) and of peers (raw logits)."""
+    import torch.nn.functional as F
+
+    out = model(input_ids=ids, labels=ids) if not getattr(model, "is_peer", False) else None
+    if out is not None:
+        return out.loss
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
 def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_size: int | None, steps: int,
-             threads: int | None, overrides: dict) -> dict:
+             threads: int | None, overrides: dict, mode: str = "train") -> dict:
     import resource
 
     import torch
 
-    from ..presets import build_model
-
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
-    kw = {"dropout": 0.0, "max_position_embeddings": max(seq_len, 512), **overrides}
-    if vocab_size:
-        kw["vocab_size"] = vocab_size
-    model = build_model(preset, task="clm", **kw).train()
+    model = build_bench_model(preset, seq_len, vocab_size, overrides)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.to(dev).train(mode == "train")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if mode == "train" else None
     batch = max(1, tokens_per_step // seq_len)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=dev)
+    vocab = vocab_size or model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), device=dev)
 
     def step():
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if mode == "train":
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = lm_loss(model, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss = lm_loss(model, ids)
         if dev == "cuda":
             torch.cuda.synchronize()
-        return float(loss)
+        return float(loss.detach())
 
     loss = step()  # warm-up (allocations, optimizer state)
     times = []
@@ -53,16 +78,20 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
     t = times[len(times) // 2]
     peak = (torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"preset": preset, "seq_len": seq_len, "batch": batch, "dtype": dtype, "step_s": t,
+    params = sum(p.numel() for p in model.parameters())
+    return {"preset": preset, "mode": mode, "seq_len": seq_len, "batch": batch, "dtype": dtype, "step_s": t,
             "tokens_per_s": batch * seq_len / t, "peak_mem_mb": peak, "loss": loss,
-            "params": sum(p.numel() for p in model.parameters()), "finite": bool(torch.isfinite(torch.tensor(loss)))}
+            "params": params, "finite": bool(torch.isfinite(torch.tensor(loss)))}
 
 
 def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tokens_per_step: int = 8192,
                           vocab_size: int | None = 32768, steps: int = 3, threads: int | None = None,
-                          overrides: dict | None = None, isolate: bool = True) -> dict:
-    """Median step time, tokens/s and peak memory of one configuration (see module docstring)."""
-    args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {})
+                          overrides: dict | None = None, isolate: bool = True, mode: str = "train") -> dict:
+    """Median step time, tokens/s and peak memory of one configuration (see module docstring).
+
+    ``mode="infer"`` times a no-grad forward instead of a training step.
+    """
+    args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {}, mode)
     if not isolate:
         return _measure(*args)
     ctx = multiprocessing.get_context("spawn")

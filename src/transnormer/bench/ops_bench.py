@@ -1,0 +1,47 @@
+"""Op-level throughput: norm_linear_attn forward+backward as a fraction of the machine's GEMM rate.
+
+FLOPs counted are the algorithm's (forward + a backward of twice the forward, the usual 3x
+convention); the recomputation our backward does is not counted, so the reported fraction is
+conservative. Per head, forward:
+    causal chunked (chunk c): 2T·(c·D + c·E) intra-chunk + 2·2T·D·E states and queries
+    bidirectional:            2·2T·D·E  (Kᵀ V, then Q S)
+The reference GEMM rates are measured in the same run: a large square matmul (the peak) and a
+batched matmul of the op's own dominant shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import norm_linear_attn
+from .timing import measure
+
+
+def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_heads: int) -> float:
+    c = min(chunk, T)
+    fwd = 4 * T * D * E + (2 * T * c * (D + E) if causal else 0)
+    return 3.0 * fwd * batch_heads
+
+
+def gemm_rates(dtype: torch.dtype, *, chunk: int, D: int, repeat: int = 5) -> dict:
+    """GFLOP/s of a 2048³ matmul and of a [1024, c, D] x [1024, D, c] batched matmul."""
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    t = measure(lambda: a @ b, warmup=2, repeat=repeat)["median_s"]
+    peak = 2 * 2048**3 / t / 1e9
+    x, y = torch.randn(1024, chunk, D, dtype=dtype), torch.randn(1024, D, chunk, dtype=dtype)
+    t = measure(lambda: torch.bmm(x, y), warmup=2, repeat=repeat)["median_s"]
+    return {"square_gflops": peak, "chunk_bmm_gflops": 2 * 1024 * chunk * D * chunk / t / 1e9}
+
+
+def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B: int = 1, H: int = 8, D: int = 64,
+                  chunk: int = 64, repeat: int = 3) -> dict:
+    q, k, v = (torch.randn(B, T, H, D, dtype=dtype).mul_(0.1).requires_grad_() for _ in range(3))
+
+    def run():
+        o, _ = norm_linear_attn(q, k, v, causal=causal, chunk_size=chunk)
+        o.backward(torch.ones_like(o))
+
+    t = measure(run, warmup=1, repeat=repeat)["median_s"]
+    flops = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H)
+    return {"T": T, "causal": causal, "dtype": str(dtype).replace("torch.", ""), "seconds": t,
+            "gflops": flops / t / 1e9}

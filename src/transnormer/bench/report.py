@@ -1,0 +1,80 @@
+"""Benchmark reports: JSON of every measurement, a markdown table, log-log PNGs against T."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def environment() -> dict:
+    """What a number needs beside it to be read: versions, threads, CPU model."""
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "python": platform.python_version()}
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def loglog_plot(rows: list[dict], path, *, x: str, y: str, series: str, title: str = "") -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name in dict.fromkeys(r[series] for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if r[series] == name and r.get(y) is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(rows: list[dict], out_dir, name: str, columns: list[str], *, x: str = "seq_len",
+                 series: str = "preset", plots: tuple[str, ...] = ("step_s", "peak_mem_mb"), extra: dict | None = None
+                 ) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": environment(), "results": rows, **(extra or {})}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str))
+    table = markdown_table(rows, columns)
+    (out / f"{name}.md").write_text(table + "\n")
+    files = [str(out / f"{name}.json"), str(out / f"{name}.md")]
+    for y in plots:
+        p = loglog_plot(rows, out / f"{name}_{y}.png", x=x, y=y, series=series, title=f"{name}: {y} vs {x}")
+        if p:
+            files.append(str(p))
+    return {"table": table, "files": files}
