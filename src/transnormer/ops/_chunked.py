@@ -32,41 +32,49 @@ def _exclusive_scan(x: torch.Tensor, init: torch.Tensor | None, reverse: bool = 
     return out, acc
 
 
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
 class ChunkedCausalLinearAttn(torch.autograd.Function):
+    """All matmuls run as bmm / in-place baddbmm over [N·G, ·, ·] views (no extra add passes)."""
+
     @staticmethod
     def forward(ctx, q, k, v, init, state_dtype):
         """q, k: [N, G, c, D]; v: [N, G, c, E]; init: [N, D, E] or None. Returns (o, final)."""
+        N, G, c, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
-            kv = (k.transpose(-1, -2) @ v).to(state_dtype)
+            q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+            kv = torch.bmm(_t(k3), v3).view(N, G, D, -1).to(state_dtype)
             states, final = _exclusive_scan(kv, None if init is None else init.to(state_dtype))
-            scores = (q @ k.transpose(-1, -2)).tril_()
-            o = scores @ v
-            o.add_(q @ states.to(q.dtype))
+            o = torch.bmm(q3, states.to(q.dtype).flatten(0, 1))  # inter-chunk: Q_g S_g
+            scores = torch.bmm(q3, _t(k3)).tril_()
+            o.baddbmm_(scores, v3)  # + intra-chunk (Q_g K_gᵀ ⊙ M) V_g
         ctx.save_for_backward(q, k, v, init)
         ctx.state_dtype = state_dtype
-        return o, final
+        return o.view(N, G, c, -1), final
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dfinal):
         q, k, v, init = ctx.saved_tensors
         sdt = ctx.state_dtype
+        N, G, c, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
-            do = do.contiguous()
-            kv = (k.transpose(-1, -2) @ v).to(sdt)
+            q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+            do3 = do.contiguous().flatten(0, 1)
+            kv = torch.bmm(_t(k3), v3).view(N, G, D, -1).to(sdt)
             states, _ = _exclusive_scan(kv, None if init is None else init.to(sdt))
-            ds = (q.transpose(-1, -2) @ do).to(sdt)  # [N, G, D, E]
+            ds = torch.bmm(_t(q3), do3).view(N, G, D, -1).to(sdt)
             dfin = torch.zeros_like(states[:, 0]) if dfinal is None else dfinal.to(sdt)
             rev, ds0 = _exclusive_scan(ds, dfin, reverse=True)
-            rev = rev.to(q.dtype)
+            rev3, states3 = rev.to(q.dtype).flatten(0, 1), states.to(q.dtype).flatten(0, 1)
 
-            dscores = (do @ v.transpose(-1, -2)).tril_()  # dA, masked
-            dq = dscores @ k
-            dq.add_(do @ states.to(q.dtype).transpose(-1, -2))
-            dk = dscores.transpose(-1, -2) @ q
-            dk.add_(v @ rev.transpose(-1, -2))
-            scores = (q @ k.transpose(-1, -2)).tril_()
-            dv = scores.transpose(-1, -2) @ do
-            dv.add_(k @ rev)
+            dscores = torch.bmm(do3, _t(v3)).tril_()  # dA, masked
+            dq = torch.bmm(do3, _t(states3)).baddbmm_(dscores, k3)
+            dk = torch.bmm(v3, _t(rev3)).baddbmm_(_t(dscores), q3)
+            scores = torch.bmm(q3, _t(k3)).tril_()
+            dv = torch.bmm(k3, rev3).baddbmm_(_t(scores), do3)
         dinit = None if init is None else ds0.to(init.dtype)
-        return dq, dk, dv, dinit, None
+        shape = (N, G, c, -1)
+        return dq.view(shape), dk.view(shape), dv.view(shape), dinit, None
