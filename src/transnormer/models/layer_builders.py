@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from ..layers import DiagAttention, NormAttention, register_layer_type
+from ..layers import (
+    FLASH,
+    GAU,
+    CosFormerAttention,
+    DiagAttention,
+    LinearAttention,
+    NormAttention,
+    Performer,
+    SoftmaxAttention,
+    register_layer_type,
+)
 
 
 def _norm_kwargs(config) -> dict:
@@ -42,3 +52,66 @@ def build_diag_attention(config, layer_idx: int) -> DiagAttention:
         **_norm_kwargs(config),
         **config.options_for("diag"),
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Baselines (layer options from ``config.layer_options[<type>]``; unknown options raise TypeError)
+# ------------------------------------------------------------------------------------------------
+def _build(layer_type: str, cls, *args, **kwargs):
+    try:
+        return cls(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"layer_options[{layer_type!r}]: {e}") from e
+
+
+@register_layer_type("softmax")
+def build_softmax_attention(config, layer_idx: int) -> SoftmaxAttention:
+    """Options: ``rope`` (bool, default False: the vanilla Transformer)."""
+    opts = {"attention_dropout": config.attention_dropout, **config.options_for("softmax")}
+    return _build("softmax", SoftmaxAttention, config.hidden_size, config.num_attention_heads,
+                  causal=config.causal, **opts)
+
+
+@register_layer_type("linear_elu")
+def build_linear_attention(config, layer_idx: int) -> LinearAttention:
+    """Options: ``denominator`` (True), ``eps`` (1e-6, in the denominator), ``kernel`` ("1+elu")."""
+    opts = {"chunk_size": config.chunk_size, **config.options_for("linear_elu")}
+    return _build("linear_elu", LinearAttention, config.hidden_size, config.num_attention_heads,
+                  causal=config.causal, **opts)
+
+
+@register_layer_type("performer")
+def build_performer(config, layer_idx: int) -> Performer:
+    """Options: ``num_features`` (⌊d_h ln d_h⌋), ``orthogonal`` (True), ``redraw_interval`` (1000),
+    ``seed`` (0; layer i draws from seed·1000 + i), ``eps`` (1e-6)."""
+    opts = {"chunk_size": config.chunk_size, **config.options_for("performer")}
+    opts["feature_seed"] = int(opts.pop("seed", 0)) * 1000 + layer_idx
+    return _build("performer", Performer, config.hidden_size, config.num_attention_heads,
+                  causal=config.causal, **opts)
+
+
+@register_layer_type("cosformer")
+def build_cosformer(config, layer_idx: int) -> CosFormerAttention:
+    """Options: ``max_len`` M (causal default: ``max_position_embeddings``; bidirectional
+    default None = each row's real length), ``eps`` (1e-6)."""
+    opts = {"chunk_size": config.chunk_size, **config.options_for("cosformer")}
+    opts.setdefault("max_len", config.max_position_embeddings if config.causal else None)
+    return _build("cosformer", CosFormerAttention, config.hidden_size, config.num_attention_heads,
+                  causal=config.causal, **opts)
+
+
+@register_layer_type("gau")
+def build_gau(config, layer_idx: int) -> GAU:
+    """FLASH-Quad. Options: ``expansion`` (2: e = 2d), ``qk_dim`` (s = 128), ``normalizer``
+    ("seq_len"), ``fixed_len`` (512), ``rel_bias`` ("toeplitz"), ``max_rel_len`` (512), ``rope`` ("full")."""
+    opts = {"attention_dropout": config.attention_dropout, **config.options_for("gau")}
+    return _build("gau", GAU, config.hidden_size, causal=config.causal, **opts)
+
+
+@register_layer_type("flash")
+def build_flash(config, layer_idx: int) -> FLASH:
+    """FLASH. Options as ``gau`` plus ``chunk_size`` (C = 256, independent of config.chunk_size,
+    which only tunes the speed of the linear layers), ``normalizer`` (global, "visible"),
+    ``local_branch`` / ``global_branch`` (True)."""
+    opts = {"attention_dropout": config.attention_dropout, **config.options_for("flash")}
+    return _build("flash", FLASH, config.hidden_size, causal=config.causal, **opts)

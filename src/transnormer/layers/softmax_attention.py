@@ -1,0 +1,88 @@
+"""Vanilla multi-head softmax attention (the quadratic baseline), optionally with RoPE.
+
+Same projections, heads and init as NormAttention so that a comparison changes only the
+attention rule: RoPE off + sinusoidal positions = the paper's "Vanilla Transformer"; RoPE on =
+"Transformer+" (add ``ffn_type="glu"`` for "Transformer++").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..modules.positional import build_lrpe
+from ..ops.softmax import softmax_attn, softmax_attn_cached
+from .base import TokenMixer, default_positions, mask_or_none
+
+
+class SoftmaxAttention(TokenMixer):
+    """softmax(Q Kᵀ / √e) V per head through SDPA; x: [B, T, d] → [B, T, d].
+
+    ``rope``: rotate-half RoPE (θ_i = 10000^{-2i/e}) on q and k at the real-token positions.
+    Decoding keeps a KV cache (``cache = {"k", "v", "valid"}``, keys stored after RoPE), whose
+    size grows with the sequence: the cost the linear baselines avoid.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        causal: bool,
+        rope: bool = False,
+        attention_dropout: float = 0.0,
+    ):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        if not isinstance(rope, bool):
+            raise TypeError(f"rope must be a bool, got {rope!r}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = hidden_size // num_heads
+        self.causal, self.attention_dropout = causal, attention_dropout
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self.rope = build_lrpe("rope", self.head_dim, pairing="half") if rope else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # fairseq MultiheadAttention (the paper's vanilla baseline) and our NormAttention alike.
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def featurize(self, x: torch.Tensor, positions: torch.Tensor):
+        """q, k (RoPE'd if enabled), v: [B, T, H, e]."""
+        B, T, _ = x.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        if self.rope is not None:
+            q, k = self.rope(q, positions), self.rope(k, positions)
+        return q, k, v
+
+    def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        B, T, _ = x.shape
+        if positions is None:
+            positions = default_positions(x, attention_mask)
+        mask = mask_or_none(attention_mask)
+        q, k, v = self.featurize(x, positions)
+        if not use_cache:
+            o = softmax_attn(q, k, v, causal=self.causal, key_padding_mask=mask,
+                             dropout_p=self.attention_dropout if self.training else 0.0)
+            return self.out_proj(o.reshape(B, T, self.hidden_size)), None
+        if not self.causal:
+            raise ValueError("use_cache needs a causal SoftmaxAttention (decoding is causal)")
+        valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
+        if cache is not None and "k" in cache:
+            k = torch.cat([cache["k"], k], 1)
+            v = torch.cat([cache["v"], v], 1)
+            valid = torch.cat([cache["valid"], valid], 1)
+        o = softmax_attn_cached(q, k, v, key_valid=valid, query_offset=k.shape[1] - T)
+        if mask is not None:
+            o = o * mask[:, :, None, None].to(o.dtype)  # padded queries: 0, as in the full forward
+        return self.out_proj(o.reshape(B, T, self.hidden_size)), {"k": k, "v": v, "valid": valid}

@@ -1,0 +1,220 @@
+"""GAU (FLASH-Quad) and FLASH mixed-chunk attention cores (spec flash.md §1–§4).
+
+Single head, 3-d layouts (GAU has one head of width s):
+
+    q, k: [B, T, s]   (already scaled/offset and RoPE'd by the layer)   v: [B, T, e]
+    key_padding_mask: [B, T] (True = valid)      bias: broadcastable to [B, Tq, Tk]
+
+GAU:    out_i = Σ_j allowed_ij · relu²(q_i·k_j / N_q(i) + b_ij) · v_j       (no softmax, no sum-to-1)
+FLASH:  out_i = Σ_{j: c(j)=c(i)} m_j relu²(q_i·k_j / C + β(ρ_j − ρ_i)) v_j  (local, inside chunks)
+              + (1/N_g) Σ_{j ∈ G(i)} m_j (q̃_i·k̃_j) v_j                       (global, linear)
+with G(i) = all j (bidirectional) or the chunks before c(i) (causal: exclusive prefix).
+The gate (U ⊙ ·), the projections and the output layer live in the layer (layers/gau.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_key_padding_mask, check_positive_int
+from .norm_linear import state_dtype_for
+
+QUAD_NORMALIZERS = ("seq_len", "fixed", "visible", "none")  # N_q, flash.md §1.1
+GLOBAL_NORMALIZERS = ("visible", "chunk", "none")  # N_g, flash.md §3.4
+
+
+def check_normalizer(name: str, allowed: tuple[str, ...], what: str) -> None:
+    if name not in allowed:
+        raise ValueError(f"{what} must be one of {allowed}, got {name!r}")
+
+
+def _check_single_head(**tensors) -> None:
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have layout [B, T, X] (single head), got shape {tuple(x.shape)}")
+
+
+class _MaskedRelu2(torch.autograd.Function):
+    """a = relu(s)² ⊙ allowed, saving one T×T tensor (r = relu(s) ⊙ allowed): da/ds = 2r.
+
+    The composed ops would keep three T×T tensors alive for the backward (masked scores, relu
+    output, square input); at 8k tokens each is 256 MB in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, s, allowed):
+        r = torch.relu(s)
+        if allowed is not None:
+            r = r.masked_fill_(~allowed, 0.0)
+        ctx.save_for_backward(r)
+        return r * r
+
+    @staticmethod
+    def backward(ctx, grad):
+        (r,) = ctx.saved_tensors
+        return grad * r * 2.0, None
+
+
+def relu2_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    allowed: torch.Tensor | None,
+    norm: float | torch.Tensor = 1.0,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Σ_j allowed_ij relu²(q_i·k_j / norm_i + bias_ij) v_j.
+
+    q: [..., Tq, s]; k: [..., Tk, s]; v: [..., Tk, e]; allowed: [..., Tq, Tk] bool or None (all);
+    norm: a number or [..., Tq, 1]; bias: broadcastable to [..., Tq, Tk]. Returns [..., Tq, e].
+    Disallowed entries are exactly 0 (relu² has no normalising sum, so masking after is exact).
+    """
+    s = (q / norm) @ k.transpose(-1, -2)  # dividing q (T·s) is cheaper than the scores (T²)
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    a = _MaskedRelu2.apply(s, allowed)
+    if dropout_p > 0.0:
+        a = F.dropout(a, p=dropout_p, training=True)
+    return a @ v
+
+
+def quad_normalizer(mode: str, *, causal: bool, valid: torch.Tensor, fixed_len: int, dtype: torch.dtype):
+    """N_q per query row (flash.md §1.1) for a batch with key validity ``valid`` [B, T].
+
+    seq_len: T_v of the row; fixed: ``fixed_len``; visible: valid keys the row can see (causal:
+    valid j ≤ i, i.e. its position + 1; bidirectional: T_v); none: 1. Returns a number or [B, T, 1].
+    """
+    check_normalizer(mode, QUAD_NORMALIZERS, "normalizer")
+    if mode == "fixed":
+        return float(fixed_len)
+    if mode == "none":
+        return 1.0
+    counts = valid.to(dtype)
+    if mode == "visible" and causal:
+        return counts.cumsum(-1).clamp_min(1)[..., None]
+    return counts.sum(-1).clamp_min(1)[:, None, None]
+
+
+def gau_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    normalizer: str = "seq_len",
+    fixed_len: int = 512,
+    bias: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """FLASH-Quad attention A V with A = relu²(Q Kᵀ / N_q + B) (⊙ tril), padded keys removed.
+
+    q, k: [B, T, s]; v: [B, T, e]; bias: [T, T] or [B, T, T] (b_ij, added after the division).
+    O(T²) time and memory. Returns [B, T, e].
+    """
+    _check_single_head(q=q, k=k, v=v)
+    B, T, _ = q.shape
+    mask = check_key_padding_mask(key_padding_mask, B, T)
+    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
+    allowed = None
+    if mask is not None:
+        allowed = mask[:, None, :].expand(B, T, T)
+    if causal:
+        tril = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        allowed = tril.expand(B, T, T) if allowed is None else allowed & tril
+    norm = quad_normalizer(normalizer, causal=causal, valid=valid, fixed_len=fixed_len, dtype=q.dtype)
+    return relu2_attention(q, k, v, allowed=allowed, norm=norm, bias=bias, dropout_p=dropout_p)
+
+
+def flash_attn(
+    q_local: torch.Tensor,
+    k_local: torch.Tensor,
+    q_global: torch.Tensor,
+    k_global: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    chunk_size: int = 256,
+    normalizer: str = "visible",
+    local_bias: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    local_branch: bool = True,
+    global_branch: bool = True,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """FLASH mixed chunk attention (flash.md §3.2–§3.4, §4). Linear in T for a fixed C.
+
+    Args:
+        q_local, k_local: [B, T, s] heads of the quadratic in-chunk branch.
+        q_global, k_global: [B, T, s] heads of the linear cross-chunk branch.
+        v: [B, T, e] values, shared by both branches.
+        chunk_size: C. T is padded to a multiple of C with invalid rows (any T is accepted);
+            chunks are by index, so rows must be right-padded (the model guarantees it).
+        normalizer: global N_g: ``visible`` (non-causal: T_v; causal: valid tokens in the chunks
+            before, chunk 0 gets no global term), ``chunk`` (C) or ``none`` (1).
+        local_bias: [C, C] with entry [ρ_i, ρ_j] = β(ρ_j − ρ_i), or None.
+        key_padding_mask: [B, T], True = valid; padded rows of K^l and V are zeroed before the
+            chunk states are formed, and padded keys get A_ij = 0 in the local branch.
+
+    Returns:
+        [B, T, e] = local + global (before the U gate).
+    """
+    _check_single_head(q_local=q_local, k_local=k_local, q_global=q_global, k_global=k_global, v=v)
+    check_positive_int("chunk_size", chunk_size)
+    check_normalizer(normalizer, GLOBAL_NORMALIZERS, "global normalizer")
+    B, T, s = q_local.shape
+    e = v.shape[-1]
+    C = chunk_size
+    mask = check_key_padding_mask(key_padding_mask, B, T)
+    valid = torch.ones(B, T, dtype=torch.bool, device=v.device) if mask is None else mask
+    if local_bias is not None and local_bias.shape != (C, C):
+        raise ValueError(f"local_bias must have shape [C, C] = {(C, C)}, got {tuple(local_bias.shape)}")
+    G = max(1, -(-T // C))
+    pad = G * C - T
+    if pad:
+        q_local, k_local, q_global, k_global, v = (F.pad(x, (0, 0, 0, pad)) for x in
+                                                   (q_local, k_local, q_global, k_global, v))
+        valid = F.pad(valid, (0, pad), value=False)
+    vc = v.reshape(B, G, C, e)
+    out = v.new_zeros(B, G, C, e)
+
+    if local_branch:
+        allowed = valid.reshape(B, G, 1, C)
+        if causal:
+            allowed = allowed & torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        else:
+            allowed = allowed.expand(B, G, C, C)
+        out = out + relu2_attention(q_local.reshape(B, G, C, s), k_local.reshape(B, G, C, s), vc,
+                                    allowed=allowed, norm=float(C), bias=local_bias, dropout_p=dropout_p)
+
+    if global_branch:
+        # States and prefix sums in fp32 for half inputs (they sum up to T terms, as in §1.1).
+        sdt = state_dtype_for(v.dtype)
+        m = valid.to(sdt)
+        kg = (k_global.to(sdt) * m[..., None]).reshape(B, G, C, s)
+        states = kg.transpose(-1, -2) @ (vc.to(sdt) * m.reshape(B, G, C, 1))  # S_h: [B, G, s, e]
+        qg = q_global.to(sdt).reshape(B, G, C, s)
+        counts = m.reshape(B, G, C).sum(-1)  # valid tokens per chunk [B, G]
+        if causal:
+            # Exclusive prefix (chunk 0 sees nothing); built by concatenation, not cumsum − S,
+            # so no cancellation error in long sequences.
+            prefix = torch.cat([torch.zeros_like(states[:, :1]), states.cumsum(1)[:, :-1]], 1)
+            if normalizer == "visible":
+                n = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)[:, :-1]], 1).clamp_min(1)
+                prefix = prefix / n[..., None, None]
+            elif normalizer == "chunk":
+                prefix = prefix / C
+            out = out + (qg @ prefix).to(out.dtype)
+        else:
+            total = states.sum(1, keepdim=True)  # [B, 1, s, e], all chunks including the own one
+            if normalizer == "visible":
+                total = total / counts.sum(1).clamp_min(1)[:, None, None, None]
+            elif normalizer == "chunk":
+                total = total / C
+            out = out + (qg @ total).to(out.dtype)
+    return out.reshape(B, G * C, e)[:, :T]

@@ -1,0 +1,252 @@
+"""Kernelized linear attention WITH the classic row-sum denominator: the paper's baselines.
+
+Layouts as in the other ops:
+
+    qf, kf: [B, T, H, F] featurised queries / keys     v: [B, T, H, E]
+    key_padding_mask: [B, T] (True = valid)            state: [B, H, F, E + 1] (see below)
+
+Every baseline here is "features, then ratio":
+
+    o_i = Σ_{j∈V(i)} (φq_i·φk_j) v_j  /  ( Σ_{j∈V(i)} φq_i·φk_j  +  eps )
+
+with V(i) = {j ≤ i} (causal) or all j (bidirectional), padded keys excluded. The numerator and
+the denominator are ONE call of the existing chunked machinery (:func:`norm_linear_attn`) on the
+value matrix augmented with a column of ones, [v | 1]: its last output column is the
+denominator, so both share the chunking, the fp32 state and the hand-written backward.
+The decoding state is therefore [B, H, F, E + 1]: Σ k_jᵀ v_j next to the key sum Σ k_j.
+
+``eps`` sits in the denominator (default 1e-6, as in Katharopoulos et al.): it keeps rows with no
+visible key (fully padded, or left padding in causal mode) at 0 instead of 0/0. It is not
+scale-free; every feature map below keeps its features O(1) so eps stays negligible.
+``denominator=False`` gives the un-normalised numerator alone: the paper's "1+elu without
+scaling" that diverges when no norm follows it (spec §9, Table 1).
+
+Feature maps provided here (pure functions, the layers hold the parameters):
+    elu_features          φ(x) = 1 + elu(x)                          (Katharopoulos et al. 2020)
+    favor_features        FAVOR+ positive random features            (Choromanski et al. 2021)
+    cosformer_features    [relu(x) cos θ_p, relu(x) sin θ_p]         (Qin et al. 2022, cosFormer)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_bthd, check_key_padding_mask, check_qkv
+from .norm_linear import norm_linear_attn, norm_linear_attn_step
+
+DEFAULT_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Core: numerator and denominator in one chunked pass
+# ----------------------------------------------------------------------------------------------
+def _augment(v: torch.Tensor) -> torch.Tensor:
+    """[..., E] → [..., E + 1] with a trailing column of ones (the denominator's 'value')."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def _ratio(o: torch.Tensor, eps: float) -> torch.Tensor:
+    return o[..., :-1] / (o[..., -1:] + eps)
+
+
+def kernel_linear_attn(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    denominator: bool = True,
+    eps: float = DEFAULT_EPS,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear attention with (or without) the row-sum denominator; linear in T.
+
+    Args:
+        qf, kf: [B, T, H, F] non-negative features (any features without ``denominator``).
+        v: [B, T, H, E] values.
+        causal: j ≤ i (chunked form, exclusive prefix state across chunks) or all keys.
+        denominator: divide by Σ_j φq_i·φk_j + eps (True) or return the bare numerator.
+        eps: added to the denominator (see the module docstring).
+        chunk_size: rows per chunk of the causal form; a speed knob, not a model parameter.
+        key_padding_mask: optional [B, T], True = valid; padded keys are excluded from both sums.
+        initial_state: optional prefix state, [B, H, F, E + 1] with denominator, else [B, H, F, E].
+        output_final_state: also return the state after the last token (for decoding).
+
+    Returns:
+        (o [B, T, H, E] in qf's dtype, final state or None). The state is fp32 for half inputs.
+    """
+    check_qkv(qf, kf, v)
+    vv = _augment(v) if denominator else v
+    o, state = norm_linear_attn(
+        qf, kf, vv, causal=causal, chunk_size=chunk_size, initial_state=initial_state,
+        output_final_state=output_final_state, key_padding_mask=key_padding_mask,
+    )
+    if denominator:
+        o = _ratio(o, eps)
+    return o, state
+
+
+def kernel_linear_attn_step(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor | None,
+    *,
+    denominator: bool = True,
+    eps: float = DEFAULT_EPS,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step, inclusive of the current token.
+
+    qf, kf: [B, H, F]; v: [B, H, E]; state: [B, H, F, E (+1)] or None; key_padding_mask: [B].
+    Returns (o [B, H, E], new state).
+    """
+    vv = _augment(v) if denominator else v
+    o, state = norm_linear_attn_step(qf, kf, vv, state, key_padding_mask=key_padding_mask)
+    if denominator:
+        o = _ratio(o, eps)
+    return o, state
+
+
+# ----------------------------------------------------------------------------------------------
+# 1 + elu (Katharopoulos et al.)
+# ----------------------------------------------------------------------------------------------
+def elu_features(x: torch.Tensor) -> torch.Tensor:
+    """φ(x) = 1 + elu(x) > 0, element-wise; x: [..., D] → [..., D]."""
+    return 1.0 + F.elu(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# FAVOR+ (Performer)
+# ----------------------------------------------------------------------------------------------
+# Key features are never shifted by a data-dependent amount (see favor_features); the only shift
+# is this data-independent one, which caps the largest possible key exponent so exp() stays far
+# from the fp32 limit (exp(60) ≈ 1e26; 88 overflows). It is 0 for d_h ≤ 64 (every preset); for
+# d_h ≥ 96 it is ≈ 10-30, which scales all key features down alike, so the fixed eps of the
+# denominator weighs more (raise num_features' head dim only with a smaller eps in mind).
+KEY_EXPONENT_CAP = 60.0
+
+
+def default_num_features(head_dim: int) -> int:
+    """⌊d_h ln d_h⌋ random features (the FAVOR+ default), at least 1."""
+    return max(1, int(head_dim * math.log(head_dim))) if head_dim > 1 else 1
+
+
+def draw_favor_projection(num_features: int, head_dim: int, *, seed: int, orthogonal: bool = True) -> torch.Tensor:
+    """Random projection ω ∈ R^{m×d_h} on the CPU, fully determined by ``seed``.
+
+    ``orthogonal``: stacked blocks of Haar-orthogonal rows (QR of a Gaussian matrix with the sign
+    fix of diag(R)), each row rescaled to the norm of an independent N(0, I) vector, so every row
+    is marginally N(0, I) as the unbiased estimator needs, and rows within a block are orthogonal
+    (lower variance). Otherwise i.i.d. N(0, I) rows.
+    """
+    g = torch.Generator(device="cpu").manual_seed(int(seed))
+    if not orthogonal:
+        return torch.randn(num_features, head_dim, generator=g, device="cpu")
+    nb = -(-num_features // head_dim)
+    q, r = torch.linalg.qr(torch.randn(nb, head_dim, head_dim, generator=g, device="cpu"))  # batched
+    q = q * torch.where(torch.diagonal(r, dim1=-2, dim2=-1) >= 0, 1.0, -1.0)[:, None, :]  # QR sign fix: Haar
+    w = q.transpose(-1, -2).reshape(nb * head_dim, head_dim)[:num_features]  # orthonormal rows per block
+    norms = torch.randn(num_features, head_dim, generator=g, device="cpu").norm(dim=1)
+    return w * norms[:, None]
+
+
+def favor_key_shift(proj: torch.Tensor) -> torch.Tensor:
+    """Data-independent key shift max(0, max_r |ω_r|²/2 − cap), a 0-d tensor.
+
+    For every x, ω·x − |x|²/2 ≤ |ω|²/2 (complete the square), so after this shift no key
+    exponent can exceed ``KEY_EXPONENT_CAP``. A constant shared by all keys and features cancels
+    in the ratio (up to eps), and being data-independent it cannot leak across positions.
+    """
+    top = proj.float().pow(2).sum(-1).amax() / 2.0
+    return (top - KEY_EXPONENT_CAP).clamp_min(0.0)
+
+
+def favor_features(x: torch.Tensor, proj: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+    """FAVOR+ positive features of the softmax kernel exp(q·k / √d_h).
+
+    φ(x)_r = exp(ω_r·x̃ − |x̃|²/2 − c) / √m,  x̃ = x d_h^{-1/4},  so E_ω[φ(q)·φ(k)] = exp(q·k/√d_h)
+    up to the per-query factor exp(−c), which cancels in the ratio.
+
+    Stabiliser c (why it cannot leak in causal mode):
+      * queries: c = max_r(ω_r·x̃ − |x̃|²/2) of the token itself. A per-query constant multiplies
+        numerator and denominator of that query's row alike, so it cancels (up to eps) and
+        depends on nothing but the token.
+      * keys: no data-dependent max at all; c = :func:`favor_key_shift` (ω), a constant that does
+        not depend on the data (0 for d_h ≤ 64). The reference Performer code subtracts
+        the maximum over the whole sequence here, which lets a future token change earlier
+        outputs (peers.md §3.4).
+
+    Args:
+        x: [B, T, H, D] queries or keys (un-scaled; the d^{-1/4} scaling is done here).
+        proj: [m, D] projection ω.
+    Returns:
+        [B, T, H, m] features, computed in fp32 at least (the exponentials need the range).
+    """
+    check_bthd("x", x)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    D = x.shape[-1]
+    m = proj.shape[0]
+    # Not under autocast: a bf16 projection would put ~1% errors into exponents of size ~10.
+    with torch.autocast(x.device.type, enabled=False):
+        xs = x.to(dtype) * D ** -0.25
+        expo = torch.einsum("bthd,md->bthm", xs, proj.to(dtype)) - 0.5 * xs.pow(2).sum(-1, keepdim=True)
+        if is_query:
+            expo = expo - expo.amax(-1, keepdim=True)
+        else:
+            expo = expo - favor_key_shift(proj).to(dtype)
+        return torch.exp(expo) * m ** -0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# cosFormer
+# ----------------------------------------------------------------------------------------------
+def cosformer_angles(positions: torch.Tensor, max_len) -> torch.Tensor:
+    """θ_p = π/2 · p / M. positions [B, T] (real-token positions); M a number or [B] tensor."""
+    M = torch.as_tensor(max_len, device=positions.device, dtype=torch.float64)
+    if M.dim() == 1:
+        M = M[:, None]
+    return (positions.to(torch.float64) * (math.pi / 2) / M)
+
+
+def cosformer_features(x: torch.Tensor, positions: torch.Tensor, max_len) -> torch.Tensor:
+    """[relu(x) cos θ_p, relu(x) sin θ_p]: x [B, T, H, D] → [B, T, H, 2D].
+
+    The decomposition cos(θ_i − θ_j) = cos θ_i cos θ_j + sin θ_i sin θ_j turns the re-weighted
+    kernel relu(q_i)·relu(k_j) · cos(π/2 · (p_i − p_j)/M) into a plain dot product of these
+    features, so it runs through the linear-time machinery. Weights stay ≥ 0 while
+    |p_i − p_j| ≤ M, which the layer guarantees by checking positions < M.
+    """
+    check_bthd("x", x)
+    ang = cosformer_angles(positions, max_len)[:, :, None, None]
+    r = F.relu(x)
+    return torch.cat([r * torch.cos(ang).to(x.dtype), r * torch.sin(ang).to(x.dtype)], dim=-1)
+
+
+def cosformer_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    max_len,
+    *,
+    causal: bool,
+    eps: float = DEFAULT_EPS,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """cosFormer attention, linear in T. q, k: [B, T, H, D] raw (pre-ReLU); v: [B, T, H, E];
+    positions [B, T]; max_len M (number or [B]). Returns o [B, T, H, E]."""
+    check_qkv(q, k, v)
+    check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1])
+    qf = cosformer_features(q, positions, max_len)
+    kf = cosformer_features(k, positions, max_len)
+    o, _ = kernel_linear_attn(qf, kf, v, causal=causal, eps=eps, chunk_size=chunk_size,
+                              key_padding_mask=key_padding_mask)
+    return o

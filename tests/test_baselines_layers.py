@@ -1,0 +1,261 @@
+"""Baseline layers: decoding caches, positional biases, Performer features, padding rules, errors."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from transnormer.layers import FLASH, GAU, CosFormerAttention, Performer, RelativePositionBias, SoftmaxAttention
+from transnormer.layers.gau import t5_bucket
+from transnormer.models import TransNormerConfig, TransNormerForCausalLM
+
+GATED = dict(expansion=2, qk_dim=16)
+DECODE_CASES = {
+    "softmax": ("softmax", {}),
+    "softmax-rope": ("softmax", {"rope": True}),
+    "linear_elu": ("linear_elu", {}),
+    "linear_elu-noscale": ("linear_elu", {"denominator": False}),
+    "performer": ("performer", {}),
+    "cosformer": ("cosformer", {}),
+    "gau-fixed": ("gau", {"normalizer": "fixed", "fixed_len": 64, **GATED}),
+    "gau-visible-t5": ("gau", {"normalizer": "visible", "rel_bias": "t5", **GATED}),
+    "flash": ("flash", {"chunk_size": 8, **GATED}),
+    "flash-chunk-ropebias": ("flash", {"chunk_size": 8, "normalizer": "chunk", "rel_bias": "rope_bias", **GATED}),
+}
+
+
+def small_lm(kind, opts, layers=2):
+    gated = kind in ("gau", "flash")
+    return TransNormerConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, chunk_size=8,
+        layer_types=[kind] * layers, layer_options={kind: opts}, dropout=0.0, max_position_embeddings=256,
+        norm_type="scale" if gated else "simple_rms", abs_pos="scaled_sinusoid" if gated else "sinusoidal",
+    )
+
+
+def sharpen(model):
+    """The N(0, 0.02²) init keeps GAU/FLASH outputs ~1e-3 of the residual, too small for an atol
+    test to see a wrong term: use unit-scale weights so every branch moves the logits by O(1)."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (GAU, FLASH)):
+                mod.proj.weight.normal_(0.0, mod.hidden_size ** -0.5)
+                mod.out_proj.weight.normal_(0.0, mod.e ** -0.5)
+                mod.gamma.normal_(0.0, 1.0)
+                mod.beta.normal_(0.0, 0.3)
+    return model
+
+
+def decode(model, ids, prompt_len, mask=None):
+    out = model(ids[:, :prompt_len], attention_mask=None if mask is None else mask[:, :prompt_len], use_cache=True)
+    cache, logits = out.past_key_values, [out.logits]
+    for t in range(prompt_len, ids.shape[1]):
+        step_mask = None if mask is None else mask[:, :t + 1]
+        out = model(ids[:, t:t + 1], attention_mask=step_mask, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_equals_full_forward(case):
+    """Prefill + token-by-token logits == the full forward; prompts end before/on/after chunk 8."""
+    torch.manual_seed(0)
+    kind, opts = DECODE_CASES[case]
+    model = sharpen(TransNormerForCausalLM(small_lm(kind, opts))).eval()
+    x = torch.randint(0, 97, (2, 20))
+    full = model(x).logits
+    for prompt_len in (5, 8, 9, 16):
+        assert torch.allclose(decode(model, x, prompt_len), full, atol=1e-4), prompt_len
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_multi_token_continuation_with_cache(case):
+    """A cached call with T > 1 (prefill 7, then 9 at once across chunk 8/16, then steps)."""
+    torch.manual_seed(0)
+    kind, opts = DECODE_CASES[case]
+    model = sharpen(TransNormerForCausalLM(small_lm(kind, opts))).eval()
+    x = torch.randint(0, 97, (2, 20))
+    full = model(x).logits
+    logits, cache = [], None
+    for a, b in ((0, 7), (7, 16), (16, 17), (17, 20)):
+        out = model(x[:, a:b], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    assert torch.allclose(torch.cat(logits, 1), full, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_padded_batch_equals_each_row_alone(case):
+    """Left-padded prompts of different lengths: after the prefill the rows hold padding holes."""
+    torch.manual_seed(0)
+    kind, opts = DECODE_CASES[case]
+    model = sharpen(TransNormerForCausalLM(small_lm(kind, opts))).eval()
+    a, b = torch.randint(3, 97, (1, 22)), torch.randint(3, 97, (1, 17))
+    ids = torch.zeros(2, 22, dtype=torch.long)
+    mask = torch.ones(2, 22, dtype=torch.long)
+    ids[0], ids[1, 5:], mask[1, :5] = a[0], b[0], 0  # row 1: 5 pads, prompt of 6 real tokens
+    got = decode(model, ids, 11, mask)
+    assert torch.allclose(got[0], model(a).logits[0], atol=1e-4)
+    assert torch.allclose(got[1, 5:], model(b).logits[0], atol=1e-4)
+
+
+def test_performer_layer_no_causal_leak():
+    torch.manual_seed(0)
+    layer = Performer(32, 4, causal=True, chunk_size=16).double().eval()
+    x = torch.randn(1, 100, 32, dtype=torch.float64)
+    base, _ = layer(x)
+    x2 = x.clone()
+    x2[:, 80] *= 20.0
+    assert (layer(x2)[0][:, :80] - base[:, :80]).abs().max() == 0.0
+
+
+def test_performer_redraw_seeded_and_saved():
+    layer = Performer(32, 4, causal=False, feature_seed=5, redraw_interval=3)
+    assert layer.num_features == int(8 * torch.log(torch.tensor(8.0)))
+    p0 = layer.proj.clone()
+    layer.redraw_features(seed=123)
+    p123 = layer.proj.clone()
+    layer.redraw_features(seed=123)
+    assert torch.equal(layer.proj, p123) and not torch.equal(p123, p0)
+    # interval: a redraw before the 4th training call, none in eval
+    fresh = Performer(32, 4, causal=False, feature_seed=5, redraw_interval=3)
+    assert torch.equal(fresh.proj, p0)
+    x = torch.randn(1, 6, 32)
+    fresh.eval()
+    for _ in range(5):
+        fresh(x)
+    assert torch.equal(fresh.proj, p0)
+    fresh.train()
+    for _ in range(3):
+        fresh(x)
+    assert torch.equal(fresh.proj, p0)
+    fresh(x)
+    assert not torch.equal(fresh.proj, p0) and int(fresh.num_redraws) == 1
+    # the projection is a buffer: a state_dict round trip reproduces outputs exactly
+    other = Performer(32, 4, causal=False, feature_seed=99).eval()
+    other.load_state_dict(fresh.state_dict())
+    fresh.eval()
+    assert torch.equal(other(x)[0], fresh(x)[0])
+
+
+def test_softmax_fully_masked_rows_zero_not_nan():
+    layer = SoftmaxAttention(16, 2, causal=True).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1] = False  # a row with no real token at all
+    y, _ = layer(x, attention_mask=mask)
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y[1], layer.out_proj.bias.expand(7, 16))  # core output exactly 0
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_rope_softmax_is_relative():
+    """With RoPE, shifting all positions leaves outputs unchanged."""
+    layer = SoftmaxAttention(16, 2, causal=True, rope=True).double()
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    pos = torch.arange(9)[None]
+    assert rel_err(layer(x, positions=pos + 37)[0], layer(x, positions=pos)[0]) < 1e-10
+
+
+def test_relative_bias_kinds():
+    bias = RelativePositionBias("toeplitz", 8, causal=False)
+    pos = torch.arange(20)[None]
+    b = bias(pos, pos, 20)[0]
+    i, j = 3, 11
+    assert b[i, j] == bias.w[j - i + 511] and b[j, i] == bias.w[i - j + 511]
+    moving = RelativePositionBias("toeplitz_moving", 8, causal=False)
+    moving.load_state_dict(bias.state_dict())
+    assert torch.equal(moving(pos, pos, 512), bias(pos, pos, 512))  # identical at n = 512
+    # beyond 512 the row switches to the RoPE bias, which depends on offsets only
+    long = bias(pos, pos, torch.tensor([[600]]))[0]
+    assert torch.allclose(long, bias._rope_bias(pos, pos)[0])
+    shifted = bias._rope_bias(pos + 100, pos + 100)[0]
+    assert torch.allclose(long, shifted, atol=1e-6)
+    nb = t5_bucket(torch.arange(-300, 301), causal=False)
+    assert nb.min() == 0 and nb.max() == 31 and nb[300] == 0
+    cb = t5_bucket(-torch.arange(0, 300), causal=True)
+    assert (cb[1:] >= cb[:-1]).all() and cb.max() == 31
+
+
+def test_unused_rope_bias_params_still_get_gradients():
+    """Training at ≤ 512 never uses a, b: they get zero gradients (DDP needs every parameter)."""
+    layer = GAU(16, causal=True, normalizer="fixed", qk_dim=8).train()
+    layer(torch.randn(1, 10, 16))[0].sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+    assert layer.rel_bias.a.grad.abs().max() == 0
+
+
+def test_causal_toeplitz_switch_is_prefix_consistent():
+    """Causal GAU rows pick toeplitz/rope_bias by their visible length: decodable past 512."""
+    torch.manual_seed(0)
+    layer = GAU(16, causal=True, normalizer="fixed", fixed_len=512, qk_dim=8).double().eval()
+    with torch.no_grad():
+        layer.gamma.normal_()
+    x = torch.randn(1, 530, 16, dtype=torch.float64)
+    full, _ = layer(x)
+    prefix, _ = layer(x[:, :515])
+    assert rel_err(prefix, full[:, :515]) < 1e-12
+
+
+def test_flash_one_chunk_no_global_equals_gau_layer():
+    """flash.md §5.3 at layer level: C = T, global off ≡ GAU with N_q = C, same heads/weights."""
+    torch.manual_seed(0)
+    T = 24
+    for causal in (True, False):
+        flash = FLASH(16, causal=causal, chunk_size=T, global_branch=False, qk_dim=8).double()
+        gau = GAU(16, causal=causal, normalizer="fixed", fixed_len=T, qk_dim=8).double()
+        with torch.no_grad():
+            for name in ("proj.weight", "proj.bias", "out_proj.weight", "out_proj.bias", "rel_bias.w"):
+                gau.get_parameter(name).copy_(flash.get_parameter(name))
+            flash.gamma.normal_()
+            gau.gamma.copy_(flash.gamma[:2])
+            gau.beta.copy_(flash.beta[:2])
+        x = torch.randn(2, T, 16, dtype=torch.float64)
+        assert rel_err(flash(x)[0], gau(x)[0]) < 1e-12
+
+
+def test_gau_parameter_count_about_3de():
+    d = 64
+    gau = GAU(d, causal=False)  # e = 2d = 128, s = 128
+    e, s = 2 * d, 128
+    core = d * (2 * e + s) + e * d
+    n = sum(p.numel() for p in gau.parameters())
+    assert core <= n <= core + (2 * e + s) + d + 4 * s + 1023 + 2 * s + 10
+
+
+def test_gau_accepts_left_padding():
+    torch.manual_seed(0)
+    layer = GAU(16, causal=False, qk_dim=8).double().eval()
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    ref, _ = layer(x)
+    xp = torch.cat([torch.randn(1, 5, 16, dtype=torch.float64), x], 1)
+    mask = torch.ones(1, 17, dtype=torch.bool)
+    mask[:, :5] = False
+    out, _ = layer(xp, attention_mask=mask)
+    assert rel_err(out[:, 5:], ref) < 1e-12
+
+
+def test_errors():
+    x = torch.randn(1, 6, 16)
+    with pytest.raises(ValueError, match="seq_len"):
+        GAU(16, causal=True, normalizer="seq_len", qk_dim=8)(x, use_cache=True)
+    with pytest.raises(ValueError, match="toeplitz_moving"):
+        GAU(16, causal=True, normalizer="fixed", rel_bias="toeplitz_moving", qk_dim=8)(x, use_cache=True)
+    with pytest.raises(ValueError, match="right-padded"):
+        FLASH(16, causal=False, chunk_size=4, qk_dim=8)(x, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="max_len"):
+        CosFormerAttention(16, 2, causal=True, max_len=4)(x)
+    with pytest.raises(ValueError, match="max_len"):
+        CosFormerAttention(16, 2, causal=True, max_len=None)
+    with pytest.raises(ValueError, match="normalizer"):
+        GAU(16, causal=False, normalizer="chunk")
+    with pytest.raises(ValueError, match="normalizer"):
+        FLASH(16, causal=False, normalizer="seq_len")
+    with pytest.raises(ValueError, match="rel_bias"):
+        GAU(16, causal=False, rel_bias="alibi")
+    with pytest.raises(ValueError, match="rope"):
+        GAU(16, causal=False, rope="partial:3")
+    with pytest.raises(TypeError, match="layer_options\\['performer'\\]"):
+        TransNormerForCausalLM(small_lm("performer", {"nb_features": 8}))

@@ -1,0 +1,236 @@
+"""Baseline ops against their dense quadratic formulas (fp64 ≤ 1e-9, forward and gradients)."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from transnormer.ops.flash import flash_attn, gau_attn
+from transnormer.ops.linear_baselines import (
+    cosformer_attn,
+    default_num_features,
+    draw_favor_projection,
+    elu_features,
+    favor_features,
+    kernel_linear_attn,
+    kernel_linear_attn_step,
+)
+from transnormer.ops.reference_baselines import (
+    cosformer_weights_reference,
+    favor_weights_reference,
+    flash_attn_reference,
+    gau_attn_reference,
+    kernel_linear_attn_reference,
+    ratio_attn_reference,
+    softmax_attn_reference,
+)
+from transnormer.ops.softmax import softmax_attn
+
+TOL = 1e-9
+
+
+def rand(*shape, requires_grad=True):
+    return torch.randn(*shape, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def padding(B, T, *, left=False):
+    """Row 0 full; row 1 right-padded (or left-padded) by a third."""
+    mask = torch.ones(B, T, dtype=torch.bool)
+    cut = max(1, T // 3)
+    if T > 1:
+        if left:
+            mask[1, :cut] = False
+        else:
+            mask[1, T - cut:] = False
+    return mask
+
+
+def assert_parity(out, ref, inputs, tol=TOL, valid=None):
+    """Forward and input-gradient parity of out vs ref (valid: [B, T] rows to compare)."""
+    if valid is not None:
+        sel = valid[..., None] if out.dim() == 3 else valid[..., None, None]
+        out, ref = out * sel, ref * sel
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol
+    g = torch.randn_like(out)
+    ga = torch.autograd.grad((out * g).sum(), inputs, retain_graph=True)
+    gb = torch.autograd.grad((ref * g).sum(), inputs, retain_graph=True)
+    for a, b in zip(ga, gb):
+        # relative to max(1, |b|): with T = 1 the ratio's gradient is a ~1e-10 cancellation
+        assert float((a - b).abs().max()) < tol * max(1.0, float(b.abs().max()))
+
+
+# ------------------------------------------------------------------------------------------------
+# linear attention with denominator (1 + elu)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [1, 31, 32, 33, 97])
+@pytest.mark.parametrize("denominator", [True, False])
+def test_kernel_linear_attn_matches_dense(causal, T, denominator):
+    q, k, v = rand(2, T, 2, 8), rand(2, T, 2, 8), rand(2, T, 2, 5)
+    mask = padding(2, T, left=causal)  # left padding: causal rows with no visible key → 0, not NaN
+    qf, kf = elu_features(q), elu_features(k)
+    o, _ = kernel_linear_attn(qf, kf, v, causal=causal, denominator=denominator, chunk_size=16, key_padding_mask=mask)
+    ref = kernel_linear_attn_reference(qf, kf, v, causal=causal, denominator=denominator, key_padding_mask=mask)
+    assert_parity(o, ref, (q, k, v))
+
+
+def test_kernel_linear_attn_state_chaining_and_step():
+    qf, kf = elu_features(rand(2, 40, 2, 6, requires_grad=False)), elu_features(rand(2, 40, 2, 6, requires_grad=False))
+    v = rand(2, 40, 2, 4, requires_grad=False)
+    whole, s_whole = kernel_linear_attn(qf, kf, v, causal=True, chunk_size=8, output_final_state=True)
+    a, sa = kernel_linear_attn(qf[:, :13], kf[:, :13], v[:, :13], causal=True, chunk_size=8, output_final_state=True)
+    outs, state = [a], sa
+    for t in range(13, 40):
+        o, state = kernel_linear_attn_step(qf[:, t], kf[:, t], v[:, t], state)
+        outs.append(o[:, None])
+    assert s_whole.shape == (2, 2, 6, 5)  # Σ kᵀv beside Σ k
+    assert rel_err(torch.cat(outs, 1), whole) < 1e-12 and rel_err(state, s_whole) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------------
+# Performer (FAVOR+)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [32, 45])
+def test_performer_matches_dense_kernel(causal, T):
+    proj = draw_favor_projection(24, 8, seed=3).double()
+    q, k, v = rand(2, T, 2, 8), rand(2, T, 2, 8), rand(2, T, 2, 5)
+    mask = padding(2, T)
+    # eps = 0: the stabilisers then cancel exactly and the dense, unstabilised kernel is the oracle
+    o, _ = kernel_linear_attn(favor_features(q, proj, is_query=True), favor_features(k, proj, is_query=False), v,
+                              causal=causal, eps=0.0, chunk_size=16, key_padding_mask=mask)
+    ref = ratio_attn_reference(favor_weights_reference(q, k, proj), v, causal=causal, key_padding_mask=mask, eps=0.0)
+    assert_parity(o, ref, (q, k, v))
+
+
+def test_performer_no_causal_leak_under_large_perturbation():
+    """The reference Performer leaks through a sequence-wide key max (peers.md §3.4): ours must not."""
+    proj = draw_favor_projection(32, 8, seed=0).double()
+    q, k, v = (rand(1, 100, 2, 8, requires_grad=False) for _ in range(3))
+
+    def run(k):
+        return kernel_linear_attn(favor_features(q, proj, is_query=True), favor_features(k, proj, is_query=False), v,
+                                  causal=True, chunk_size=16)[0]
+
+    base = run(k)
+    k2 = k.clone()
+    k2[:, 80] *= 20.0
+    assert (run(k2)[:, :80] - base[:, :80]).abs().max() == 0.0
+
+
+def test_favor_estimates_softmax_kernel():
+    d = 8
+    q, k = torch.randn(1, 1, 1, d, dtype=torch.float64) * 0.5, torch.randn(1, 1, 1, d, dtype=torch.float64) * 0.5
+    proj = draw_favor_projection(4096, d, seed=1).double()
+    qs = q * d ** -0.25
+    # undo the query stabiliser to compare absolute values
+    c = (torch.einsum("bthd,md->bthm", qs, proj) - 0.5 * qs.pow(2).sum(-1, keepdim=True)).amax(-1)
+    est = (favor_features(q, proj, is_query=True) * favor_features(k, proj, is_query=False)).sum() * torch.exp(c).sum()
+    exact = torch.exp((q * k).sum() / d ** 0.5)
+    assert abs(float(est / exact) - 1) < 0.05
+    assert default_num_features(64) == 266
+
+
+def test_orthogonal_projection_rows():
+    w = draw_favor_projection(20, 8, seed=0)
+    blk = w[:8] / w[:8].norm(dim=1, keepdim=True)
+    assert torch.allclose(blk @ blk.T, torch.eye(8), atol=1e-5)
+    assert torch.equal(w, draw_favor_projection(20, 8, seed=0))
+    assert not torch.equal(w, draw_favor_projection(20, 8, seed=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# cosFormer
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [31, 32, 50])
+@pytest.mark.parametrize("fixed_m", [True, False])
+def test_cosformer_matches_dense(causal, T, fixed_m):
+    q, k, v = rand(2, T, 2, 8), rand(2, T, 2, 8), rand(2, T, 2, 5)
+    mask = padding(2, T, left=True)
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)  # real positions: padding does not shift them
+    M = 64 if fixed_m else mask.sum(-1)
+    o = cosformer_attn(q, k, v, positions, M, causal=causal, chunk_size=16, key_padding_mask=mask)
+    ref = ratio_attn_reference(cosformer_weights_reference(q, k, positions, M), v, causal=causal,
+                               key_padding_mask=mask)
+    assert_parity(o, ref, (q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------
+# softmax (SDPA)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("left", [True, False])
+def test_softmax_attn_matches_dense_with_empty_rows(causal, left):
+    q, k, v = rand(2, 23, 2, 8), rand(2, 23, 2, 8), rand(2, 23, 2, 4)
+    mask = padding(2, 23, left=left)
+    o = softmax_attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = softmax_attn_reference(q, k, v, causal=causal, key_padding_mask=mask)
+    assert_parity(o, ref, (q, k, v))
+    assert (o[1][~mask[1]] == 0).all()  # padded queries are zeroed explicitly
+    o_nomask = softmax_attn(q, k, v, causal=causal)
+    assert rel_err(o_nomask, softmax_attn_reference(q, k, v, causal=causal)) < TOL
+
+
+# ------------------------------------------------------------------------------------------------
+# GAU (FLASH-Quad) and FLASH
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("normalizer", ["seq_len", "fixed", "visible", "none"])
+def test_gau_attn_matches_dense(causal, normalizer):
+    T = 21
+    q, k, v = rand(2, T, 8), rand(2, T, 8), rand(2, T, 6)
+    bias = rand(2, T, T) * 0.1
+    mask = padding(2, T, left=True)
+    o = gau_attn(q, k, v, causal=causal, normalizer=normalizer, fixed_len=16, bias=bias, key_padding_mask=mask)
+    ref = gau_attn_reference(q, k, v, causal=causal, normalizer=normalizer, fixed_len=16, bias=bias,
+                             key_padding_mask=mask)
+    assert_parity(o, ref, (q, k, v, bias))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("normalizer", ["visible", "chunk", "none"])
+@pytest.mark.parametrize("T", [7, 48, 50])
+def test_flash_attn_matches_dense_formula(causal, normalizer, T):
+    C = 16
+    ql, kl, qg, kg, v = rand(2, T, 8), rand(2, T, 8), rand(2, T, 8), rand(2, T, 8), rand(2, T, 6)
+    bias = rand(C, C) * 0.1
+    mask = padding(2, T)  # FLASH chunks by index: right padding (the model moves left padding)
+    kw = dict(causal=causal, chunk_size=C, normalizer=normalizer, local_bias=bias, key_padding_mask=mask)
+    o = flash_attn(ql, kl, qg, kg, v, **kw)
+    ref = flash_attn_reference(ql, kl, qg, kg, v, **kw)
+    assert_parity(o, ref, (ql, kl, qg, kg, v, bias))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_fp32_within_1e5(causal):
+    T, C = 300, 64
+    ql, kl, qg, kg = (torch.randn(1, T, 32) for _ in range(4))
+    v = torch.randn(1, T, 16)
+    o = flash_attn(ql, kl, qg, kg, v, causal=causal, chunk_size=C)
+    ref = flash_attn_reference(*(x.double() for x in (ql, kl, qg, kg, v)), causal=causal, chunk_size=C)
+    assert rel_err(o.double(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_one_chunk_without_global_equals_gau(causal):
+    """flash.md §5.3: with C = T and the global branch off, FLASH is GAU with N_q = C."""
+    T = 24
+    q, k, v = rand(2, T, 8), rand(2, T, 8), rand(2, T, 6)
+    bias = rand(T, T) * 0.1
+    mask = padding(2, T)
+    o = flash_attn(q, k, q, k, v, causal=causal, chunk_size=T, local_bias=bias, key_padding_mask=mask,
+                   global_branch=False)
+    ref = gau_attn(q, k, v, causal=causal, normalizer="fixed", fixed_len=T, bias=bias, key_padding_mask=mask)
+    assert_parity(o, ref, (q, k, v, bias), tol=1e-12)
+
+
+def test_flash_noncausal_global_is_full_bilinear_attention():
+    """flash.md §5.4: the non-causal global branch is Q (Kᵀ V) / T_v over all chunks."""
+    T = 50
+    qg, kg, v = rand(2, T, 8), rand(2, T, 8), rand(2, T, 6)
+    mask = padding(2, T)
+    o = flash_attn(qg, kg, qg, kg, v, causal=False, chunk_size=16, key_padding_mask=mask, local_branch=False)
+    m = mask[..., None].double()
+    ref = qg @ ((kg * m).transpose(1, 2) @ (v * m)) / mask.sum(-1)[:, None, None]
+    assert rel_err(o, ref) < 1e-12
