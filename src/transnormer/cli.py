@@ -173,7 +173,8 @@ def cmd_eval(args) -> int:
         return torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     data = build_task_data(cfg, info, autocast)
-    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    factory = data.extra.get("model_factory", build_model_for)
+    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
     res = data.evaluate(model, args.split, args.max_batches)
     res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
            "seq_len": args.seq_len, "stride": args.stride, **res}

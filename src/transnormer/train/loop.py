@@ -177,7 +177,8 @@ def train(cfg: TrainConfig) -> dict:
 
     # data → model → optimizer
     data = build_task_data(cfg, info, autocast)
-    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
+    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                                   eps=cfg.adam_eps)

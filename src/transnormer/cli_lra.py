@@ -1,0 +1,377 @@
+"""``transnormer lra prepare|train|eval|report``: Long Range Arena data, training and results.
+
+    transnormer lra prepare listops --out data/lra                     # regenerate ListOps (lra.md §4.1)
+    transnormer lra train listops --preset t2-lra-listops --budget 10min --batch-size 16
+    transnormer lra eval listops --model runs/lra/listops-t2-lra-listops --split test
+    transnormer lra report runs/lra/*/                                 # one table, provenance-labelled
+
+Every result file (``lra_result.json`` / ``lra_result.md``) states the data it came from:
+``data_provenance`` (official / regenerated / stand-in / synthetic-fixture) and ``dataset_id``
+(lra.md §6). A mean over tasks is called "LRA average" only when all five tasks use official
+data; otherwise it is named after its data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+LRA_FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
+TASK_TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
+               "image-fmnist32": "Image (FMNIST stand-in)", "pathfinder": "Pathfinder", "pathfinder64": "Pathfinder-64",
+               "pathx": "Path-X"}
+RESULT_JSON, RESULT_MD = "lra_result.json", "lra_result.md"
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _canonical(task: str) -> str:
+    from .data.lra import task_info
+
+    return task_info(task).name
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _load_options(args) -> dict:
+    opts = {}
+    if getattr(args, "provenance", None):
+        opts["provenance"] = args.provenance
+    if getattr(args, "name", None):
+        opts["name"] = args.name
+    if getattr(args, "val_from", None):
+        opts["val_from"] = args.val_from
+    return opts
+
+
+def _spec(task: str, root: str | None) -> str:
+    return f"lra:{task}" + (f":{root}" if root else "")
+
+
+def preset_for(task: str, variant: str = "t2") -> str:
+    """Default preset of ``task`` (``image-fmnist32`` uses the Image model)."""
+    base = "image" if task == "image-fmnist32" else "pathfinder" if task == "pathfinder64" else task
+    return f"{variant}-lra-{base}"
+
+
+def training_defaults(task: str) -> dict:
+    from .models.lra_presets import LRA_TRAINING
+
+    base = task if task in LRA_TRAINING else ("pathfinder" if task == "pathfinder64" else "image")
+    return dict(LRA_TRAINING[base])
+
+
+def data_label(record: dict) -> str:
+    """``"regenerated: listops-regen(gen=v1, seed=0)"``: the label every table cell of ours carries."""
+    return f"{record.get('data_provenance', '?')}: {record.get('dataset_id', '?')}"
+
+
+def _fmt_acc(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * float(x):.2f}"
+
+
+def result_markdown(rec: dict) -> str:
+    """One run's result as markdown; the data provenance is in the title, the table and a note."""
+    title = TASK_TITLES.get(rec["task"], rec["task"])
+    lines = [f"# LRA {title} — {rec['preset']} on {rec['data_provenance']} data", "",
+             f"Data: `{rec['dataset_id']}` (data_provenance = **{rec['data_provenance']}**).", ""]
+    if rec["data_provenance"] != "official":
+        lines += [f"These numbers come from {rec['data_provenance']} data, not the official LRA release: they are "
+                  "not comparable to published LRA scores and must not be placed in the same column without this "
+                  "label.", ""]
+    lines += ["| task | data (provenance) | dataset_id | model | split | accuracy % | majority-class % | n | steps |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for split in ("val", "test"):
+        r = rec.get(split)
+        if not r:
+            continue
+        lines.append(f"| {title} | {rec['data_provenance']} | {rec['dataset_id']} | {rec['preset']} | {split} | "
+                     f"{_fmt_acc(r.get('accuracy'))} | {_fmt_acc(r.get('majority_accuracy'))} | {r.get('n', '')} | "
+                     f"{rec.get('steps', '')} |")
+    tr = rec.get("training", {})
+    lines += ["", f"Training: {rec.get('steps')} steps, batch {tr.get('batch_size')}, lr {tr.get('lr')}, warmup "
+              f"{tr.get('warmup')}, {tr.get('schedule')} schedule, weight decay {tr.get('weight_decay')}, clip "
+              f"{tr.get('clip') or 'off'}, seed {tr.get('seed')}, seq_len {rec.get('seq_len')}, "
+              f"{rec.get('params', 0) / 1e6:.3f}M parameters, {rec.get('elapsed_s', 0):.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def results_table(records: list[dict], split: str = "test") -> str:
+    """Markdown table of several runs (one row each) plus, at most, a correctly named average.
+
+    The mean is called "LRA average" only if the five LRA tasks are all present and all official;
+    otherwise it is "avg over <task (provenance)> + ..." (lra.md §6.3), and with one task none is given.
+    """
+    lines = ["| task | data (provenance) | dataset_id | model | split | accuracy % |", "|---|---|---|---|---|---|"]
+    best: dict[str, dict] = {}
+    for rec in records:
+        r = rec.get(split) or {}
+        acc = r.get("accuracy")
+        lines.append(f"| {TASK_TITLES.get(rec['task'], rec['task'])} | {rec['data_provenance']} | {rec['dataset_id']} | "
+                     f"{rec['preset']} | {split} | {_fmt_acc(acc)} |")
+        if acc is not None and (rec["task"] not in best or acc > (best[rec["task"]].get(split) or {})["accuracy"]):
+            best[rec["task"]] = rec
+    if len(best) >= 2:
+        accs = [float(best[t][split]["accuracy"]) for t in best]
+        mean = 100 * sum(accs) / len(accs)
+        official_five = set(best) == set(LRA_FIVE) and all(best[t]["data_provenance"] == "official" for t in best)
+        if official_five:
+            name = "LRA average (five tasks, official data)"
+        else:
+            name = "avg over " + " + ".join(f"{TASK_TITLES.get(t, t)} ({best[t]['data_provenance']})"
+                                            for t in best) + f" ({len(best)} tasks; not the official benchmark score)"
+        lines += ["", f"{name}: {mean:.2f}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_result(out_dir: Path, rec: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULT_JSON).write_text(json.dumps(rec, indent=1, default=str))
+    (out_dir / RESULT_MD).write_text(result_markdown(rec))
+
+
+def load_model_dir(model_dir: Path):
+    """A trained LRA model (single- or two-tower) from a model / checkpoint / run directory."""
+    from . import models  # noqa: F401  (registers the Auto classes)
+    from .cli import resolve_model_dir
+    from .train.lra_tasks import _is_dual_encoder_dir
+
+    path = resolve_model_dir(model_dir)
+    if _is_dual_encoder_dir(path):
+        from .models.dual_encoder import TransNormerDualEncoderForSequenceClassification
+
+        return TransNormerDualEncoderForSequenceClassification.from_pretrained(path), path
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path), path
+
+
+def evaluate_model(task: str, model, *, root: str | None = None, split: str = "test", seq_len: int | None = None,
+                   batch_size: int = 32, max_batches: int | None = None, device: str | None = None,
+                   dtype: str = "fp32", load_options: dict | None = None) -> tuple[dict, dict]:
+    """(metrics incl. data labels, provenance record) of ``model`` on one split of ``task``."""
+    import torch
+
+    from .train.distributed import DistInfo
+    from .train.lra_tasks import evaluate_split
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def autocast():
+        return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    return evaluate_split(model.to(dev), _spec(task, root), split, max_len=seq_len, batch_size=batch_size,
+                          max_batches=max_batches, info=DistInfo(device=dev), autocast=autocast,
+                          options=load_options)
+
+
+# ------------------------------------------------------------------------------------------- commands
+def cmd_prepare(args) -> int:
+    from .data.lra import UserDataRequired, prepare
+
+    opts = {}
+    for k in ("min_length", "max_length", "n_images", "difficulty", "data_dir"):
+        v = getattr(args, k, None)
+        if v is not None:
+            opts[k] = v
+    try:
+        out = prepare(args.task, args.out, seed=args.seed, n_train=args.n_train, n_val=args.n_val,
+                      n_test=args.n_test, workers=args.workers, **opts)
+    except UserDataRequired as e:
+        print(f"transnormer lra prepare {args.task}: {e}", file=sys.stderr)
+        return 2
+    side = out.get("sidecar") or {}
+    short = {"task": out["task"], "status": out["status"], "path": out["path"],
+             "data_provenance": out["provenance"], "dataset_id": out["dataset_id"]}
+    for k in ("counts", "n_images", "acceptance_rate", "length", "label_counts", "generator_version", "seed"):
+        if k in side:
+            short[k] = side[k]
+    print(json.dumps(short, indent=1))
+    return 0
+
+
+def run_train(args) -> dict:
+    """``lra train``: the loop with LRA defaults, then val + test evaluation and result files."""
+    from .data.lra import task_info
+    from .models.lra_presets import LRA_MODELS
+    from .train.loop import TrainConfig, train
+    from .train.lra_tasks import load_split
+
+    task = _canonical(args.task)
+    info_t = task_info(task)
+    defaults = training_defaults(task)
+    preset = args.preset or preset_for(task)
+    batch = args.batch_size or defaults["batch_size"]
+    lr = args.lr if args.lr is not None else defaults["lr"]
+    seq_len = args.seq_len or info_t.length
+    opts = _load_options(args)
+    max_steps, budget = args.max_steps, args.budget
+    if max_steps is None and budget is None:
+        epochs = args.epochs if args.epochs is not None else defaults["epochs"]
+        if epochs is None:
+            raise ValueError(f"{task}: the authors give no epoch count; pass --max-steps, --budget or --epochs")
+        n_train = len(load_split(task, args.root, "train", seq_len, opts))
+        max_steps = max(1, int(epochs * (n_train // batch)))
+    warmup = args.warmup if args.warmup is not None else defaults["warmup"]
+    if warmup is None:
+        warmup = min(1000, (max_steps or 10_000) // 10)  # [D] Path-X: not given by the authors
+    if max_steps is not None:
+        warmup = min(warmup, max(0, max_steps // 2))  # short (CPU) runs: warmup never exceeds half the run
+    out = Path(args.out or f"runs/lra/{task}-{preset}")
+    seed = args.seed if args.seed is not None else defaults["seed"]
+    cfg = TrainConfig(
+        task="cls", preset=preset, overrides=_overrides(args.set), data=_spec(task, args.root),
+        cls_read_kwargs=opts, seq_len=seq_len, batch_size=batch, grad_accum=args.grad_accum,
+        max_steps=max_steps, budget=budget, lr=lr, min_lr_ratio=defaults["min_lr_ratio"], warmup=warmup,
+        schedule=defaults["schedule"], weight_decay=defaults["weight_decay"], betas=tuple(defaults["betas"]),
+        clip=defaults["clip"] if args.clip is None else args.clip, dtype=args.dtype, device=args.device, seed=seed,
+        out_dir=str(out), eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+        resume=args.resume, progress=args.progress,
+    )
+    summary = train(cfg)
+    model, model_path = load_model_dir(out)
+    test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=batch,
+                                max_batches=args.test_batches, device=args.device, dtype=args.dtype,
+                                load_options=opts)
+    base = preset.split("-lra-", 1)[1].removesuffix("-tiny") if "-lra-" in preset else None
+    rec = {
+        "kind": "lra-result", "task": task, "preset": preset, "data_provenance": test["data_provenance"],
+        "dataset_id": test["dataset_id"], "data": prov, "run_dir": str(out), "model_dir": str(model_path), "params": summary["params"],
+        "steps": summary["steps"], "elapsed_s": summary["elapsed_s"], "seq_len": seq_len,
+        "training": {"batch_size": batch, "lr": lr, "warmup": warmup, "schedule": cfg.schedule,
+                     "min_lr_ratio": cfg.min_lr_ratio, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
+                     "betas": list(cfg.betas), "seed": seed, "max_steps": max_steps, "budget": budget,
+                     "authors_settings": defaults, "model_row": LRA_MODELS[base].__dict__ if base in LRA_MODELS
+                     else None},
+        "val": summary["eval"], "test": test, "final_train_loss": summary["final_train_loss"],
+        "comparable_to_published": test["data_provenance"] == "official",
+    }
+    write_result(out, rec)
+    return rec
+
+
+def cmd_train(args) -> int:
+    rec = run_train(args)
+    print(result_markdown(rec))
+    out = Path(rec["run_dir"])
+    print(f"wrote {out / RESULT_JSON} and {out / RESULT_MD}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    task = _canonical(args.task)
+    model, path = load_model_dir(Path(args.model))
+    res, prov = evaluate_model(task, model, root=args.root, split=args.split, seq_len=args.seq_len,
+                               batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
+                               dtype=args.dtype, load_options=_load_options(args))
+    rec = {"kind": "lra-eval", "task": task, "model": str(path), "split": args.split,
+           "data_provenance": res["data_provenance"], "dataset_id": res["dataset_id"], **res, "data": prov,
+           "comparable_to_published": res["data_provenance"] == "official"}
+    print(json.dumps(rec, indent=1, default=str))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rec, indent=1, default=str))
+        md = Path(args.out).with_suffix(".md")
+        md.write_text(f"# LRA {TASK_TITLES.get(task, task)} evaluation on {res['data_provenance']} data\n\n"
+                      f"Data: `{res['dataset_id']}` (data_provenance = **{res['data_provenance']}**).\n\n"
+                      "| task | data (provenance) | dataset_id | model | split | accuracy % | majority-class % | n |\n"
+                      "|---|---|---|---|---|---|---|---|\n"
+                      f"| {TASK_TITLES.get(task, task)} | {res['data_provenance']} | {res['dataset_id']} | {path} | "
+                      f"{args.split} | {_fmt_acc(res['accuracy'])} | {_fmt_acc(res.get('majority_accuracy'))} | "
+                      f"{res['n']} |\n")
+    return 0
+
+
+def cmd_report(args) -> int:
+    records = []
+    for d in args.runs:
+        p = Path(d)
+        f = p if p.is_file() else p / RESULT_JSON
+        if not f.is_file():
+            raise ValueError(f"report: no {RESULT_JSON} in {d}")
+        records.append(json.loads(f.read_text()))
+    text = results_table(records, args.split)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("lra", help="Long Range Arena: prepare data, train, evaluate, report")
+    lsub = p.add_subparsers(dest="lra_command", required=True)
+
+    q = lsub.add_parser("prepare", help="generate ListOps / Pathfinder, or check a stand-in's files")
+    q.add_argument("task")
+    q.add_argument("--out", default="data/lra", help="output folder (default: data/lra)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--n-train", type=int)
+    q.add_argument("--n-val", type=int)
+    q.add_argument("--n-test", type=int)
+    q.add_argument("--n-images", type=int, help="Pathfinder: total images (split 80/10/10 at load time)")
+    q.add_argument("--workers", type=int, default=1)
+    q.add_argument("--min-length", type=int, help="ListOps: exclusive lower length bound (fixtures)")
+    q.add_argument("--max-length", type=int, help="ListOps: exclusive upper length bound (fixtures)")
+    q.add_argument("--difficulty", help="Pathfinder: easy | intermediate | hard (default)")
+    q.add_argument("--data-dir", help="image-fmnist32: folder with the idx files")
+    q.set_defaults(func=cmd_prepare)
+
+    def data_args(q):
+        q.add_argument("--root", help="data folder (default: data/lra; FMNIST: ../shared/data/lra/fashion-mnist)")
+        q.add_argument("--provenance", choices=["official", "regenerated", "stand-in", "synthetic-fixture"],
+                       help="override the detected data provenance (e.g. stand-in for a non-IMDB corpus)")
+        q.add_argument("--name", help="stand-in name for the dataset id, e.g. text-<name> (stand-in)")
+        q.add_argument("--val-from", choices=["test", "train"], help="Text: validate on test (official) or a train carve-out")
+        q.add_argument("--seq-len", type=int, help="truncate sequences (default: the task length)")
+        q.add_argument("--device")
+        q.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+
+    q = lsub.add_parser("train", help="train a preset on an LRA task (defaults: the authors' settings, lra.md §3)")
+    q.add_argument("task")
+    q.add_argument("--preset", help="default: t2-lra-TASK (see `python -m transnormer.presets`)")
+    data_args(q)
+    q.add_argument("--max-steps", type=int)
+    q.add_argument("--budget", help="tokens ('2M') or time ('10min'); default: the authors' epochs")
+    q.add_argument("--epochs", type=float, help="default: the authors' epoch count")
+    q.add_argument("--batch-size", type=int, help="default: the authors' total batch")
+    q.add_argument("--grad-accum", type=int, default=1)
+    q.add_argument("--lr", type=float)
+    q.add_argument("--warmup", type=int, help="default: the authors' warmup (capped at half of --max-steps)")
+    q.add_argument("--clip", type=float, help="gradient clipping (default: off, as the authors)")
+    q.add_argument("--seed", type=int, help="default: 2222 (the authors')")
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    q.add_argument("--out", help="run folder (default: runs/lra/TASK-PRESET)")
+    q.add_argument("--eval-every", type=int, default=0)
+    q.add_argument("--eval-batches", type=int, default=50, help="validation batches per evaluation")
+    q.add_argument("--test-batches", type=int, help="test batches at the end (default: all)")
+    q.add_argument("--save-every", type=int, default=0)
+    q.add_argument("--resume", action="store_true")
+    q.add_argument("--no-progress", dest="progress", action="store_false")
+    q.set_defaults(func=cmd_train)
+
+    q = lsub.add_parser("eval", help="accuracy of a trained model on one split, with the data labels")
+    q.add_argument("task")
+    q.add_argument("--model", required=True, help="model, checkpoint or run directory")
+    data_args(q)
+    q.add_argument("--split", default="test", choices=["train", "val", "test"])
+    q.add_argument("--batch-size", type=int, default=32)
+    q.add_argument("--max-batches", type=int)
+    q.add_argument("--out", help="write the JSON here (and a .md next to it)")
+    q.set_defaults(func=cmd_eval)
+
+    q = lsub.add_parser("report", help="one provenance-labelled table over several lra_result.json")
+    q.add_argument("runs", nargs="+", help="run folders or lra_result.json files")
+    q.add_argument("--split", default="test", choices=["val", "test"])
+    q.add_argument("--out", help="also write the markdown here")
+    q.set_defaults(func=cmd_report)

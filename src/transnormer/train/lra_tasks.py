@@ -1,0 +1,354 @@
+"""Long Range Arena as a training task: ``--task cls --data lra:TASK[:ROOT]``.
+
+    cfg = TrainConfig(task="cls", preset="t2-lra-listops-tiny", data="lra:listops:data/lra", seq_len=2048, ...)
+    train(cfg)                                   # the loop calls build_lra_task_data(cfg, info, autocast)
+
+* ``TASK``: an LRA task or alias (``listops``, ``text``, ``retrieval``, ``image``, ``image-fmnist32``,
+  ``pathfinder``, ``pathx`` ...; :data:`transnormer.data.lra.TASKS`).
+* ``ROOT``: the data folder. Default: ``data/lra`` (the ``transnormer lra prepare`` default output,
+  relative to the working directory) for every task except ``image-fmnist32``, whose default is
+  ``../shared/data/lra/fashion-mnist`` relative to the working directory, else relative to the repository.
+* ``cfg.seq_len`` truncates each sequence (each document for Retrieval), capped at the task
+  length; truncation of any example is reported once. ``cfg.cls_read_kwargs`` are passed to
+  :func:`~transnormer.data.lra.load_lra` (e.g. ``{"provenance": "stand-in", "name": "bbc"}``,
+  ``{"val_from": "train"}``).
+
+Batches are step-indexed (:class:`~transnormer.data.sampler.StepBatchSampler`: batch k is a pure
+function of (seed, k), rank-sharded, resumable). ``evaluate(model, split, max_batches)`` returns
+loss, accuracy (+ F1, MCC), ``majority_accuracy`` (predicting the train split's most frequent
+class) and the data labels ``data_provenance`` / ``dataset_id`` (lra.md §6), so every eval log line
+says which data it came from.
+
+Retrieval needs the two-tower model (:mod:`transnormer.models.dual_encoder`). ``TaskData.extra``
+carries ``model_factory`` for it, which the training loop and ``transnormer eval`` use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.sampler import StepBatchSampler
+from .distributed import DistInfo, all_reduce_sum
+from .tasks import ClsBatches, TaskData
+
+DEFAULT_ROOT = "data/lra"
+FMNIST_REL = Path("..") / "shared" / "data" / "lra" / "fashion-mnist"
+VOCAB_FILE = "lra_vocab.json"
+
+
+# ----------------------------------------------------------------------------------------- spec parsing
+def parse_lra_spec(spec: str) -> tuple[str, str | None]:
+    """``"lra:TASK[:ROOT]"`` → (canonical task name, ROOT or None)."""
+    from ..data.lra import task_info
+
+    if not isinstance(spec, str) or not spec.startswith("lra:"):
+        raise ValueError(f"data: an LRA spec looks like 'lra:TASK[:ROOT]', got {spec!r}")
+    parts = spec.split(":", 2)
+    if len(parts) < 2 or not parts[1]:
+        raise ValueError(f"data: {spec!r} names no LRA task; use 'lra:TASK[:ROOT]'")
+    task = task_info(parts[1]).name
+    root = parts[2] if len(parts) == 3 and parts[2] else None
+    return task, root
+
+
+def default_root(task: str) -> str | None:
+    """Where the data of ``task`` is looked for when the spec gives no ROOT (None = the loader's default)."""
+    if task == "image-fmnist32":
+        if os.environ.get("TRANSNORMER_FMNIST_DIR"):
+            return None  # the loader honours the variable
+        cwd_rel = Path.cwd() / FMNIST_REL
+        return str(cwd_rel) if cwd_rel.is_dir() else None  # None: relative to the repository (loader default)
+    return DEFAULT_ROOT
+
+
+# ----------------------------------------------------------------------------------------- tokenizer stand-in
+class LRAVocab:
+    """What the loop needs of a tokenizer: ``vocab_size``, ``pad_id`` and ``save(dir)``.
+
+    LRA inputs arrive as token ids (ListOps symbols, bytes, pixel intensities), so there is nothing
+    to encode; ``save`` writes ``lra_vocab.json`` with the task, sizes and the data labels.
+    """
+
+    def __init__(self, task: str, vocab_size: int, pad_id: int, *, dataset_id: str = "", provenance: str = ""):
+        self.task, self.vocab_size, self.pad_id = task, int(vocab_size), int(pad_id)
+        self.dataset_id, self.provenance = dataset_id, provenance
+        self.bos_id = self.eos_id = self.mask_id = None
+        self.special_ids = [self.pad_id]
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / VOCAB_FILE).write_text(json.dumps({
+            "task": self.task, "vocab_size": self.vocab_size, "pad_id": self.pad_id,
+            "data_provenance": self.provenance, "dataset_id": self.dataset_id}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LRAVocab:
+        meta = json.loads((Path(path) / VOCAB_FILE).read_text())
+        return cls(meta["task"], meta["vocab_size"], meta["pad_id"], dataset_id=meta.get("dataset_id", ""),
+                   provenance=meta.get("data_provenance", ""))
+
+    def __repr__(self) -> str:
+        return f"LRAVocab(task={self.task!r}, vocab_size={self.vocab_size}, pad_id={self.pad_id})"
+
+
+# ----------------------------------------------------------------------------------------- provenance
+def provenance_record(ds) -> dict:
+    """The lra.md §6 labels of a loaded split: provenance, dataset id, and (when recorded) generator
+    version, seed, sample counts and SHA-256 of the data files."""
+    rec = {"data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "lra_task": ds.task}
+    side = ds.info.get("sidecar") if isinstance(ds.info, dict) else None
+    if isinstance(side, dict):
+        for k in ("generator", "generator_version", "seed", "counts", "sha256", "config"):
+            if k in side:
+                rec[k] = side[k]
+        if "n_images" in side and "counts" not in side:
+            rec["n_images"] = side["n_images"]
+    for k in ("dir", "file", "gray_rule", "sha256", "source_dir", "val_from"):
+        if isinstance(ds.info, dict) and k in ds.info and k not in rec:
+            rec[k] = ds.info[k]
+    if "sha256" not in rec:  # lra.md §6.4: hash the files the split was read from, where they are few
+        files = _source_files(ds)
+        if files:
+            from ..data.lra._common import sha256_file
+
+            rec["sha256"] = {f.name: sha256_file(f) for f in files}
+    return rec
+
+
+def _source_files(ds) -> list[Path]:
+    info = ds.info if isinstance(ds.info, dict) else {}
+    if info.get("file") and Path(info["file"]).is_file():
+        return [Path(info["file"])]
+    if ds.task == "image-fmnist32" and info.get("dir"):
+        from ..data.lra.image import FMNIST_FILES
+
+        return [Path(info["dir"]) / f for pair in FMNIST_FILES.values() for f in pair if (Path(info["dir"]) / f).is_file()]
+    if ds.task == "image" and info.get("dir"):
+        d = Path(info["dir"])
+        return sorted(p for p in d.glob("*_batch*") if p.is_file())
+    return []  # aclImdb: 50k small files; not hashed
+
+
+# ----------------------------------------------------------------------------------------- models
+def is_pair_task(task: str) -> bool:
+    from ..data.lra import task_info
+
+    return task_info(task).pair
+
+
+def _is_dual_encoder_dir(path: str | os.PathLike) -> bool:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return False
+    archs = json.loads(f.read_text()).get("architectures") or []
+    return "TransNormerDualEncoderForSequenceClassification" in archs
+
+
+def build_lra_model(cfg, vocab_size: int, num_labels: int | None, pad_id: int | None, *, pair: bool | None = None):
+    """The model for an LRA run: the loop's usual classifier, or the two-tower model for pair tasks."""
+    from . import loop
+
+    if pair is None:
+        pair = is_pair_task(parse_lra_spec(cfg.data)[0])
+    original = getattr(loop.build_model_for, "_lra_original", loop.build_model_for)
+    if not pair:
+        return original(cfg, vocab_size, num_labels, pad_id)
+    from ..models import TransNormerConfig
+    from ..models.dual_encoder import TransNormerDualEncoderForSequenceClassification as Dual
+    from ..presets import get_config
+
+    extra = {"num_labels": num_labels} if num_labels else {}
+    if cfg.init_from:
+        if not _is_dual_encoder_dir(cfg.init_from):
+            raise ValueError(f"init_from: {cfg.init_from} is not a two-tower (Retrieval) model; "
+                             "the pair task needs TransNormerDualEncoderForSequenceClassification weights")
+        return Dual.from_pretrained(cfg.init_from, **extra)
+    overrides = dict(cfg.overrides)
+    overrides.setdefault("vocab_size", vocab_size)
+    if pad_id is not None:
+        overrides.setdefault("pad_token_id", pad_id)
+    if cfg.config_file:
+        config = TransNormerConfig.from_json_file(cfg.config_file)
+        for k, v in {**overrides, **extra}.items():
+            setattr(config, k, v)
+    else:
+        config = get_config(cfg.preset, **overrides, **extra)
+    return Dual(config)
+
+
+# ----------------------------------------------------------------------------------------- data
+def _seq_lengths(seq) -> np.ndarray | None:
+    lengths = getattr(seq, "lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths)
+    if isinstance(seq, np.ndarray) and seq.ndim == 2:
+        return np.full(len(seq), seq.shape[1])
+    res = getattr(seq, "resolution", None)
+    if res is not None:
+        return np.full(len(seq), int(res) ** 2)
+    return None
+
+
+def load_split(task: str, root: str | None, split: str, max_len: int | None, options: dict | None = None):
+    """:func:`~transnormer.data.lra.load_lra` with this module's root default and truncation rule."""
+    from ..data.lra import load_lra, task_info
+
+    info_t = task_info(task)
+    root = default_root(task) if root is None else root
+    opts = dict(options or {})
+    if task == "listops":  # load untruncated (so truncation can be counted), then truncate per item
+        ds = load_lra(task, root, split, **opts)
+        ds.max_len = max_len
+    else:
+        ds = load_lra(task, root, split, max_len=max_len if max_len and max_len < info_t.length else None, **opts)
+        if max_len is not None and (ds.max_len is None or ds.max_len > max_len):
+            ds.max_len = max_len
+    return ds
+
+
+def count_truncated(ds, max_len: int | None) -> int:
+    if max_len is None:
+        return 0
+    n = 0
+    for seq in (ds.inputs, ds.inputs_2):
+        if seq is None:
+            continue
+        lengths = _seq_lengths(seq)
+        if lengths is not None:
+            n += int((lengths > max_len).sum())
+    return n
+
+
+def _labels_of(ds) -> np.ndarray:
+    return np.asarray(ds.labels, dtype=np.int64)
+
+
+@torch.no_grad()
+def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batches: int | None, autocast, *,
+                 majority_class: int | None = None) -> dict:
+    """Loss / accuracy / F1 / MCC of ``model`` on ``ds`` (rank-sharded; pair-aware)."""
+    from .evaluate import classification_metrics
+
+    was_training = model.training
+    model.eval()
+    preds, golds, loss_sum = [], [], 0.0
+    idx = list(range(info.rank, len(ds), info.world_size))
+    for b, start in enumerate(range(0, len(idx), batch_size)):
+        if max_batches is not None and b >= max_batches:
+            break
+        batch = collate([ds[i] for i in idx[start:start + batch_size]])
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with autocast():
+            logits = model(**batch).logits
+        preds.append(logits.argmax(-1).cpu())
+        golds.append(labels.cpu())
+        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
+    if was_training:
+        model.train()
+    p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+    y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
+    if info.enabled:
+        import torch.distributed as dist
+
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, (p, y))
+        p = torch.cat([g[0] for g in gathered])
+        y = torch.cat([g[1] for g in gathered])
+    (loss_sum,) = all_reduce_sum([loss_sum], info)
+    out = {"loss": loss_sum / max(len(y), 1), **classification_metrics(p, y)}
+    if majority_class is not None:
+        out["majority_accuracy"] = float((y == majority_class).float().mean()) if len(y) else float("nan")
+    return out
+
+
+def majority_class(ds) -> int:
+    """Most frequent label of a split (ties → the smaller class id)."""
+    return int(np.bincount(_labels_of(ds), minlength=ds.num_classes).argmax())
+
+
+def evaluate_split(model, spec: str, split: str = "test", *, max_len: int | None = None, batch_size: int = 32,
+                   max_batches: int | None = None, info: DistInfo | None = None, autocast=None,
+                   options: dict | None = None) -> tuple[dict, dict]:
+    """Evaluate ``model`` on one split of ``spec`` (``lra:TASK[:ROOT]``) without building a training run.
+
+    Returns (metrics with ``data_provenance`` / ``dataset_id`` / ``majority_accuracy`` (train-majority class),
+    provenance record of the evaluated split).
+    """
+    from contextlib import nullcontext
+
+    from ..data.lra import task_info
+
+    task, root = parse_lra_spec(spec)
+    info = info or DistInfo()
+    autocast = autocast or nullcontext
+    max_len = min(max_len, task_info(task).length) if max_len else task_info(task).length
+    ds = load_split(task, root, split, max_len, options)
+    majority = majority_class(load_split(task, root, "train", max_len, options))
+    res = evaluate_lra(model, ds, ds.collate_fn(), info, batch_size, max_batches, autocast, majority_class=majority)
+    rec = {**provenance_record(ds), "root": root if root is not None else default_root(task), "max_len": max_len,
+           "truncated": count_truncated(ds, max_len), "n_split": len(ds)}
+    return {**res, "data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "eval_split": ds.split}, rec
+
+
+def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
+    """TaskData for ``cfg.data == "lra:TASK[:ROOT]"`` (called by ``tasks.build_task_data``)."""
+    from ..data.lra import task_info
+
+    task, root = parse_lra_spec(cfg.data)
+    info_t = task_info(task)
+    max_len = min(int(cfg.seq_len), info_t.length) if cfg.seq_len else info_t.length
+    options = dict(cfg.cls_read_kwargs or {})
+    train_ds = load_split(task, root, "train", max_len, options)
+    n_trunc = count_truncated(train_ds, max_len)
+    if n_trunc and info.is_main:
+        print(f"lra:{task}: truncating {n_trunc} training sequence(s) to seq_len={max_len} "
+              f"(task length {info_t.length}); pass --seq-len {info_t.length} for the full task")
+    collate = train_ds.collate_fn()
+    sampler = StepBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                               world_size=info.world_size)
+    counts = np.bincount(_labels_of(train_ds), minlength=info_t.num_classes)
+    majority = majority_class(train_ds)
+    prov = provenance_record(train_ds)
+    splits = {"train": train_ds}
+
+    def get_split(split: str):
+        from ..data.lra._common import split_name
+
+        s = split_name(split)
+        if s not in splits:
+            splits[s] = load_split(task, root, s, max_len, options)
+        return splits[s]
+
+    labels_out = {"data_provenance": train_ds.provenance, "dataset_id": train_ds.dataset_id}
+
+    def evaluate(model, split: str = "val", max_batches: int | None = None) -> dict:
+        ds = get_split(split)
+        res = evaluate_lra(model, ds, collate, info, cfg.batch_size, max_batches, autocast, majority_class=majority)
+        return {**res, **labels_out, "eval_split": ds.split}
+
+    tok = LRAVocab(task, info_t.vocab_size, info_t.pad_id, dataset_id=train_ds.dataset_id,
+                   provenance=train_ds.provenance)
+    per_item = max_len * (2 if info_t.pair else 1)
+    extra = {
+        **prov,
+        "lra_task": task,
+        "root": root if root is not None else default_root(task),
+        "max_len": max_len,
+        "task_length": info_t.length,
+        "truncated_train": n_trunc,
+        "n_train": len(train_ds),
+        "train_label_counts": [int(c) for c in counts],
+        "majority_class": majority,
+        "pair": info_t.pair,
+        "pooling": info_t.pooling,
+        "model_factory": build_lra_model,
+    }
+    return TaskData(tok, ClsBatches(train_ds, collate, sampler), evaluate, cfg.batch_size * per_item,
+                    num_labels=info_t.num_classes, extra=extra)

@@ -1,0 +1,293 @@
+"""LRA training side: presets (lra.md §3), the two-tower Retrieval head, the ``lra:`` task data,
+provenance in results, and ``transnormer lra prepare|train|eval|report`` on small fixtures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transnormer.cli import main
+from transnormer.data.lra import TASKS, prepare
+from transnormer.layers import LAYER_TYPES
+from transnormer.models.dual_encoder import TransNormerDualEncoderForSequenceClassification as Dual
+from transnormer.models.lra_presets import LRA_MODELS, LRA_TRAINING, lra_preset_names
+from transnormer.modules.ffn import FFN
+from transnormer.modules.norms import MaskedBatchNorm
+from transnormer.presets import PRESETS, build_model, get_config
+from transnormer.train.distributed import DistInfo
+from transnormer.train.loop import TrainConfig
+from transnormer.train.lra_tasks import LRAVocab, build_lra_task_data, default_root, parse_lra_spec
+
+# lra.md §3: layers, d, Diag heads, Norm heads, FFN ratio, dropout, pooling
+TABLE = {
+    "listops": (4, 128, 8, 8, 4, 0.0, "mean"),
+    "text": (4, 128, 8, 8, 4, 0.0, "mean"),
+    "retrieval": (4, 128, 4, 8, 4, 0.0, "mean"),
+    "image": (12, 128, 4, 8, 2, 0.2, "mean"),
+    "pathfinder": (4, 128, 8, 8, 1, 0.0, "last"),
+    "pathx": (6, 64, 8, 8, 2.5, 0.0, "last"),
+}
+TRAIN_TABLE = {  # lr, batch, warmup, epochs
+    "listops": (1e-4, 128, 1000, 40), "text": (1e-3, 64, 80, 32), "retrieval": (1e-3, 64, 800, 20),
+    "image": (1e-3, 200, 175, 200), "pathfinder": (5e-4, 128, 312, 200), "pathx": (1e-4, 64, None, None),
+}
+
+
+def _inputs(vocab: int, B: int = 2, T: int = 70, lengths=(70, 41)):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    return ids.masked_fill(~mask, 0), mask
+
+
+@pytest.fixture(scope="module")
+def listops_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lra")
+    prepare("listops", root, seed=5, n_train=96, n_val=24, n_test=24, min_length=10, max_length=60)
+    return root
+
+
+def _aan_fixture(root, n=(24, 8, 8)):
+    g = torch.Generator().manual_seed(0)
+    words = ["graph", "neural", "parse", "tree", "speech", "corpus", "model", "align"]
+    for split, count in zip(("train", "eval", "test"), n):
+        lines = []
+        for i in range(count):
+            a = " ".join(words[j] for j in torch.randint(0, 8, (int(torch.randint(5, 30, (1,), generator=g)),),
+                                                         generator=g))
+            b = " ".join(words[j] for j in torch.randint(0, 8, (int(torch.randint(5, 30, (1,), generator=g)),),
+                                                         generator=g))
+            lines.append(f"{float(i % 2)}\tid{i}a\tid{i}b\t{a}\t{b.encode()!r}")  # text2 as a bytes literal
+        (root / f"new_aan_pairs.{split}.tsv").write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- presets
+def test_presets_registered_and_match_table():
+    for task in TABLE:
+        for name in lra_preset_names(task):
+            assert name in PRESETS and PRESETS[name][0] == "cls", name
+    for task, (L, d, dh, nh, r, p, pool) in TABLE.items():
+        info = TASKS[task]
+        for v in ("t1", "t2"):
+            c = get_config(f"{v}-lra-{task}")
+            assert (c.num_hidden_layers, c.hidden_size, c.diag_num_attention_heads, c.num_attention_heads) == (L, d, dh, nh)
+            assert c.ffn_type == "ffn" and c.ffn_act == "gelu" and c.ffn_hidden_size == int(round(r * d))
+            assert c.dropout == p and c.classifier_pooling == pool == info.pooling
+            assert c.layer_types == ["diag"] * (L // 2) + ["norm"] * (L - L // 2)
+            assert c.block_size == 64 and c.pre_norm and c.final_norm and c.norm_type == "batch"
+            assert c.lrpe == "rope" and c.abs_pos == "sinusoidal" and not c.causal and c.variant == v
+            assert c.vocab_size == info.vocab_size and c.pad_token_id == info.pad_id
+            assert c.max_position_embeddings >= info.length and c.num_labels == info.num_classes
+        van, fl = get_config(f"vanilla-lra-{task}"), get_config(f"flash-lra-{task}")
+        assert van.layer_types == ["softmax"] * L and fl.layer_types == ["flash"] * (2 * L)
+        assert get_config(f"t2-lra-{task}", norm_type="simple_rms").norm_type == "simple_rms"  # the srms option
+    assert get_config("t1-lra-listops").resolved("diag_kernel") == "relu"
+    assert get_config("t2-lra-listops").resolved("diag_kernel") == "softmax"
+    for task, (lr, batch, warmup, epochs) in TRAIN_TABLE.items():
+        t = LRA_TRAINING[task]
+        assert (t["lr"], t["batch_size"], t["warmup"], t["epochs"]) == (lr, batch, warmup, epochs)
+        assert (t["weight_decay"], t["schedule"], t["clip"], t["seed"]) == (0.0, "cosine", 0.0, 2222)
+    assert set(LRA_MODELS) == set(TABLE)
+
+
+@pytest.mark.parametrize("task", [t for t in TABLE if t != "retrieval"])
+def test_presets_forward_reduced_length(task):
+    vocab = TASKS[task].vocab_size
+    ids, mask = _inputs(vocab)
+    for name in (f"t2-lra-{task}", f"t1-lra-{task}-tiny", f"t2-lra-{task}-tiny"):
+        # training mode: batch statistics (an untrained model's running statistics are the identity, and
+        # NormAttention without a working norm overflows in deep stacks: eval needs trained statistics)
+        model = build_model(name).train()
+        out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
+        assert out.logits.shape == (2, TASKS[task].num_classes) and torch.isfinite(out.loss)
+    blk = build_model(f"t2-lra-{task}").model.layers
+    assert isinstance(blk[0].ffn, FFN) and isinstance(blk[0].mixer_norm, MaskedBatchNorm)
+    assert isinstance(blk[-1].mixer.norm, MaskedBatchNorm)  # batch norm inside NormAttention too
+    for kind in ("vanilla", "flash"):
+        if kind == "vanilla" and "softmax" not in LAYER_TYPES or kind == "flash" and "flash" not in LAYER_TYPES:
+            continue
+        m = build_model(f"{kind}-lra-{task}-tiny").train()
+        assert m(input_ids=ids, attention_mask=mask).logits.shape == (2, TASKS[task].num_classes)
+
+
+def test_last_token_pooling_uses_last_valid_token():
+    model = build_model("t2-lra-pathfinder-tiny").eval()
+    ids, mask = _inputs(256, lengths=(70, 41))
+    full = model(input_ids=ids, attention_mask=mask).logits
+    alone = model(input_ids=ids[1:, :41]).logits
+    torch.testing.assert_close(full[1:], alone, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- retrieval head
+def _dual(tiny=True):
+    return Dual(get_config("t2-lra-retrieval-tiny" if tiny else "t2-lra-retrieval"))
+
+
+def test_dual_encoder_forward_and_padding_invariance():
+    torch.manual_seed(0)
+    model = _dual()
+    a, ma = _inputs(257, B=3, T=30, lengths=(30, 12, 25))
+    b, mb = _inputs(257, B=3, T=45, lengths=(9, 45, 20))
+    labels = torch.tensor([0, 1, 1])
+    for mode in ("train", "eval"):  # masked batch norm: padding is out of the statistics in training too
+        getattr(model, mode)()
+        out = model(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=mb, labels=labels)
+        assert out.logits.shape == (3, 2) and torch.isfinite(out.loss)
+        # extra padding with garbage ids, per document, changes nothing
+        a2 = torch.cat([a, torch.randint(1, 257, (3, 17))], 1)
+        b2 = torch.cat([b, torch.randint(1, 257, (3, 5))], 1)
+        ma2 = torch.cat([ma, torch.zeros(3, 17, dtype=torch.bool)], 1)
+        mb2 = torch.cat([mb, torch.zeros(3, 5, dtype=torch.bool)], 1)
+        again = model(input_ids=a2, attention_mask=ma2, input_ids_2=b2, attention_mask_2=mb2).logits
+        torch.testing.assert_close(again, out.logits, rtol=1e-4, atol=1e-5)
+    model.eval()
+    x1, x2 = model.encode_pair(a, ma, b, mb)
+    one = model.encode(b[1:2, :45], mb[1:2, :45])  # a document pooled alone = pooled in the pair batch
+    torch.testing.assert_close(x2[1:2], one, rtol=1e-4, atol=1e-5)
+    h = model.model(input_ids=a[1:2, :12]).last_hidden_state
+    torch.testing.assert_close(x1[1:2], h.mean(1), rtol=1e-4, atol=1e-5)  # mean over the valid tokens only
+    feats = torch.cat([x1, x2, x1 * x2, x1 - x2], -1)
+    torch.testing.assert_close(model.classifier(feats), model(input_ids=a, attention_mask=ma, input_ids_2=b,
+                                                              attention_mask_2=mb).logits)
+    with pytest.raises(ValueError, match="input_ids_2"):
+        model(input_ids=a, attention_mask=ma)
+
+
+def test_dual_encoder_save_load_round_trip(tmp_path):
+    model = _dual().eval()
+    a, ma = _inputs(257, B=2, T=20, lengths=(20, 7))
+    b, mb = _inputs(257, B=2, T=16, lengths=(3, 16))
+    ref = model(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=mb).logits
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["TransNormerDualEncoderForSequenceClassification"]
+    loaded = Dual.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=mb).logits, ref)
+    assert isinstance(loaded.model.layers[0].mixer_norm, MaskedBatchNorm)
+
+
+# ------------------------------------------------------------------------------------------- task data
+def test_parse_spec_and_default_root():
+    assert parse_lra_spec("lra:listops") == ("listops", None)
+    assert parse_lra_spec("lra:path-x:/d/x") == ("pathx", "/d/x")
+    assert parse_lra_spec("lra:fmnist") == ("image-fmnist32", None)
+    assert default_root("listops") == "data/lra" and default_root("pathfinder") == "data/lra"
+    for bad in ("listops", "lra:", "lra:nope"):
+        with pytest.raises(ValueError):
+            parse_lra_spec(bad)
+
+
+def _ac():
+    return torch.autocast("cpu", enabled=False)
+
+
+def _cfg(root, task="listops", **kw):
+    base = dict(task="cls", preset="t2-lra-listops-tiny", data=f"lra:{task}:{root}", seq_len=2048, batch_size=8,
+                max_steps=1, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_build_lra_task_data_listops(listops_root, tmp_path, capsys):
+    info = DistInfo()
+    data = build_lra_task_data(_cfg(listops_root), info, _ac)
+    assert isinstance(data.tokenizer, LRAVocab) and (data.tokenizer.vocab_size, data.tokenizer.pad_id) == (17, 0)
+    assert data.num_labels == 10 and data.tokens_per_step == 8 * 2048
+    assert data.extra["data_provenance"] == "synthetic-fixture"
+    assert data.extra["dataset_id"].startswith("listops-fixture(gen=v1, seed=5")
+    assert data.extra["generator_version"] == "v1" and set(data.extra["sha256"]) >= {"basic_train.tsv"}
+    # deterministic, resumable, rank-sharded
+    first = [next(data.train) for _ in range(3)]
+    again = build_lra_task_data(_cfg(listops_root), info, _ac)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(first, [next(again.train) for _ in range(3)]))
+    again.train.load_state_dict({"step": 1})
+    assert torch.equal(next(again.train)["labels"], first[1]["labels"])
+    r0 = build_lra_task_data(_cfg(listops_root), DistInfo(rank=0, world_size=2), _ac)
+    r1 = build_lra_task_data(_cfg(listops_root), DistInfo(rank=1, world_size=2), _ac)
+    i0, i1 = r0.train.sampler.indices_at(0), r1.train.sampler.indices_at(0)
+    assert not set(i0.tolist()) & set(i1.tolist())
+    b = first[0]
+    assert b["attention_mask"].dtype == torch.bool and (b["input_ids"][~b["attention_mask"]] == 0).all()
+    # evaluation with data labels
+    model = build_model("t2-lra-listops-tiny")
+    res = data.evaluate(model, "valid", 2)
+    assert {"loss", "accuracy", "majority_accuracy", "data_provenance", "dataset_id"} <= set(res)
+    assert res["n"] == 16 and res["data_provenance"] == "synthetic-fixture" and model.training
+    assert data.evaluate(model, "test", None)["n"] == 24
+    data.tokenizer.save(tmp_path / "tok")
+    assert LRAVocab.load(tmp_path / "tok").dataset_id == data.extra["dataset_id"]
+    # truncation is reported and applied
+    short = build_lra_task_data(_cfg(listops_root, seq_len=20), info, _ac)
+    assert short.extra["truncated_train"] > 0 and "truncating" in capsys.readouterr().out
+    assert next(short.train)["input_ids"].shape[1] <= 20
+
+
+def test_retrieval_trains_two_tower_model_through_the_loop(tmp_path):
+    from transnormer.train.loop import train
+
+    _aan_fixture(tmp_path)
+    cfg = TrainConfig(task="cls", preset="t2-lra-retrieval-tiny", data=f"lra:retrieval:{tmp_path}", seq_len=64,
+                      batch_size=4, max_steps=2, out_dir=str(tmp_path / "run"), progress=False, eval_batches=1,
+                      cls_read_kwargs={"provenance": "synthetic-fixture", "name": "aan-fixture"})
+    summary = train(cfg)
+    assert summary["eval"]["data_provenance"] == "synthetic-fixture"
+    assert summary["eval"]["dataset_id"] == "retrieval-aan-fixture (synthetic-fixture)"
+    ckpt = tmp_path / "run" / "checkpoints"
+    cfg_json = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "config.json").read_text())
+    assert cfg_json["architectures"] == ["TransNormerDualEncoderForSequenceClassification"]
+    out = tmp_path / "eval.json"
+    rc = main(["lra", "eval", "retrieval", "--model", str(tmp_path / "run"), "--root", str(tmp_path),
+               "--provenance", "synthetic-fixture", "--name", "aan-fixture", "--seq-len", "64", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    assert rc == 0 and rec["n"] == 8 and rec["data_provenance"] == "synthetic-fixture"
+    assert "synthetic-fixture" in out.with_suffix(".md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- CLI + results
+def test_cli_prepare_listops_small(tmp_path, capsys):
+    rc = main(["lra", "prepare", "listops", "--out", str(tmp_path), "--n-train", "30", "--n-val", "5",
+               "--n-test", "5", "--min-length", "10", "--max-length", "50", "--seed", "2"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["counts"] == {"train": 30, "val": 5, "test": 5}
+    assert out["data_provenance"] == "synthetic-fixture" and out["dataset_id"].startswith("listops-fixture")
+    assert (tmp_path / "listops-1000" / "basic_train.tsv").is_file()
+    assert main(["lra", "prepare", "text", "--out", str(tmp_path)]) == 2
+    assert "aclImdb" in capsys.readouterr().err
+
+
+def test_cli_train_writes_provenance(listops_root, tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
+               "--max-steps", "2", "--batch-size", "8", "--lr", "1e-3", "--out", str(run), "--no-progress",
+               "--eval-batches", "1"])
+    assert rc == 0
+    rec = json.loads((run / "lra_result.json").read_text())
+    assert rec["data_provenance"] == "synthetic-fixture" and rec["dataset_id"].startswith("listops-fixture")
+    assert rec["test"]["data_provenance"] == rec["val"]["data_provenance"] == "synthetic-fixture"
+    assert rec["data"]["sha256"] and rec["data"]["seed"] == 5 and rec["data"]["counts"]["train"] == 96
+    assert rec["training"]["weight_decay"] == 0.0 and rec["training"]["clip"] == 0.0 and rec["training"]["seed"] == 2222
+    assert rec["test"]["n"] == 24 and not rec["comparable_to_published"]
+    md = (run / "lra_result.md").read_text()
+    assert "synthetic-fixture" in md and rec["dataset_id"] in md and "LRA average" not in md
+    capsys.readouterr()
+    assert main(["lra", "report", str(run), str(run)]) == 0
+    table = capsys.readouterr().out
+    assert "synthetic-fixture" in table and "LRA average" not in table
+
+
+def test_results_table_naming_rule():
+    from transnormer.cli_lra import results_table
+
+    def rec(task, prov, acc):
+        return {"task": task, "preset": f"t2-lra-{task}", "data_provenance": prov, "dataset_id": f"{task}-x",
+                "test": {"accuracy": acc}}
+
+    partial = results_table([rec("listops", "regenerated", 0.4), rec("pathfinder", "regenerated", 0.7)])
+    assert "LRA average" not in partial and "avg over ListOps (regenerated) + Pathfinder (regenerated)" in partial
+    five = [rec(t, "official", 0.5) for t in ("listops", "text", "retrieval", "image", "pathfinder")]
+    assert "LRA average (five tasks, official data): 50.00" in results_table(five)
+    mixed = five[:4] + [rec("pathfinder", "regenerated", 0.5)]
+    assert "LRA average" not in results_table(mixed)
+    assert "avg" not in results_table(five[:1])
