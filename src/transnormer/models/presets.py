@@ -94,7 +94,11 @@ def get_config(name: str, **overrides) -> TransNormerConfig:
     kwargs = PRESETS[name][1]()
     kwargs.update(overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in kwargs:
-        kwargs.pop("layer_types")  # re-derive the default schedule for the new depth
+        kinds = set(kwargs["layer_types"])
+        if len(kinds) == 1:  # a single-type stack (baselines) stays single-type at the new depth
+            kwargs["layer_types"] = [kinds.pop()] * overrides["num_hidden_layers"]
+        else:  # a mixed schedule is re-derived (first half Diag, the rest Norm)
+            kwargs.pop("layer_types")
     return TransNormerConfig(**kwargs)
 
 
