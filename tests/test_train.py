@@ -140,9 +140,9 @@ def test_ddp_two_processes_match_one(corpus_dir, tmp_path):
         return json.dumps(d)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), args(4, "single")], check=True, env=env)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-                    str(script), args(2, "ddp")], check=True, env=env)
+    subprocess.run([sys.executable, str(script), args(4, "single")], check=True, env=env, timeout=300)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script), args(2, "ddp")], check=True, env=env, timeout=300)
     one, two = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
     assert len(one) == len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)

@@ -8,6 +8,7 @@ machine), CUDA uses NCCL. DDP is the default; FSDP2 (``fully_shard``) on GPUs by
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,5 +96,15 @@ def barrier(info: DistInfo) -> None:
 
 
 def cleanup(info: DistInfo) -> None:
+    """Tear the process group down without the gloo exit deadlock.
+
+    A finished gloo work item is released by a gloo worker thread, which needs the GIL when it
+    holds Python-created tensors (our metric all-reduces). If the main thread meanwhile blocks in
+    the process group's destructor (joining those threads) while holding the GIL, both wait
+    forever. So: a barrier (all ranks done), a short sleep that releases the GIL so the workers
+    can drop what they hold, then the explicit destroy.
+    """
     if info.enabled and dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.2)
         dist.destroy_process_group()
