@@ -10,6 +10,11 @@ import torch
 import torch.nn as nn
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for half inputs (their sums of squares lose too much); fp32/fp64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class SimpleRMSNorm(nn.Module):
     """SRMSNorm: no gain, no bias (spec §5).
 
@@ -22,8 +27,7 @@ class SimpleRMSNorm(nn.Module):
         self.dim, self.eps, self.eps_inside_sqrt = dim, eps, eps_inside_sqrt
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # Reduce in fp32: bf16 sums of squares over 512+ channels lose too much.
-        xf = x.float()
+        xf = _upcast(x)
         if self.eps_inside_sqrt:
             y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         else:
@@ -55,7 +59,7 @@ class ScaleNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        xf = x.float()
+        xf = _upcast(x)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
 
 
@@ -82,7 +86,7 @@ class MaskedBatchNorm(nn.Module):
         self.register_buffer("running_var", torch.ones(dim))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        xf = x.float()
+        xf = _upcast(x)
         if self.training:
             flat = xf.reshape(-1, self.dim)
             if mask is not None:
