@@ -1,0 +1,129 @@
+"""The benchmark suite behind ``transnormer bench``: each function measures, writes a report, and
+returns rows plus PASS/FAIL verdicts against the targets of the performance issue.
+
+All ratios are measured in one run (this machine is shared and noisy). Memory is the peak RSS of
+a fresh process per configuration (CPU) or the peak allocated CUDA memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops_bench import gemm_rates, op_throughput
+from .report import write_report
+from .train_step import model_flops_per_token, train_step_throughput
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def verdict(name: str, ok: bool, detail: str) -> str:
+    return f"{'PASS' if ok else 'FAIL'}  {name}: {detail}"
+
+
+def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), chunk: int = 64) -> dict:
+    """norm_linear_attn fwd+bwd GFLOP/s as a fraction of the GEMM rate (causal ≥ 50%, bidir ≥ 70% at T ≥ 4k)."""
+    rows, verdicts = [], []
+    for dname in dtypes:
+        g = gemm_rates(DTYPES[dname], chunk=chunk, D=64)
+        for causal in (True, False):
+            for T in lengths:
+                r = op_throughput(T, causal=causal, dtype=DTYPES[dname], chunk=chunk)
+                r.update(preset=f"{'causal' if causal else 'bidir'}-{dname}", seq_len=T, step_s=r["seconds"],
+                         gemm_square=g["square_gflops"], gemm_chunk_bmm=g["chunk_bmm_gflops"],
+                         frac_square=r["gflops"] / g["square_gflops"], frac_chunk_bmm=r["gflops"] / g["chunk_bmm_gflops"])
+                rows.append(r)
+                if T >= 4096:
+                    target = 0.5 if causal else 0.7
+                    verdicts.append(verdict(
+                        f"op {'causal' if causal else 'bidirectional'} {dname} T={T}",
+                        r["frac_square"] >= target,
+                        f"{r['gflops']:.1f} GFLOP/s = {r['frac_square']:.0%} of the {g['square_gflops']:.0f} GFLOP/s "
+                        f"square GEMM (target {target:.0%}); {r['frac_chunk_bmm']:.0%} of a same-shape batched GEMM"))
+    rep = write_report(rows, out_dir, "ops", ["preset", "seq_len", "step_s", "gflops", "frac_square", "frac_chunk_bmm"],
+                       plots=("step_s",), extra={"verdicts": verdicts})
+    return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048, 8192, 16384), dtypes=("fp32", "bf16"),
+                vocab_size: int = 32768, tokens_per_step: int = 16384, steps: int = 2, mode: str = "train") -> dict:
+    """Training (or inference) step of each preset against T; ideal-vs-measured ratio and MFU of the first."""
+    rows, verdicts = [], []
+    peaks = {d: gemm_rates(DTYPES[d], chunk=64, D=64)["square_gflops"] for d in dtypes}
+    for dname in dtypes:
+        for T in lengths:
+            got = {}
+            for p in presets:
+                r = train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
+                                          vocab_size=vocab_size, steps=steps, mode=mode)
+                cfg_like = None if p.startswith("peer:") else _config(p, vocab_size)
+                if cfg_like is not None:
+                    fpt = model_flops_per_token(cfg_like, T) / (3 if mode != "train" else 1)
+                    r["model_gflops"] = fpt * r["tokens_per_s"] / 1e9
+                    r["mfu"] = r["model_gflops"] / peaks[dname]
+                r["label"] = f"{p} {dname}"
+                rows.append(r)
+                got[p] = r
+            a, b = presets[0], presets[-1]
+            if mode == "train" and not b.startswith("peer:") and a != b:
+                ideal = model_flops_per_token(_config(b, vocab_size), T) / model_flops_per_token(_config(a, vocab_size), T)
+                measured = got[a]["tokens_per_s"] / got[b]["tokens_per_s"]
+                got[a]["ideal_ratio"], got[a]["measured_ratio"] = ideal, measured
+                verdicts.append(verdict(f"{a} vs {b} {dname} T={T}", abs(measured / ideal - 1) <= 0.10,
+                                        f"speed ratio {measured:.2f}x, ideal from FLOPs {ideal:.2f}x (within 10%)"))
+            if mode == "train" and dname == "fp32" and "mfu" in got[a]:
+                verdicts.append(verdict(f"{a} MFU fp32 T={T}", got[a]["mfu"] >= 0.5,
+                                        f"{got[a]['model_gflops']:.1f} GFLOP/s = {got[a]['mfu']:.0%} of "
+                                        f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%)"))
+    rep = write_report(rows, out_dir, mode, ["label", "seq_len", "batch", "step_s", "tokens_per_s", "peak_mem_mb",
+                                             "mfu", "ideal_ratio", "measured_ratio"],
+                       series="label", plots=("step_s", "peak_mem_mb"), extra={"verdicts": verdicts})
+    return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def bench_memory(out_dir, *, preset: str = "t2-lm", lengths=(4096, 16384), vocab_size: int = 32768) -> dict:
+    """Peak training memory against T at batch 1: linear growth (16k over 4k at most 4.4x)."""
+    rows = [train_step_throughput(preset, T, tokens_per_step=T, vocab_size=vocab_size, steps=1) for T in lengths]
+    for r in rows:
+        r["label"] = preset
+    ratio = rows[-1]["peak_mem_mb"] / rows[0]["peak_mem_mb"]
+    allowed = 1.1 * lengths[-1] / lengths[0]  # linear growth with 10% slack: 4.4x for 16k over 4k
+    verdicts = [verdict(f"{preset} peak memory {lengths[-1]} / {lengths[0]}", ratio <= allowed,
+                        f"{rows[-1]['peak_mem_mb']:.0f} MB / {rows[0]['peak_mem_mb']:.0f} MB = {ratio:.2f}x "
+                        f"(target <= {allowed:.1f}x)")]
+    rep = write_report(rows, out_dir, "memory", ["label", "seq_len", "peak_mem_mb", "step_s"], series="label",
+                       plots=("peak_mem_mb",), extra={"verdicts": verdicts})
+    return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def bench_long(out_dir, *, preset: str = "t2-lm", seq_len: int = 65536, vocab_size: int = 32768) -> dict:
+    """One bf16 training step at T = 64k: finite loss, no overflow."""
+    r = train_step_throughput(preset, seq_len, dtype="bf16", tokens_per_step=seq_len, vocab_size=vocab_size, steps=1)
+    r["label"] = preset
+    verdicts = [verdict(f"{preset} bf16 step at T={seq_len}", r["finite"],
+                        f"loss {r['loss']:.3f}, {r['step_s']:.1f} s, peak {r['peak_mem_mb']:.0f} MB")]
+    rep = write_report([r], out_dir, "long", ["label", "seq_len", "dtype", "loss", "step_s", "peak_mem_mb"],
+                       series="label", plots=(), extra={"verdicts": verdicts})
+    return {"rows": [r], "verdicts": verdicts, **rep}
+
+
+def bench_peers(out_dir, *, seq_len: int = 4096, dtype: str = "fp32", vocab_size: int = 32768, steps: int = 2) -> dict:
+    """flash-lm and t2-lm against flash-pytorch's FLASH at equal parameters (each >= 2x its throughput)."""
+    presets = ["flash-lm", "t2-lm", "peer:flash-pytorch"]
+    rows = []
+    for p in presets:
+        r = train_step_throughput(p, seq_len, dtype=dtype, tokens_per_step=seq_len, vocab_size=vocab_size, steps=steps)
+        r["label"] = p
+        rows.append(r)
+    peer = rows[-1]["tokens_per_s"]
+    verdicts = [verdict(f"{r['label']} vs flash-pytorch T={seq_len} {dtype}", r["tokens_per_s"] >= 2 * peer,
+                        f"{r['tokens_per_s'] / peer:.2f}x its training throughput ({r['params'] / 1e6:.1f}M vs "
+                        f"{rows[-1]['params'] / 1e6:.1f}M params; target >= 2x)") for r in rows[:-1]]
+    rep = write_report(rows, out_dir, "peers", ["label", "params", "seq_len", "step_s", "tokens_per_s", "peak_mem_mb"],
+                       series="label", plots=(), extra={"verdicts": verdicts})
+    return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def _config(preset: str, vocab_size: int):
+    from ..presets import get_config
+
+    return get_config(preset, vocab_size=vocab_size)

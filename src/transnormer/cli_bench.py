@@ -1,0 +1,56 @@
+"""``transnormer bench ops|train|infer|memory|long|peers|all``: speed and memory with PASS/FAIL targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _print(res: dict) -> None:
+    print(res["table"])
+    for v in res["verdicts"]:
+        print(v)
+    print("wrote", ", ".join(res["files"]))
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import suite
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
+    all_verdicts = []
+    for w in what:
+        print(f"\n## {w}", flush=True)
+        if w == "ops":
+            res = suite.bench_ops(out, lengths=args.lengths or (1024, 4096, 16384), dtypes=args.dtypes)
+        elif w in ("train", "infer"):
+            res = suite.bench_train(out, presets=args.presets, lengths=args.lengths or (512, 2048, 8192, 16384),
+                                    dtypes=args.dtypes, vocab_size=args.vocab_size, mode=w)
+        elif w == "memory":
+            res = suite.bench_memory(out, vocab_size=args.vocab_size)
+        elif w == "long":
+            res = suite.bench_long(out, vocab_size=args.vocab_size)
+        else:
+            res = suite.bench_peers(out, vocab_size=args.vocab_size)
+        _print(res)
+        all_verdicts += res["verdicts"]
+    if len(what) > 1:
+        print("\n## verdicts")
+        print("\n".join(all_verdicts))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="speed/memory benchmarks against T with the performance targets")
+    p.add_argument("what", choices=["ops", "train", "infer", "memory", "long", "peers", "all"])
+    p.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"],
+                   help="for train/infer: the first is compared with the last; peers as peer:NAME")
+    p.add_argument("--lengths", type=int, nargs="+")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out", default="runs/bench")
+    p.set_defaults(func=cmd_bench)
