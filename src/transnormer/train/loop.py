@@ -278,8 +278,9 @@ def train(cfg: TrainConfig) -> dict:
         if total_steps is None and budget_kind == "seconds" and step == 3:
             total_steps_est = max(step + 1, int(budget / max(elapsed / step, 1e-6)))
             sched["total_steps"] = total_steps_est
-            if bar is not None:
+            if bar is not None:  # now the bar can show an ETA
                 bar.total = total_steps_est
+                bar.refresh()
         loss_val = all_reduce_mean(loss_sum / cfg.grad_accum, info)
         if step % cfg.log_every == 0 or step == 1:
             metrics.log({"kind": "train", "step": step, "loss": loss_val, "lr": optimizer.param_groups[0]["lr"],
