@@ -81,3 +81,21 @@ def test_cache_is_constant_size():
     assert sizes[10] == sizes[5000]
     norm_state = [s for s in sizes[10] if "state" in s]
     assert norm_state and norm_state[0]["state"] == (1, 4, 32, 32)
+
+
+CAUSAL_TINY = ["vanilla-lm-tiny", "linear-elu-lm-tiny", "performer-lm-tiny", "cosformer-lm-tiny", "flash-quad-lm-tiny",
+               "flash-lm-tiny"]
+
+
+@pytest.mark.parametrize("name", CAUSAL_TINY)
+def test_baseline_batched_generation_equals_alone(name):
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    p1, p2 = torch.randint(3, 61, (1, 11)), torch.randint(3, 61, (1, 4))
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    mask = torch.zeros(2, 11, dtype=torch.long)
+    ids[0], mask[0] = p1[0], 1
+    ids[1, 7:], mask[1, 7:] = p2[0], 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **GEN)
+    assert torch.equal(batched[0, 11:], model.generate(p1, max_new_tokens=6, do_sample=False, **GEN)[0, 11:])
+    assert torch.equal(batched[1, 11:], model.generate(p2, max_new_tokens=6, do_sample=False, **GEN)[0, 4:])

@@ -38,7 +38,7 @@ def test_causal_chunked_matches_reference_fp64(T, chunk):
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize("T", [63, 64, 65, 1000])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
 def test_causal_chunked_fp32_within_1e4(T):
     q, k, v = qkv(1, T, 2, 64, dtype=torch.float32, positive=True)
     o, _ = norm_linear_attn(q, k, v, causal=True)

@@ -35,6 +35,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--warmup-init-lr", type=float, default=d.warmup_init_lr)
     p.add_argument("--schedule", default=d.schedule, choices=["cosine", "inverse_sqrt", "polynomial", "constant"])
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--betas", type=float, nargs=2, default=list(d.betas))

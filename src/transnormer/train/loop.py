@@ -60,6 +60,7 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
+    warmup_init_lr: float = 0.0  # fairseq's inverse_sqrt warms up from 1e-7 (spec §8)
     schedule: str = "cosine"
     weight_decay: float = 0.01
     betas: tuple = (0.9, 0.98)
@@ -191,7 +192,7 @@ def train(cfg: TrainConfig) -> dict:
     else:
         total_steps = None  # time budget: estimated from the first steps' speed
     sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or 10**9,
-             "min_lr_ratio": cfg.min_lr_ratio}
+             "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
     scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
 
     # resume
