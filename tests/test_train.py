@@ -147,3 +147,21 @@ def test_ddp_two_processes_match_one(corpus_dir, tmp_path):
     assert len(one) == len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
     assert torch.tensor(one).isfinite().all()
+
+
+def test_schedules_and_budgets():
+    from transnormer.train import parse_budget
+    from transnormer.train.schedule import lr_multiplier
+
+    kw = dict(warmup=10, total_steps=110)
+    assert lr_multiplier(4, kind="cosine", **kw) == pytest.approx(0.5)
+    assert lr_multiplier(109, kind="cosine", min_lr_ratio=0.1, **kw) == pytest.approx(0.1)
+    assert lr_multiplier(39, kind="inverse_sqrt", **kw) == pytest.approx((10 / 40) ** 0.5)
+    assert lr_multiplier(0, kind="inverse_sqrt", warmup=8000, total_steps=1, warmup_init_ratio=1e-7 / 5e-4) > 2e-4
+    assert lr_multiplier(109, kind="polynomial", **kw) == pytest.approx(0.0)
+    assert parse_budget("90s") == ("seconds", 90) and parse_budget("5min") == ("seconds", 300)
+    assert parse_budget("200k") == ("tokens", 200_000) and parse_budget("2M") == ("tokens", 2_000_000)
+    with pytest.raises(ValueError, match="budget"):
+        parse_budget("soon")
+    with pytest.raises(ValueError, match="schedule"):
+        lr_multiplier(0, kind="linear", warmup=1, total_steps=2)
