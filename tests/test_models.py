@@ -177,3 +177,17 @@ def test_decode_equals_full_forward(variant, prompt_len):
         cache = out.cache
         logits.append(out.logits)
     assert torch.allclose(torch.cat(logits, 1), full, atol=1e-4)
+
+
+def test_gradient_checkpointing_same_gradients():
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small(dropout=0.0)).train()
+    x = torch.randint(0, 97, (2, 20))
+    model(x, labels=x).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    assert model.model.gradient_checkpointing
+    model(x, labels=x).loss.backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref[n], atol=1e-6), n

@@ -43,6 +43,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clipping; 0 = off")
     p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute blocks in the backward")
     p.add_argument("--strategy", default=d.strategy, choices=["ddp", "fsdp"])
     p.add_argument("--device")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -32,7 +32,7 @@ def cmd_bench(args) -> int:
         elif w == "memory":
             res = suite.bench_memory(out, vocab_size=args.vocab_size)
         elif w == "long":
-            res = suite.bench_long(out, vocab_size=args.vocab_size)
+            res = suite.bench_long(out)
         else:
             res = suite.bench_peers(out, vocab_size=args.vocab_size)
         _print(res)

@@ -46,7 +46,11 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
+    overrides = dict(overrides)
+    checkpointing = overrides.pop("gradient_checkpointing", False)
     model = build_bench_model(preset, seq_len, vocab_size, overrides)
+    if checkpointing:
+        model.activation_checkpointing_enable()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(dev).train(mode == "train")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if mode == "train" else None

@@ -105,7 +105,7 @@ class TransNormerBlock(nn.Module):
 class TransNormerPreTrainedModel(PreTrainedModel):
     config_class = TransNormerConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["TransNormerBlock"]
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -145,6 +145,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         self.embed_norm = nn.LayerNorm(d) if config.embed_norm else None
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(TransNormerBlock(config, i) for i in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False  # HF activation_checkpointing_enable() turns it on
         self.final_norm = (
             build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
             if config.final_norm else None
@@ -224,8 +225,12 @@ class TransNormerModel(TransNormerPreTrainedModel):
             if hidden_states is not None:
                 hidden_states.append(x)
             layer_cache = cache.layers[i] if cache is not None else None
-            x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
-                                       use_cache=use_cache)
+            if self.gradient_checkpointing and self.training and not use_cache:
+                # Keep only each block's input; recompute its activations in the backward.
+                x, new_layer_cache = self._checkpoint(layer, x, mask, positions)
+            else:
+                x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
+                                           use_cache=use_cache)
             if use_cache:
                 cache.layers[i] = new_layer_cache
         if self.final_norm is not None:
@@ -245,6 +250,15 @@ class TransNormerModel(TransNormerPreTrainedModel):
             cache=cache if use_cache else None,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
+
+
+    def _checkpoint(self, layer, x, mask, positions):
+        from torch.utils.checkpoint import checkpoint
+
+        def run(x):
+            return layer(x, attention_mask=mask, positions=positions)[0]
+
+        return checkpoint(run, x, use_reentrant=False), None
 
 
 class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):

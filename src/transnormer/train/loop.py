@@ -68,6 +68,7 @@ class TrainConfig:
     clip: float = 1.0  # 0 disables clipping
     dtype: str = "fp32"  # fp32 | bf16 (autocast)
     compile: bool = False
+    gradient_checkpointing: bool = False  # recompute each block in the backward: memory for time
     strategy: str = "ddp"
     device: str | None = None
     seed: int = 0
@@ -181,6 +182,8 @@ def train(cfg: TrainConfig) -> dict:
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
     model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
     n_params = sum(p.numel() for p in model.parameters())
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                                   eps=cfg.adam_eps)
     tokens_per_step = data.tokens_per_step * cfg.grad_accum * info.world_size
