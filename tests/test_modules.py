@@ -85,3 +85,15 @@ def test_lrpe_odd_dim_last_channel_untouched():
 def test_learned_positions_too_long():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LearnedPositions(8, 4)(torch.arange(9))
+
+
+def test_lrpe_fused_path_equals_definition():
+    from transnormer.modules.positional import rotate
+
+    lrpe = LRPE(8, seed=1).double()
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    u = lrpe.u.double()
+    px = x - 2 * (x @ u)[..., None] * u  # P x
+    want = rotate(px, pos[..., None].double() * lrpe.theta.double()) * 0.5
+    assert torch.allclose(lrpe(x, pos, scale=0.5), want, atol=1e-12)

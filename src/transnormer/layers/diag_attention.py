@@ -90,11 +90,13 @@ class DiagAttention(TokenMixer):
         """Scaled, LRPE'd q and k, and v: [B, T, H, e] each."""
         B, T, _ = x.shape
         shape = (B, T, self.num_heads, self.head_dim)
-        q = self.q_proj(x).view(shape) * self.head_dim ** -0.5
+        q = self.q_proj(x).view(shape)
         k = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape)
-        if self.lrpe is not None:
-            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
+        if self.lrpe is not None:  # the e^-1/2 score scale rides on LRPE's matmul (LRPE is linear)
+            q, k = self.lrpe(q, positions, scale=self.head_dim ** -0.5), self.lrpe(k, positions)
+        else:
+            q = q * self.head_dim ** -0.5
         return q, k, v
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
