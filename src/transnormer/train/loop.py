@@ -120,18 +120,12 @@ def parse_budget(budget: str) -> tuple[str, float]:
     return "tokens", x * {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}[unit]
 
 
-def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
-    """The model named by the config (preset, config file, or a pretrained directory)."""
+def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
+    """The TransNormerConfig of a run: preset or config file, with the run's overrides and vocabulary."""
     from ..models import TransNormerConfig
-    from ..presets import build_model, get_config
+    from ..presets import get_config
 
-    head = {"clm": "CausalLM", "mlm": "MaskedLM", "cls": "SequenceClassification"}[cfg.task]
     extra = {"num_labels": num_labels} if num_labels else {}
-    if cfg.init_from:
-        import transformers
-
-        auto = getattr(transformers, f"AutoModelFor{head}")
-        return auto.from_pretrained(cfg.init_from, **extra)
     overrides = dict(cfg.overrides)
     overrides.setdefault("vocab_size", vocab_size)
     if pad_id is not None:
@@ -142,9 +136,21 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
         config = TransNormerConfig.from_json_file(cfg.config_file)
         for k, v in {**overrides, **extra}.items():
             setattr(config, k, v)
-    else:
-        config = get_config(cfg.preset, **overrides, **extra)
-    return build_model(config, task=cfg.task)
+        return config
+    return get_config(cfg.preset, **overrides, **extra)
+
+
+def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
+    """The model named by the config (preset, config file, or a pretrained directory)."""
+    from ..presets import build_model
+
+    if cfg.init_from:
+        import transformers
+
+        head = {"clm": "CausalLM", "mlm": "MaskedLM", "cls": "SequenceClassification"}[cfg.task]
+        extra = {"num_labels": num_labels} if num_labels else {}
+        return getattr(transformers, f"AutoModelFor{head}").from_pretrained(cfg.init_from, **extra)
+    return build_model(model_config_for(cfg, vocab_size, num_labels, pad_id), task=cfg.task)
 
 
 def param_groups(model, weight_decay: float):

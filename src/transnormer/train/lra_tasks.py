@@ -156,30 +156,16 @@ def build_lra_model(cfg, vocab_size: int, num_labels: int | None, pad_id: int | 
 
     if pair is None:
         pair = is_pair_task(parse_lra_spec(cfg.data)[0])
-    original = getattr(loop.build_model_for, "_lra_original", loop.build_model_for)
     if not pair:
-        return original(cfg, vocab_size, num_labels, pad_id)
-    from ..models import TransNormerConfig
+        return loop.build_model_for(cfg, vocab_size, num_labels, pad_id)
     from ..models.dual_encoder import TransNormerDualEncoderForSequenceClassification as Dual
-    from ..presets import get_config
 
-    extra = {"num_labels": num_labels} if num_labels else {}
     if cfg.init_from:
         if not _is_dual_encoder_dir(cfg.init_from):
             raise ValueError(f"init_from: {cfg.init_from} is not a two-tower (Retrieval) model; "
                              "the pair task needs TransNormerDualEncoderForSequenceClassification weights")
-        return Dual.from_pretrained(cfg.init_from, **extra)
-    overrides = dict(cfg.overrides)
-    overrides.setdefault("vocab_size", vocab_size)
-    if pad_id is not None:
-        overrides.setdefault("pad_token_id", pad_id)
-    if cfg.config_file:
-        config = TransNormerConfig.from_json_file(cfg.config_file)
-        for k, v in {**overrides, **extra}.items():
-            setattr(config, k, v)
-    else:
-        config = get_config(cfg.preset, **overrides, **extra)
-    return Dual(config)
+        return Dual.from_pretrained(cfg.init_from, **({"num_labels": num_labels} if num_labels else {}))
+    return Dual(loop.model_config_for(cfg, vocab_size, num_labels, pad_id))
 
 
 # ----------------------------------------------------------------------------------------- data
