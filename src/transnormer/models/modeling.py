@@ -23,7 +23,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from ..layers import DiagAttention, NormAttention, build_mixer
+from ..layers import build_mixer
 from ..modules.ffn import build_ffn
 from ..modules.norms import build_norm
 from ..modules.positional import LearnedPositions, SinusoidalPositions
@@ -116,15 +116,10 @@ class TransNormerPreTrainedModel(PreTrainedModel):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             return
-        if isinstance(module, (NormAttention, DiagAttention)) or hasattr(module, "reset_parameters") and \
-                not isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        elif isinstance(module, nn.Embedding):
-            # fairseq LM: N(0, d^-1/2)
+        if isinstance(module, nn.Embedding):  # fairseq LM: N(0, d^-1/2)
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)
-        elif isinstance(module, nn.Linear) and module.bias is not None and getattr(module, "_zero_bias", False):
-            nn.init.zeros_(module.bias)
+        elif hasattr(module, "reset_parameters") and not isinstance(module, (nn.Linear, nn.LayerNorm)):
+            module.reset_parameters()  # layers own the released code's init (e.g. NormAttention's gains)
 
 
 class TransNormerModel(TransNormerPreTrainedModel):
