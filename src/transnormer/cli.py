@@ -156,10 +156,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import torch
-
     from .train.distributed import setup_distributed
-    from .train.loop import TrainConfig, build_model_for
+    from .train.loop import TrainConfig, autocast_factory, build_model_for
     from .train.tasks import build_task_data
 
     model_dir = resolve_model_dir(args.model)
@@ -171,9 +169,7 @@ def cmd_eval(args) -> int:
                                                                      "label_column") if getattr(args, k)})
     info = setup_distributed(args.device)
 
-    def autocast():
-        return torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
-
+    autocast = autocast_factory(info.device, args.dtype)
     data = build_task_data(cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)
     model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)

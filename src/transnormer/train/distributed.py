@@ -90,6 +90,17 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def main_first(info: DistInfo, fn):
+    """Run ``fn()`` on rank 0, then (after a barrier) on the other ranks: rank 0 fills a shared cache
+    (tokenizer, token ids) and the others read it instead of building it concurrently."""
+    if info.is_main:
+        result = fn()
+    barrier(info)
+    if not info.is_main:
+        result = fn()
+    return result
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

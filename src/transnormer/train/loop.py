@@ -162,6 +162,11 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def autocast_factory(device: torch.device, dtype: str):
+    """A zero-argument context factory: bf16 autocast on ``device`` when ``dtype == "bf16"``."""
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
 def peak_memory_mb(info: DistInfo) -> float:
     if info.device.type == "cuda":
         return torch.cuda.max_memory_allocated(info.device) / 2**20
@@ -180,9 +185,7 @@ def train(cfg: TrainConfig) -> dict:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
 
-    def autocast():
-        return torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-
+    autocast = autocast_factory(info.device, cfg.dtype)
     # data → model → optimizer
     data = build_task_data(cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval

@@ -23,7 +23,7 @@ from ..data.mlm import mask_tokens
 from ..data.sampler import StepBatchSampler
 from ..data.token_cache import build_token_cache
 from ..data.tokenizer import build_tokenizer, load_tokenizer
-from .distributed import DistInfo, all_reduce_sum, barrier
+from .distributed import DistInfo, all_reduce_sum, main_first
 
 CLS_SPLIT_NAMES = {"train": ("train",), "valid": ("dev", "valid", "validation", "val", "dev_matched"),
                    "test": ("test", "test_matched")}
@@ -84,22 +84,13 @@ def get_tokenizer(cfg, corpus: Corpus | None, info: DistInfo):
         return load_tokenizer(cfg.tokenizer)
     if corpus is None:
         raise ValueError("tokenizer: this task needs --tokenizer (or --init-from a checkpoint that has one)")
-    if info.is_main:
-        tok = build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir)
-    barrier(info)
-    if not info.is_main:
-        tok = build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir)
-    return tok
+    return main_first(info, lambda: build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir))
 
 
 def _token_splits(cfg, info: DistInfo):
     corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir, seed=cfg.data_seed)
     tok = get_tokenizer(cfg, corpus, info)
-    if info.is_main:
-        tokens = build_token_cache(corpus, tok, cache_dir=cfg.cache_dir)
-    barrier(info)
-    if not info.is_main:
-        tokens = build_token_cache(corpus, tok, cache_dir=cfg.cache_dir)
+    tokens = main_first(info, lambda: build_token_cache(corpus, tok, cache_dir=cfg.cache_dir))
     for split in ("train", "valid"):
         if len(tokens[split]) < cfg.seq_len + 1:
             raise ValueError(f"data: the {split} split of {cfg.data!r} has {len(tokens[split])} tokens, "
