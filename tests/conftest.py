@@ -8,6 +8,15 @@ def _seed_and_threads():
     yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: a second intra-op thread only adds sync overhead on the shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a−b| / max|b| (the spec's tolerance measure)."""
     a, b = a.detach(), b.detach()

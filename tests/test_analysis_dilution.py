@@ -22,14 +22,7 @@ from transnormer.analysis import (
 from transnormer.layers import DiagAttention, NormAttention
 from transnormer.models.presets import build_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: a second intra-op thread only adds sync overhead on the shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bounds(N, r, mode):

@@ -8,14 +8,7 @@ import torch
 from transnormer.analysis import norm_attention_grad, norm_attention_sweep, run_gradient_bound, unified_sweep
 from transnormer.analysis.gradient_bound import row_jacobians, unified_attention
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: a second intra-op thread only adds sync overhead on the shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCALES = [float(s) for s in torch.logspace(-6, 2, 17, dtype=torch.float64)]
 
