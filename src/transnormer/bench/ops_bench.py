@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import norm_linear_attn
-from .timing import measure
+from .timing import gemm_gflops, measure
 
 
 def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_heads: int) -> float:
@@ -25,9 +25,7 @@ def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_h
 
 def gemm_rates(dtype: torch.dtype, *, chunk: int, D: int, repeat: int = 5) -> dict:
     """GFLOP/s of a 2048³ matmul and of a [1024, c, D] x [1024, D, c] batched matmul."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    t = measure(lambda: a @ b, warmup=2, repeat=repeat)["median_s"]
-    peak = 2 * 2048**3 / t / 1e9
+    peak = gemm_gflops(2048, dtype, repeat=repeat)
     x, y = torch.randn(1024, chunk, D, dtype=dtype), torch.randn(1024, D, chunk, dtype=dtype)
     t = measure(lambda: torch.bmm(x, y), warmup=2, repeat=repeat)["median_s"]
     return {"square_gflops": peak, "chunk_bmm_gflops": 2 * 1024 * chunk * D * chunk / t / 1e9}

@@ -36,31 +36,12 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def loglog_plot(rows: list[dict], path, *, x: str, y: str, series: str, title: str = "") -> Path | None:
-    try:
-        import matplotlib
+    """One line per ``series`` value of (``x``, ``y``) points, both axes logarithmic."""
+    from ..train.metrics import plot_curves
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name in dict.fromkeys(r[series] for r in rows):
-        pts = sorted((r[x], r[y]) for r in rows if r[series] == name and r.get(y) is not None)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    curves = {name: sorted((r[x], r[y]) for r in rows if r[series] == name and r.get(y) is not None)
+              for name in dict.fromkeys(r[series] for r in rows)}
+    return plot_curves(curves, path, xlabel=x, ylabel=y, title=title, logx=True, logy=True)
 
 
 def write_report(rows: list[dict], out_dir, name: str, columns: list[str], *, x: str = "seq_len",

@@ -63,7 +63,7 @@ def truncate_metrics(path: str | Path, after_step: int) -> None:
 
 
 def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, *, xlabel: str = "step",
-                ylabel: str = "loss", title: str = "", logy: bool = False) -> Path | None:
+                ylabel: str = "loss", title: str = "", logy: bool = False, logx: bool = False) -> Path | None:
     """One PNG with a line per named series of (x, y) points; None when matplotlib is missing."""
     try:
         import matplotlib
@@ -82,9 +82,11 @@ def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, 
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
+    if logx:
+        ax.set_xscale("log", base=2)
     if title:
         ax.set_title(title)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both" if logx or logy else "major")
     ax.legend()
     fig.tight_layout()
     path = Path(path)
