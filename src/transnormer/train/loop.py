@@ -252,7 +252,7 @@ def train(cfg: TrainConfig) -> dict:
     def evaluate(split="valid"):
         res = data.evaluate(unwrap(model), split, cfg.eval_batches)
         metrics.log({"kind": "eval", "step": step, "split": split, "tokens": tokens_seen, "elapsed": elapsed, **res})
-        return {**res, "_step": step}
+        return res
 
     model.train()
     bar = None
@@ -260,7 +260,7 @@ def train(cfg: TrainConfig) -> dict:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
-    last_eval = None
+    last_eval, last_eval_step = None, None
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
     while True:
         if total_steps is not None and step >= total_steps:
@@ -306,7 +306,7 @@ def train(cfg: TrainConfig) -> dict:
             log(f"step {step}: loss is {loss_val}; stopping")
             break
         if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
-            last_eval = evaluate()
+            last_eval, last_eval_step = evaluate(), step
             if next_eval_s is not None:
                 next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s))
         if cfg.save_every and step % cfg.save_every == 0:
@@ -320,7 +320,7 @@ def train(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
 
-    if last_eval is None or last_eval.get("_step") != step:
+    if last_eval_step != step:  # the final model's evaluation, unless the last step just had one
         last_eval = evaluate()
     checkpoint()
     records = read_metrics(out / "metrics.jsonl") if info.is_main else []
@@ -331,7 +331,7 @@ def train(cfg: TrainConfig) -> dict:
         "steps": step, "tokens": tokens_seen, "elapsed_s": elapsed,
         "tokens_per_s": float(np.median(speeds)) if speeds else tokens_seen / max(elapsed, 1e-9),
         "peak_mem_mb": peak_memory_mb(info), "final_train_loss": train_pts[-1][1] if train_pts else None,
-        "eval": {k: v for k, v in last_eval.items() if not k.startswith("_")}, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
+        "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
     }
     if recorder is not None and info.is_main:
         recorder.save_jsonl(out / "grad_norms.jsonl")
