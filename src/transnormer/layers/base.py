@@ -49,6 +49,32 @@ class TokenMixer(nn.Module):
         raise NotImplementedError
 
 
+class MultiHeadMixer(TokenMixer):
+    """A token mixer with biased q/k/v/out projections over ``num_heads`` heads of ``head_dim``."""
+
+    def _build_projections(self, hidden_size: int, num_heads: int) -> None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = hidden_size // num_heads
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+
+    def _reset_projections(self, qkv_gain: float) -> None:
+        """xavier-uniform with ``qkv_gain`` on q/k/v, xavier on out, zero out bias (the released init)."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=qkv_gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def _project(self, x: torch.Tensor):
+        """x [B, T, d] → q, k, v [B, T, H, e] (before any kernel or positional map)."""
+        shape = (*x.shape[:2], self.num_heads, self.head_dim)
+        return self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+
+
 def default_positions(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Positions [B, T] when the caller gives none: count of real tokens before each token."""
     B, T = x.shape[:2]

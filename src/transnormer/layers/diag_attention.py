@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
-from .base import TokenMixer, default_positions, mask_or_none, update_block_cache
+from .base import MultiHeadMixer, default_positions, mask_or_none, update_block_cache
 
 
 def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel: str, causal: bool = True):
@@ -37,7 +36,7 @@ def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel:
     return torch.einsum("bhij,bjhe->bihe", p, V)
 
 
-class DiagAttention(TokenMixer):
+class DiagAttention(MultiHeadMixer):
     """Block-diagonal attention with LRPE; x: [B, T, d] → [B, T, d].
 
     kernel ``softmax`` (T2, no norm after) or ``relu`` (T1, ReLA, followed by ``norm_type``).
@@ -62,37 +61,24 @@ class DiagAttention(TokenMixer):
         attention_dropout: float = 0.0,
     ):
         super().__init__()
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
         if kernel not in ("softmax", "relu"):
             raise ValueError(f"kernel must be 'softmax' or 'relu', got {kernel!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.hidden_size, self.num_heads = hidden_size, num_heads
-        self.head_dim = hidden_size // num_heads
         self.causal, self.kernel, self.block_size = causal, kernel, block_size
         self.attention_dropout = attention_dropout
-        self.q_proj = nn.Linear(hidden_size, hidden_size)
-        self.k_proj = nn.Linear(hidden_size, hidden_size)
-        self.v_proj = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
         use_norm = kernel == "relu" if use_norm is None else use_norm
         self.norm = build_norm(norm_type, hidden_size, eps=norm_eps, eps_inside_sqrt=eps_inside_sqrt) if use_norm else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            nn.init.xavier_uniform_(proj.weight)
-        nn.init.zeros_(self.out_proj.bias)
+        self._reset_projections(qkv_gain=1.0)
 
     def featurize(self, x: torch.Tensor, positions: torch.Tensor):
         """Scaled, LRPE'd q and k, and v: [B, T, H, e] each."""
-        B, T, _ = x.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        q = self.q_proj(x).view(shape)
-        k = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape)
+        q, k, v = self._project(x)
         if self.lrpe is not None:  # the e^-1/2 score scale rides on LRPE's matmul (LRPE is linear)
             q, k = self.lrpe(q, positions, scale=self.head_dim ** -0.5), self.lrpe(k, positions)
         else:

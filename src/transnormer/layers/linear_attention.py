@@ -14,14 +14,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from ..ops.linear_baselines import DEFAULT_EPS, kernel_linear_attn, kernel_linear_attn_step
-from .base import TokenMixer, default_positions, mask_or_none
+from .base import MultiHeadMixer, default_positions, mask_or_none
 from .norm_attention import get_kernel
 
 
-class KernelLinearAttention(TokenMixer):
+class KernelLinearAttention(MultiHeadMixer):
     """Base of the linear baselines: projections, heads, the ratio core and the decoding state.
 
     Subclasses implement :meth:`feature_map`. Causal forward is chunked (linear in T);
@@ -39,26 +38,16 @@ class KernelLinearAttention(TokenMixer):
         chunk_size: int = 64,
     ):
         super().__init__()
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
         if not isinstance(denominator, bool):
             raise TypeError(f"denominator must be a bool, got {denominator!r}")
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
-        self.hidden_size, self.num_heads = hidden_size, num_heads
-        self.head_dim = hidden_size // num_heads
         self.causal, self.denominator, self.eps, self.chunk_size = causal, denominator, eps, chunk_size
-        self.q_proj = nn.Linear(hidden_size, hidden_size)
-        self.k_proj = nn.Linear(hidden_size, hidden_size)
-        self.v_proj = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self._build_projections(hidden_size, num_heads)
 
     def reset_parameters(self) -> None:
         # As NormAttention (spec §1 init), so the baselines differ only in the attention rule.
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.zeros_(self.out_proj.bias)
+        self._reset_projections(qkv_gain=1 / math.sqrt(2))
 
     def feature_map(self, q, k, positions, mask):
         """q, k: [B, T, H, e] → (φq, φk): [B, T, H, F]."""
@@ -66,9 +55,7 @@ class KernelLinearAttention(TokenMixer):
 
     def featurize(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None):
         """(φq, φk) [B, T, H, F] and v [B, T, H, e] (cast to the features' dtype)."""
-        B, T, _ = x.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        q, k, v = self._project(x)
         qf, kf = self.feature_map(q, k, positions, mask)
         return qf, kf, v.to(qf.dtype)
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import norm_linear_attn, norm_linear_attn_step
-from .base import TokenMixer, default_positions, mask_or_none
+from .base import MultiHeadMixer, default_positions, mask_or_none
 
 KERNELS = {
     "elu": F.elu,  # T1: may be negative
@@ -27,7 +26,7 @@ def get_kernel(name: str):
     return KERNELS[name]
 
 
-class NormAttention(TokenMixer):
+class NormAttention(MultiHeadMixer):
     """O = Norm(concat_h φ̂(Q_h) φ̂(K_h)ᵀ V_h) W_o + b_o with φ̂ = LRPE ∘ kernel. x: [B, T, d].
 
     The norm runs over the full width d (the paper) or per head (``norm_per_head``). The causal
@@ -51,16 +50,9 @@ class NormAttention(TokenMixer):
         norm_per_head: bool = False,
     ):
         super().__init__()
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
-        self.hidden_size, self.num_heads = hidden_size, num_heads
-        self.head_dim = hidden_size // num_heads
         self.causal, self.chunk_size = causal, chunk_size
         self.kernel_name, self.kernel = kernel, get_kernel(kernel)
-        self.q_proj = nn.Linear(hidden_size, hidden_size)
-        self.k_proj = nn.Linear(hidden_size, hidden_size)
-        self.v_proj = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
         self.norm_per_head = norm_per_head
         norm_dim = self.head_dim if norm_per_head else hidden_size
@@ -69,18 +61,12 @@ class NormAttention(TokenMixer):
 
     def reset_parameters(self) -> None:
         # Released code (spec §1): xavier-uniform gain 2^-1/2 on q/k/v, xavier on out, zero out bias.
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.zeros_(self.out_proj.bias)
+        self._reset_projections(qkv_gain=1 / math.sqrt(2))
 
     def featurize(self, x: torch.Tensor, positions: torch.Tensor):
         """q̂, k̂ [B, T, H, e] (kernel then LRPE) and v [B, T, H, e]; used by the analysis tools."""
-        B, T, _ = x.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        q = self.kernel(self.q_proj(x).view(shape))
-        k = self.kernel(self.k_proj(x).view(shape))
-        v = self.v_proj(x).view(shape)
+        q, k, v = self._project(x)
+        q, k = self.kernel(q), self.kernel(k)
         if self.lrpe is not None:
             q, k = self.lrpe(q, positions), self.lrpe(k, positions)
         return q, k, v

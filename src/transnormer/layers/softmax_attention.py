@@ -10,14 +10,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from ..modules.positional import build_lrpe
 from ..ops.softmax import softmax_attn, softmax_attn_cached
-from .base import TokenMixer, default_positions, mask_or_none
+from .base import MultiHeadMixer, default_positions, mask_or_none
 
 
-class SoftmaxAttention(TokenMixer):
+class SoftmaxAttention(MultiHeadMixer):
     """softmax(Q Kᵀ / √e) V per head through SDPA; x: [B, T, d] → [B, T, d].
 
     ``rope``: rotate-half RoPE (θ_i = 10000^{-2i/e}) on q and k at the real-token positions.
@@ -35,32 +34,20 @@ class SoftmaxAttention(TokenMixer):
         attention_dropout: float = 0.0,
     ):
         super().__init__()
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
         if not isinstance(rope, bool):
             raise TypeError(f"rope must be a bool, got {rope!r}")
-        self.hidden_size, self.num_heads = hidden_size, num_heads
-        self.head_dim = hidden_size // num_heads
         self.causal, self.attention_dropout = causal, attention_dropout
-        self.q_proj = nn.Linear(hidden_size, hidden_size)
-        self.k_proj = nn.Linear(hidden_size, hidden_size)
-        self.v_proj = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self._build_projections(hidden_size, num_heads)
         self.rope = build_lrpe("rope", self.head_dim, pairing="half") if rope else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # fairseq MultiheadAttention (the paper's vanilla baseline) and our NormAttention alike.
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.zeros_(self.out_proj.bias)
+        self._reset_projections(qkv_gain=1 / math.sqrt(2))
 
     def featurize(self, x: torch.Tensor, positions: torch.Tensor):
         """q, k (RoPE'd if enabled), v: [B, T, H, e]."""
-        B, T, _ = x.shape
-        shape = (B, T, self.num_heads, self.head_dim)
-        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        q, k, v = self._project(x)
         if self.rope is not None:
             q, k = self.rope(q, positions), self.rope(k, positions)
         return q, k, v
