@@ -21,3 +21,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a−b| / max|b| (the spec's tolerance measure)."""
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request):
+    """Run a causal norm_linear_attn test on the fused CPU kernel and on the PyTorch form."""
+    from transnormer.ops import _native
+
+    if request.param == "native" and _native.load() is None:
+        pytest.skip("fused CPU kernel unavailable (no C++ compiler)")
+    before = _native.backend()
+    _native.set_backend(request.param)
+    yield request.param
+    _native.set_backend(before)

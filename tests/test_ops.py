@@ -23,7 +23,7 @@ def qkv(B, T, H, D, E=None, dtype=torch.float64, positive=False, requires_grad=F
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
 @pytest.mark.parametrize("chunk", [1, 16, 64])
-def test_causal_chunked_matches_reference_fp64(T, chunk):
+def test_causal_chunked_matches_reference_fp64(T, chunk, backend):
     if chunk == 1 and T == 1000:
         pytest.skip("chunk 1 at T=1000 is slow and covered by smaller T")
     q, k, v = qkv(2, T, 2, 8, 6, requires_grad=True)
@@ -39,14 +39,14 @@ def test_causal_chunked_matches_reference_fp64(T, chunk):
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
-def test_causal_chunked_fp32_within_1e4(T):
+def test_causal_chunked_fp32_within_1e4(T, backend):
     q, k, v = qkv(1, T, 2, 64, dtype=torch.float32, positive=True)
     o, _ = norm_linear_attn(q, k, v, causal=True)
     o_ref, _ = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=True)
     assert rel_err(o.double(), o_ref) < 1e-4
 
 
-def test_chunk_equal_to_length_and_longer():
+def test_chunk_equal_to_length_and_longer(backend):
     q, k, v = qkv(1, 50, 1, 4)
     ref, _ = norm_linear_attn_reference(q, k, v, causal=True)
     for c in (50, 200):
@@ -54,7 +54,7 @@ def test_chunk_equal_to_length_and_longer():
         assert rel_err(o, ref) < 1e-12
 
 
-def test_gradcheck_small():
+def test_gradcheck_small(backend):
     q, k, v = qkv(1, 7, 2, 3, requires_grad=True)
     S0 = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)
 
@@ -84,7 +84,7 @@ def test_bidirectional_equals_reference_with_padding():
 
 
 @pytest.mark.parametrize("split", [0, 1, 17, 64, 99, 100])
-def test_state_chaining_any_split(split):
+def test_state_chaining_any_split(split, backend):
     q, k, v = qkv(2, 100, 2, 8)
     whole, s_whole = norm_linear_attn(q, k, v, causal=True, chunk_size=16, output_final_state=True)
     a, sa = norm_linear_attn(q[:, :split], k[:, :split], v[:, :split], causal=True, chunk_size=16, output_final_state=True)
@@ -94,7 +94,7 @@ def test_state_chaining_any_split(split):
     assert rel_err(sb, s_whole) < 1e-12
 
 
-def test_step_loop_equals_parallel_and_masks():
+def test_step_loop_equals_parallel_and_masks(backend):
     q, k, v = qkv(2, 40, 2, 8)
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[0, :5] = False  # left padding in row 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _native
 from ._checks import check_key_padding_mask, check_positive_int, check_qkv
 from ._chunked import ChunkedCausalLinearAttn
 
@@ -91,6 +92,11 @@ def norm_linear_attn(
         final = init if init is not None else q.new_zeros(B, H, D, E, dtype=sdt)
         return v.new_zeros(B, 0, H, E), (final if output_final_state else None)
     c = min(chunk_size, T)
+    if B > 0 and _native.usable(q, k, v) and (init is None or init.device.type == "cpu"):
+        # Fused CPU kernel (ops/_native_linear_attn.cpp): the same chunked math, tile by tile,
+        # with no layout copies; the PyTorch form below is the fallback and the GPU path.
+        o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=c)
+        return o, (final if output_final_state else None)
     G = -(-T // c)
     pad = G * c - T
     if pad:

@@ -1,0 +1,192 @@
+"""The fused CPU kernel for causal ``norm_linear_attn`` (``_native_linear_attn.cpp``), built at first use.
+
+The C++ source is compiled once per machine with the system compiler (``-O3 -march=native``)
+into a cache directory and loaded with ctypes: no torch headers, so the build takes about two
+seconds. When there is no compiler, the build fails, or ``TRANSNORMER_NATIVE=0`` is set, the
+kernel is simply unavailable and ``norm_linear_attn`` runs its PyTorch form; ``backend()``
+says which one runs. The kernel reads q, k, v in their [B, T, H, D] layout (no permute copies)
+and splits heads over ``torch.get_num_threads()`` threads.
+
+Cache directory: ``$TRANSNORMER_CACHE/native`` if set, else ``~/.cache/transnormer/native``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch.autograd.function import once_differentiable
+
+_SOURCE = Path(__file__).with_name("_native_linear_attn.cpp")
+# -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
+_ABI = 3
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_error: str | None = None
+_mode = "auto"  # "auto": native when available; "torch": never; "native": required
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TRANSNORMER_CACHE")
+    return Path(root) / "native" if root else Path.home() / ".cache" / "transnormer" / "native"
+
+
+def _cpu_signature() -> str:
+    # -march=native code is only valid on the CPU it was built for: key the cache by its flags.
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def _compile(out: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        for arch in (["-march=native"], []):  # some compilers (or CPUs) reject -march=native
+            proc = subprocess.run([compiler, *_FLAGS, *arch, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent ranks never load a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    for sfx in ("f32", "f64"):
+        fwd = getattr(lib, f"tn_causal_fwd_{sfx}")
+        fwd.argtypes = [p] * 6 + [i64] * 6 + [i32]
+        fwd.restype = i32
+        bwd = getattr(lib, f"tn_causal_bwd_{sfx}")
+        bwd.argtypes = [p] * 10 + [i64] * 6 + [i32]
+        bwd.restype = i32
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None when it cannot be built."""
+    global _lib, _tried, _error
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("TRANSNORMER_NATIVE", "1") == "0":
+            _error = "disabled by TRANSNORMER_NATIVE=0"
+            return None
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()
+        path = _cache_dir() / f"linear_attn_{key[:16]}.so"
+        try:
+            if not path.exists():
+                _compile(path)
+            lib = ctypes.CDLL(str(path))
+            if lib.tn_abi_version() != _ABI:
+                raise RuntimeError(f"stale library {path} (ABI {lib.tn_abi_version()}, expected {_ABI})")
+            _declare(lib)
+            _lib = lib
+        except (OSError, RuntimeError) as exc:
+            _error = str(exc)
+            warnings.warn(f"transnormer: fused CPU kernel unavailable, using the PyTorch form ({exc})", stacklevel=2)
+        return _lib
+
+
+def set_backend(mode: str) -> None:
+    """Choose the causal ``norm_linear_attn`` backend on CPU.
+
+    ``"auto"`` (default) uses the fused kernel for fp32/fp64 CPU tensors when it builds,
+    ``"torch"`` always runs the PyTorch form, ``"native"`` requires the kernel (raises if absent).
+    """
+    global _mode
+    if mode not in ("auto", "torch", "native"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'native', got {mode!r}")
+    if mode == "native" and load() is None:
+        raise RuntimeError(f"the fused CPU kernel is unavailable: {_error}")
+    _mode = mode
+
+
+def backend() -> str:
+    """The mode set by ``set_backend`` ("auto", "torch" or "native")."""
+    return _mode
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernel runs for these tensors under the current backend mode."""
+    if _mode == "torch" or torch.compiler.is_compiling():  # ctypes calls cannot be traced
+        return False
+    ok = all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors)
+    ok = ok and len({t.dtype for t in tensors}) == 1
+    if _mode == "native" and not ok:
+        raise RuntimeError("backend 'native' needs CPU float32/float64 tensors of one dtype")
+    return ok and load() is not None
+
+
+def _ptr(x: torch.Tensor | None):
+    return None if x is None else ctypes.c_void_p(x.data_ptr())
+
+
+def _sfx(dtype: torch.dtype) -> str:
+    return "f32" if dtype == torch.float32 else "f64"
+
+
+class NativeCausalLinearAttn(torch.autograd.Function):
+    """q, k: [B, T, H, D], v: [B, T, H, E], init: [B, H, D, E] or None; contiguous, one dtype, T >= 1."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, init, chunk: int):
+        B, T, H, D = q.shape
+        E = v.shape[-1]
+        o = torch.empty(B, T, H, E, dtype=q.dtype)
+        fin = torch.empty(B, H, D, E, dtype=q.dtype)
+        rc = getattr(load(), f"tn_causal_fwd_{_sfx(q.dtype)}")(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E, chunk, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"tn_causal_fwd failed with code {rc}")
+        ctx.save_for_backward(q, k, v, init)
+        ctx.chunk = chunk
+        ctx.set_materialize_grads(False)  # an unused final state needs no zero gradient tensor
+        return o, fin
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dfin):
+        q, k, v, init = ctx.saved_tensors
+        B, T, H, D = q.shape
+        E = v.shape[-1]
+        do = torch.zeros(B, T, H, E, dtype=q.dtype) if do is None else do.contiguous()
+        dfin = None if dfin is None else dfin.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dinit = None if init is None else torch.empty_like(init)
+        rc = getattr(load(), f"tn_causal_bwd_{_sfx(q.dtype)}")(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(init), _ptr(dfin), _ptr(dq), _ptr(dk), _ptr(dv), _ptr(dinit),
+            B, T, H, D, E, ctx.chunk, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"tn_causal_bwd failed with code {rc}")
+        return dq, dk, dv, dinit, None
+
+
+def native_causal_linear_attn(q, k, v, init, *, chunk: int):
+    """(o [B, T, H, E], final state [B, H, D, E]) from the fused kernel; T >= 1."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    init = None if init is None else init.to(q.dtype).contiguous()
+    return NativeCausalLinearAttn.apply(q, k, v, init, chunk)

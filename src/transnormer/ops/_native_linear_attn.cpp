@@ -1,0 +1,466 @@
+// Fused CPU kernel for causal linear attention without denominator (NormAttention's core).
+//
+// Why this file exists: the PyTorch form of the chunked algorithm runs every product as a
+// batched 64x64x64 GEMM over [B*H*G, c, D] tensors. Each such call streams its operands from
+// memory, and the layout copies, the masks and the prefix scan add as many passes again. Here
+// a thread walks the sequence chunk by chunk and, for each of its heads, does every product of
+// that chunk while the tiles are in L1/L2, reading q, k, v, dO in their [B, T, H, D] layout.
+// (The bidirectional form is two long GEMMs per head, which MKL already runs well; it stays in
+// PyTorch.)
+//
+// Built at first use by transnormer/ops/_native.py with the system C++ compiler
+// (-O3 -march=native) and loaded with ctypes; without a compiler the PyTorch path runs.
+//
+// Layouts (all contiguous): q, k [B, T, H, D]; v, o [B, T, H, E]; states [B, H, D, E].
+// Math per head, chunks g of c rows, M the lower-triangular (j <= i) mask:
+//   forward:  S_g = S_0 + sum_{h<g} K_h^T V_h,   O_g = (Q_g K_g^T . M) V_g + Q_g S_g
+//   backward: dQ_g = (dO_g V_g^T . M) K_g + dO_g S_g^T
+//             R_g  = dS_final + sum_{h>g} Q_h^T dO_h
+//             dK_g = (dO_g V_g^T . M)^T Q_g + V_g R_g^T,  dV_g = (Q_g K_g^T . M)^T dO_g + K_g R_g
+//             dS_0 = R_{-1} (the sum over all chunks)
+// Nothing is stored between forward and backward: the backward recomputes the prefix states
+// (a pass in chunk order for dQ) and the score tiles (a pass in reverse order for dK, dV).
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef long idx;
+
+// ---------------------------------------------------------------------------------------------
+// Small GEMM: C[M x N] (= or +=) A B with A(m, k) = a[m * ars + k * acs] (so a transposed A is
+// just other strides), B row-major (ldb), C row-major (ldc). Operands are tiles of at most a few
+// hundred rows; the register-blocked micro-kernel keeps a 6 x 64 (fp32) block of C in registers
+// and streams B rows, which stay in L1.
+// ---------------------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+template <typename T> struct Vec;
+
+template <> struct Vec<float> {
+    typedef __m512 reg;
+    typedef __mmask16 mask;
+    static constexpr int W = 16;
+    static reg zero() { return _mm512_setzero_ps(); }
+    static reg bcast(float x) { return _mm512_set1_ps(x); }
+    static reg load(const float* p) { return _mm512_loadu_ps(p); }
+    static reg loadm(const float* p, mask m) { return _mm512_maskz_loadu_ps(m, p); }
+    static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
+    static void storem(float* p, reg r, mask m) { _mm512_mask_storeu_ps(p, m, r); }
+    static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+template <> struct Vec<double> {
+    typedef __m512d reg;
+    typedef __mmask8 mask;
+    static constexpr int W = 8;
+    static reg zero() { return _mm512_setzero_pd(); }
+    static reg bcast(double x) { return _mm512_set1_pd(x); }
+    static reg load(const double* p) { return _mm512_loadu_pd(p); }
+    static reg loadm(const double* p, mask m) { return _mm512_maskz_loadu_pd(m, p); }
+    static void store(double* p, reg r) { _mm512_storeu_pd(p, r); }
+    static void storem(double* p, reg r, mask m) { _mm512_mask_storeu_pd(p, m, r); }
+    static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
+};
+
+constexpr int kMR = 6;  // rows of C per micro-kernel call: 6 x 4 accumulators + 4 B + 1 A = 29 regs
+constexpr int kNV = 4;  // vectors of C per row
+
+template <typename T, int MR, int NV>
+static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T* __restrict b, idx ldb,
+                         T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last) {
+    typedef Vec<T> V;
+    typename V::reg r[MR][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j)
+            r[i][j] = !accumulate ? V::zero()
+                      : (j == NV - 1 ? V::loadm(c + i * ldc + j * V::W, last) : V::load(c + i * ldc + j * V::W));
+    for (idx kk = 0; kk < K; ++kk) {
+        typename V::reg bv[NV];
+        const T* brow = b + kk * ldb;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) bv[j] = j == NV - 1 ? V::loadm(brow + j * V::W, last) : V::load(brow + j * V::W);
+        const T* acol = a + kk * acs;
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            typename V::reg av = V::bcast(acol[i * ars]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; ++j) r[i][j] = V::fma(av, bv[j], r[i][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) {
+            if (j == NV - 1) V::storem(c + i * ldc + j * V::W, r[i][j], last);
+            else V::store(c + i * ldc + j * V::W, r[i][j]);
+        }
+}
+
+template <typename T, int MR>
+static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                            bool accumulate, typename Vec<T>::mask last) {
+    switch (nv) {
+        case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+    }
+}
+
+// Triangular shortcuts for the c x c score tiles of the causal form (they are zero above the
+// diagonal, so half their products need not run):
+//   kFull      plain product
+//   kOutLower  only C(i, j) with j <= i is needed (columns past the row block are skipped;
+//              the caller masks the upper triangle afterwards)
+//   kALower    A is lower-triangular: row i sums over k <= i only
+//   kAUpper    A is upper-triangular: row i sums over k >= i only
+enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
+
+template <typename T>
+static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                         bool accumulate) {
+    typedef Vec<T> V;
+    const int nv = (int)((nn + V::W - 1) / V::W);
+    const int tail = (int)(nn - (idx)(nv - 1) * V::W);
+    const typename V::mask last = (typename V::mask)((tail == V::W) ? ((1u << V::W) - 1) : ((1u << tail) - 1));
+    switch (mr) {
+        case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 4: micro_nv<T, 4>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 3: micro_nv<T, 3>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 2: micro_nv<T, 2>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        default: micro_nv<T, 1>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+    }
+}
+
+template <typename T>
+static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                 bool accumulate, Tri tri = kFull) {
+    static_assert(kMR == 6, "block() dispatches row counts 1..6");
+    const idx panel = kNV * Vec<T>::W;
+    for (idx n0 = 0; n0 < N; n0 += panel) {
+        for (idx m0 = 0; m0 < M; m0 += kMR) {
+            const idx mr = std::min<idx>(kMR, M - m0);
+            idx nn = std::min(panel, N - n0), k0 = 0, k1 = K;
+            if (tri == kOutLower) {
+                if (n0 >= m0 + mr) continue;
+                nn = std::min(nn, m0 + mr - n0);
+            } else if (tri == kALower) {
+                k1 = std::min(K, m0 + mr);
+            } else if (tri == kAUpper) {
+                k0 = std::min(K, m0);
+            }
+            T* cb = c + m0 * ldc + n0;
+            if (k1 <= k0) {
+                if (!accumulate)
+                    for (idx i = 0; i < mr; ++i) std::fill(cb + i * ldc, cb + i * ldc + nn, T(0));
+                continue;
+            }
+            block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate);
+        }
+    }
+}
+#else
+// Portable fallback (no AVX-512): plain loops the compiler vectorises along n.
+enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };  // see the AVX-512 branch
+
+template <typename T>
+static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                 bool accumulate, Tri = kFull) {  // full products: the masked tiles are zero anyway
+    for (idx m = 0; m < M; ++m) {
+        T* crow = c + m * ldc;
+        if (!accumulate) std::fill(crow, crow + N, T(0));
+        for (idx kk = 0; kk < K; ++kk) {
+            const T av = a[m * ars + kk * acs];
+            const T* brow = b + kk * ldb;
+            for (idx n = 0; n < N; ++n) crow[n] += av * brow[n];
+        }
+    }
+}
+#endif
+
+// dst[C x R] (ld_d) = src[R x C] (ld_s) transposed.
+template <typename T>
+static void transpose_scalar(idx R, idx C, const T* src, idx ld_s, T* dst, idx ld_d) {
+    constexpr idx bs = 16;
+    for (idx r0 = 0; r0 < R; r0 += bs)
+        for (idx c0 = 0; c0 < C; c0 += bs) {
+            const idx r1 = std::min(R, r0 + bs), c1 = std::min(C, c0 + bs);
+            for (idx r = r0; r < r1; ++r)
+                for (idx cc = c0; cc < c1; ++cc) dst[cc * ld_d + r] = src[r * ld_s + cc];
+        }
+}
+
+template <typename T>
+static void transpose(idx R, idx C, const T* src, idx ld_s, T* dst, idx ld_d) {
+    transpose_scalar(R, C, src, ld_s, dst, ld_d);
+}
+
+#if defined(__AVX512F__)
+// 16 x 16 fp32 blocks transposed in registers (unpack 32-bit, unpack 64-bit, then two rounds of
+// 128-bit lane shuffles); a scalar loop takes the ragged edges. A scalar 64 x 64 transpose
+// costs about a third of a 64^3 product, this about a twentieth.
+static inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_s);
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // rows 4i..4i+3 interleaved: 4-element columns per lane
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; ++j) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 8; ++j) {
+        _mm512_storeu_ps(dst + j * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+        _mm512_storeu_ps(dst + (j + 8) * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+    }
+}
+
+template <>
+void transpose<float>(idx R, idx C, const float* src, idx ld_s, float* dst, idx ld_d) {
+    const idx R16 = R / 16 * 16, C16 = C / 16 * 16;
+    for (idx r0 = 0; r0 < R16; r0 += 16)
+        for (idx c0 = 0; c0 < C16; c0 += 16) transpose16(src + r0 * ld_s + c0, ld_s, dst + c0 * ld_d + r0, ld_d);
+    if (C16 < C) transpose_scalar(R, C - C16, src + C16, ld_s, dst + C16 * ld_d, ld_d);
+    if (R16 < R) transpose_scalar(R - R16, C16, src + R16 * ld_s, ld_s, dst + R16, ld_d);
+}
+#endif
+
+// Zero the strictly upper triangle (j > i) of an L x L tile.
+template <typename T>
+static void mask_upper(idx L, T* a, idx lda) {
+    for (idx i = 0; i + 1 < L; ++i) std::fill(a + i * lda + i + 1, a + i * lda + L, T(0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-head drivers
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+    idx B, T, H, D, E, c;
+};
+
+// Per-thread tiles. Rows of a head inside [B, T, H, D] are H*D elements apart, a power-of-two
+// stride that maps a tile's rows onto a few L1 sets; every chunk is therefore first packed into
+// contiguous tiles (one read from memory), and results are written back once.
+template <typename T>
+struct Scratch {
+    std::vector<T> q, k, v, g, o, o2, kt, vt, a, da, rt;
+    explicit Scratch(const Shape& s)
+        : q(s.c * s.D), k(s.c * s.D), v(s.c * s.E), g(s.c * s.E), o(s.c * s.D), o2(s.c * s.E), kt(s.D * s.c),
+          vt(s.E * s.c), a(s.c * s.c), da(s.c * s.c), rt(s.E * s.D) {}
+};
+
+// dst[R x C] (contiguous) = src[R x C] (row stride ld); unpack is the reverse.
+// Explicit vector loads/stores: GCC turns a plain copy loop into a libc memcpy call per
+// 256-byte row, and the call costs more than the copy.
+template <typename T>
+static inline void copy_rows(idx R, idx C, const T* __restrict src, idx ld_s, T* __restrict dst, idx ld_d) {
+#if defined(__AVX512F__)
+    typedef Vec<T> V;
+    const idx Cv = C / V::W * V::W;
+    const typename V::mask tail = (typename V::mask)((1u << (C - Cv)) - 1);
+    for (idx r = 0; r < R; ++r) {
+        const T* a = src + r * ld_s;
+        T* b = dst + r * ld_d;
+        for (idx j = 0; j < Cv; j += V::W) V::store(b + j, V::load(a + j));
+        if (Cv < C) V::storem(b + Cv, V::loadm(a + Cv, tail), tail);
+    }
+#else
+    for (idx r = 0; r < R; ++r) std::copy(src + r * ld_s, src + r * ld_s + C, dst + r * ld_d);
+#endif
+}
+template <typename T>
+static void pack(idx R, idx C, const T* src, idx ld, T* dst) { copy_rows(R, C, src, ld, dst, C); }
+template <typename T>
+static void unpack(idx R, idx C, const T* src, T* dst, idx ld) { copy_rows(R, C, src, C, dst, ld); }
+
+// One thread's work: heads [lo, hi) of the B*H heads, walked chunk by chunk. For chunk g every
+// head's products are done before chunk g+1, so the rows read are [c, H, D] slabs, long runs of
+// memory the hardware prefetcher streams (head by head they would be 256-byte pieces 2 KB apart).
+template <typename T>
+struct Worker {
+    const Shape& s;
+    idx lo, hi;
+    Scratch<T> w;
+    Worker(const Shape& s_, idx lo_, idx hi_) : s(s_), lo(lo_), hi(hi_), w(s_) {}
+
+    idx ldd() const { return s.H * s.D; }
+    idx lde() const { return s.H * s.E; }
+    // Row t0 of head n in a [B, T, H, D] (or [B, T, H, E]) tensor.
+    template <typename P> P* rd(P* base, idx n, idx t0) const {
+        return base + ((n / s.H) * s.T + t0) * ldd() + (n % s.H) * s.D;
+    }
+    template <typename P> P* re(P* base, idx n, idx t0) const {
+        return base + ((n / s.H) * s.T + t0) * lde() + (n % s.H) * s.E;
+    }
+    idx nchunks() const { return (s.T + s.c - 1) / s.c; }
+    idx rows(idx g) const { return std::min(s.c, s.T - g * s.c); }
+
+    // states[(n - lo)] = init (optionally transposed to [E x D]) or zeros.
+    std::vector<T> load_states(const T* init, bool transposed) const {
+        const idx DE = s.D * s.E;
+        std::vector<T> st((hi - lo) * DE, T(0));
+        if (init)
+            for (idx n = lo; n < hi; ++n) {
+                if (transposed) transpose<T>(s.D, s.E, init + n * DE, s.E, st.data() + (n - lo) * DE, s.D);
+                else std::copy(init + n * DE, init + (n + 1) * DE, st.begin() + (n - lo) * DE);
+            }
+        return st;
+    }
+    void store_states(const std::vector<T>& st, T* out) const {
+        if (out) std::copy(st.begin(), st.end(), out + lo * s.D * s.E);
+    }
+
+    void forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
+        const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
+        std::vector<T> states = load_states(init, false);
+        T *q_ = w.q.data(), *v_ = w.v.data(), *o_ = w.o2.data(), *a_ = w.a.data(), *kt = w.kt.data();
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                T* S = states.data() + (n - lo) * D * E;
+                pack(L, D, rd(q, n, t0), ldd_, q_);
+                pack(L, E, re(v, n, t0), lde_, v_);
+                transpose<T>(L, D, rd(k, n, t0), ldd_, kt, c);              // K^T: [D x L]
+                gemm<T>(L, L, D, q_, D, 1, kt, c, a_, c, false, kOutLower);  // A = Q K^T
+                mask_upper<T>(L, a_, c);
+                gemm<T>(L, E, D, q_, D, 1, S, E, o_, E, false);             // O = Q S
+                gemm<T>(L, E, L, a_, c, 1, v_, E, o_, E, true, kALower);    // O += A V
+                gemm<T>(D, E, L, kt, c, 1, v_, E, S, E, true);              // S += K^T V
+                unpack(L, E, o_, re(o, n, t0), lde_);
+            }
+        store_states(states, fin);
+    }
+
+    void backward(const T* q, const T* k, const T* v, const T* dout, const T* init, const T* dfin, T* dq, T* dk,
+                  T* dv, T* dinit) {
+        const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks(), DE = D * E;
+        T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data();  // g_: a chunk of dO
+        T *o_ = w.o.data(), *o2_ = w.o2.data(), *a_ = w.a.data(), *da_ = w.da.data();
+        T *rt_ = w.rt.data(), *kt = w.kt.data(), *vt = w.vt.data();
+        std::vector<T> Rs = load_states(dfin, false);  // R = dS_final + suffix sums of Q^T dO
+        // Forward order: prefix states give dQ. S is kept transposed ([E x D]) because that is
+        // the operand dQ = dO S^T needs: S^T += V^T K.
+        std::vector<T> St = load_states(init, true);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                T* st = St.data() + (n - lo) * DE;
+                pack(L, D, rd(k, n, t0), ldd_, k_);
+                pack(L, E, re(dout, n, t0), lde_, g_);
+                transpose<T>(L, E, re(v, n, t0), lde_, vt, c);                // V^T: [E x L]
+                gemm<T>(L, L, E, g_, E, 1, vt, c, da_, c, false, kOutLower);  // dA = dO V^T
+                mask_upper<T>(L, da_, c);
+                gemm<T>(L, D, E, g_, E, 1, st, D, o_, D, false);             // dQ = dO S^T
+                gemm<T>(L, D, L, da_, c, 1, k_, D, o_, D, true, kALower);    // dQ += dA K
+                unpack(L, D, o_, rd(dq, n, t0), ldd_);
+                gemm<T>(E, D, L, vt, c, 1, k_, D, st, D, true);              // S^T += V^T K
+            }
+        // Reverse order: suffix sums R_g of Q^T dO give dK, dV.
+        for (idx g = G - 1; g >= 0; --g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                T* R = Rs.data() + (n - lo) * DE;
+                pack(L, D, rd(q, n, t0), ldd_, q_);
+                pack(L, E, re(dout, n, t0), lde_, g_);
+                transpose<T>(L, D, rd(k, n, t0), ldd_, kt, c);                // K^T: [D x L]
+                transpose<T>(L, E, re(v, n, t0), lde_, vt, c);                // V^T: [E x L]
+                gemm<T>(L, L, E, g_, E, 1, vt, c, da_, c, false, kOutLower);  // dA = dO V^T
+                mask_upper<T>(L, da_, c);
+                gemm<T>(L, L, D, q_, D, 1, kt, c, a_, c, false, kOutLower);   // A = Q K^T
+                mask_upper<T>(L, a_, c);
+                transpose<T>(D, E, R, E, rt_, D);
+                gemm<T>(L, D, E, vt, 1, c, rt_, D, o_, D, false);            // dK = V R^T
+                gemm<T>(L, D, L, da_, 1, c, q_, D, o_, D, true, kAUpper);    // dK += dA^T Q
+                unpack(L, D, o_, rd(dk, n, t0), ldd_);
+                gemm<T>(L, E, D, kt, 1, c, R, E, o2_, E, false);             // dV = K R
+                gemm<T>(L, E, L, a_, 1, c, g_, E, o2_, E, true, kAUpper);    // dV += A^T dO
+                unpack(L, E, o2_, re(dv, n, t0), lde_);
+                gemm<T>(D, E, L, q_, 1, D, g_, E, R, E, true);               // R += Q^T dO
+            }
+        store_states(Rs, dinit);
+    }
+};
+
+// Split heads over threads; each thread owns its scratch and its heads' states.
+template <typename F>
+static void parallel_heads(const Shape& s, int nthreads, F body) {
+    const idx N = s.B * s.H;
+    const int nt = (int)std::max<idx>(1, std::min<idx>(nthreads, N));
+    auto work = [&](int t) { body(N * t / nt, N * (t + 1) / nt); };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) pool.emplace_back(work, t);
+    work(0);
+    for (auto& th : pool) th.join();
+}
+
+static bool valid(idx B, idx T, idx H, idx D, idx E, idx c) { return B >= 1 && T >= 1 && H >= 1 && D >= 1 && E >= 1 && c >= 1; }
+
+template <typename T>
+static int forward_all(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn, idx H, idx D,
+                       idx E, idx c, int nthreads) {
+    if (!valid(B, Tn, H, D, E, c)) return 1;
+    const Shape s{B, Tn, H, D, E, c};
+    parallel_heads(s, nthreads, [&](idx lo, idx hi) { Worker<T>(s, lo, hi).forward(q, k, v, o, init, fin); });
+    return 0;
+}
+
+template <typename T>
+static int backward_all(const T* q, const T* k, const T* v, const T* dout, const T* init, const T* dfin, T* dq, T* dk,
+                        T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, idx c, int nthreads) {
+    if (!valid(B, Tn, H, D, E, c)) return 1;
+    const Shape s{B, Tn, H, D, E, c};
+    parallel_heads(s, nthreads, [&](idx lo, idx hi) {
+        Worker<T>(s, lo, hi).backward(q, k, v, dout, init, dfin, dq, dk, dv, dinit);
+    });
+    return 0;
+}
+
+extern "C" {
+
+int tn_abi_version() { return 3; }
+
+int tn_has_avx512() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define TN_DEFINE(SUFFIX, T)                                                                                    \
+    int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \
+                               idx H, idx D, idx E, idx c, int nthreads) {                                      \
+        return forward_all<T>(q, k, v, o, init, fin, B, Tn, H, D, E, c, nthreads);                              \
+    }                                                                                                           \
+    int tn_causal_bwd_##SUFFIX(const T* q, const T* k, const T* v, const T* dout, const T* init, const T* dfin,  \
+                               T* dq, T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, idx c,         \
+                               int nthreads) {                                                                  \
+        return backward_all<T>(q, k, v, dout, init, dfin, dq, dk, dv, dinit, B, Tn, H, D, E, c, nthreads);     \
+    }
+
+TN_DEFINE(f32, float)
+TN_DEFINE(f64, double)
+
+}  // extern "C"

@@ -1,0 +1,156 @@
+"""The fused CPU kernel for causal norm_linear_attn against the quadratic reference."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import rel_err
+from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
+
+needs_kernel = pytest.mark.skipif(_native.load() is None, reason="fused CPU kernel unavailable")
+
+
+@pytest.fixture
+def native():
+    before = _native.backend()
+    _native.set_backend("native")
+    yield
+    _native.set_backend(before)
+
+
+def test_kernel_builds_when_a_compiler_exists():
+    if not (shutil.which("c++") or shutil.which("g++") or os.environ.get("CXX")):
+        pytest.skip("no C++ compiler on this machine")
+    assert _native.load() is not None, _native._error
+
+
+def _case(B, T, H, D, E, dtype=torch.float64):
+    g = torch.Generator().manual_seed(T * 1000 + D * 10 + E)
+    q, k, v = (torch.randn(B, T, H, x, dtype=dtype, generator=g).requires_grad_() for x in (D, D, E))
+    S0 = torch.randn(B, H, D, E, dtype=dtype, generator=g).requires_grad_()
+    go = torch.randn(B, T, H, E, dtype=dtype, generator=g)
+    gs = torch.randn(B, H, D, E, dtype=dtype, generator=g)
+    return q, k, v, S0, go, gs
+
+
+def _outputs_and_grads(fn, q, k, v, S0, go, gs):
+    o, s = fn(q, k, v, S0)
+    grads = torch.autograd.grad((o * go).sum() + (s * gs).sum(), (q, k, v, S0))
+    return (o, s, *grads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 200])
+@pytest.mark.parametrize("H,D,E,chunk", [(2, 64, 64, 64), (3, 16, 40, 16), (1, 7, 130, 10), (2, 33, 17, 1000), (1, 80, 24, 7)])
+def test_outputs_state_and_grads_match_reference_fp64(native, T, H, D, E, chunk):
+    """Odd lengths, head dims that leave vector tails (7, 17, 33) or span two panels (80, 130)."""
+    q, k, v, S0, go, gs = _case(2, T, H, D, E)
+    got = _outputs_and_grads(
+        lambda q, k, v, S0: norm_linear_attn(q, k, v, causal=True, chunk_size=chunk, initial_state=S0,
+                                             output_final_state=True), q, k, v, S0, go, gs)
+    ref = _outputs_and_grads(lambda q, k, v, S0: norm_linear_attn_reference(q, k, v, causal=True, initial_state=S0),
+                             q, k, v, S0, go, gs)
+    for name, a, b in zip(("o", "state", "dq", "dk", "dv", "dS0"), got, ref):
+        assert rel_err(a, b) < 1e-10, name
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [63, 64, 65, 1000])
+def test_fp32_matches_reference(native, T):
+    q, k, v, S0, go, gs = _case(1, T, 4, 64, 64, dtype=torch.float32)
+    got = _outputs_and_grads(
+        lambda q, k, v, S0: norm_linear_attn(q, k, v, causal=True, initial_state=S0, output_final_state=True),
+        q, k, v, S0, go, gs)
+    qd, kd, vd, S0d = (x.detach().double().requires_grad_() for x in (q, k, v, S0))
+    ref = _outputs_and_grads(lambda q, k, v, S0: norm_linear_attn_reference(q, k, v, causal=True, initial_state=S0),
+                             qd, kd, vd, S0d, go.double(), gs.double())
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.float32
+        assert rel_err(a.double(), b) < 1e-4
+
+
+@needs_kernel
+def test_same_result_on_one_and_two_threads(native):
+    """Heads are split over threads and each head is walked in the same order: bitwise equal."""
+    q, k, v, S0, go, gs = _case(2, 300, 3, 32, 32, dtype=torch.float32)
+
+    def run():
+        return _outputs_and_grads(
+            lambda q, k, v, S0: norm_linear_attn(q, k, v, causal=True, initial_state=S0, output_final_state=True),
+            q, k, v, S0, go, gs)
+
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+def test_non_contiguous_inputs_and_unused_outputs(native):
+    x = torch.randn(2, 3, 70, 16, dtype=torch.float64)  # [B, H, T, D]: permuted views below
+    q, k, v = (x.permute(0, 2, 1, 3) * s for s in (1.0, 0.5, 2.0))
+    q.requires_grad_()
+    o, _ = norm_linear_attn(q, k, v, causal=True, chunk_size=16)  # final state unused: no gradient for it
+    ref, _ = norm_linear_attn_reference(q, k, v, causal=True)
+    assert rel_err(o, ref) < 1e-10
+    (gq,) = torch.autograd.grad(o.sum(), q)
+    (gq_ref,) = torch.autograd.grad(ref.sum(), q)
+    assert rel_err(gq, gq_ref) < 1e-10
+
+
+@needs_kernel
+def test_gradcheck_through_the_kernel(native):
+    q, k, v, S0, _, _ = _case(1, 9, 2, 3, 2)
+
+    def f(q, k, v, S0):
+        return norm_linear_attn(q, k, v, causal=True, chunk_size=4, initial_state=S0, output_final_state=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, S0))
+
+
+def test_torch_backend_never_calls_the_kernel(monkeypatch):
+    before = _native.backend()
+    try:
+        _native.set_backend("torch")
+
+        def boom(*a, **k):
+            raise AssertionError("kernel called")
+
+        monkeypatch.setattr(_native, "native_causal_linear_attn", boom)
+        q = torch.randn(1, 10, 1, 4, dtype=torch.float64)
+        o, _ = norm_linear_attn(q, q, q, causal=True)
+        assert rel_err(o, norm_linear_attn_reference(q, q, q, causal=True)[0]) < 1e-12
+    finally:
+        _native.set_backend(before)
+
+
+def test_bad_backend_name_and_unsupported_dtype():
+    with pytest.raises(ValueError, match="backend"):
+        _native.set_backend("cuda")
+    if _native.load() is None:
+        return
+    before = _native.backend()
+    try:
+        _native.set_backend("native")
+        q = torch.randn(1, 10, 1, 4, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="float32/float64"):
+            norm_linear_attn(q, q, q, causal=True)
+    finally:
+        _native.set_backend(before)
+
+
+def test_disabled_by_environment(tmp_path):
+    code = "from transnormer.ops import _native; print(_native.load() is None, _native._error)"
+    env = dict(os.environ, TRANSNORMER_NATIVE="0", TRANSNORMER_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("True disabled")
