@@ -30,7 +30,7 @@ def lm_loss(model, ids):
     """Next-token loss of our models (HF output) and of peers (raw logits)."""
     import torch.nn.functional as F
 
-    out = model(input_ids=ids, labels=ids) if not getattr(model, "is_peer", False) else None
+    out = model(input_ids=ids, labels=ids, return_logits=False) if not getattr(model, "is_peer", False) else None
     if out is not None:
         return out.loss
     logits = model(ids)

@@ -25,6 +25,7 @@ from transformers.modeling_outputs import (
 
 from ..layers import build_mixer
 from ..modules.ffn import build_ffn
+from ..modules.lm_loss import linear_cross_entropy
 from ..modules.norms import build_norm
 from ..modules.positional import LearnedPositions, SinusoidalPositions
 from . import layer_builders  # noqa: F401  (registers the core layer types)
@@ -286,21 +287,27 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         return_dict=None,
         logits_to_keep: int = 0,
         past_key_values=None,
+        return_logits: bool = True,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """``return_logits=False`` with ``labels``: the loss comes from the fused chunked head
+        (modules/lm_loss.py) and ``logits`` is None — the [B, T, V] logits are never stored."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          cache=cache if cache is not None else past_key_values, use_cache=use_cache,
                          output_hidden_states=output_hidden_states)
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)
-        loss = None
-        if labels is not None:
-            # Shift the labels, not the logits: slicing [B, T, V] logits copies them (and their gradient).
-            shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]), shifted.reshape(-1),
-                                   ignore_index=-100)
+        logits = loss = None
+        # Shift the labels, not the logits: slicing [B, T, V] logits copies them (and their gradient).
+        shifted = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)
+        if shifted is not None and not return_logits and not logits_to_keep:
+            loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
+        else:
+            logits = self.lm_head(h)
+            if shifted is not None:
+                loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]),
+                                       shifted.reshape(-1), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # Generation ------------------------------------------------------------------------------
@@ -359,10 +366,18 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
         self.lm_head.decoder = value
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs) -> MaskedLMOutput:
+                output_hidden_states=None, return_dict=None, return_logits: bool = True, **kwargs) -> MaskedLMOutput:
+        """``return_logits=False`` with ``labels``: the head runs on the masked positions only (about
+        15% of the tokens) and ``logits`` is None."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          output_hidden_states=output_hidden_states)
-        logits = self.lm_head(out.last_hidden_state)
+        h = out.last_hidden_state
+        if labels is not None and not return_logits:
+            picked = labels.reshape(-1) != -100
+            sel = self.lm_head(h.reshape(-1, h.shape[-1])[picked])
+            loss = F.cross_entropy(_fp32_unless_autocast(sel), labels.reshape(-1)[picked])
+            return MaskedLMOutput(loss=loss, logits=None, hidden_states=out.hidden_states)
+        logits = self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1),

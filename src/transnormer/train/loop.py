@@ -275,7 +275,8 @@ def train(cfg: TrainConfig) -> dict:
             ctx = contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
             with ctx:
                 with autocast():
-                    loss = wrapped(**batch).loss
+                    # no logits kept: the LM heads compute the loss chunk by chunk (modules/lm_loss.py)
+                    loss = wrapped(**batch, return_logits=False).loss
                 (loss / cfg.grad_accum).backward()
             loss_sum += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))

@@ -1,0 +1,88 @@
+"""Language-model head and cross-entropy in one pass over row chunks (no [N, V] logits kept).
+
+With a 32k–268k vocabulary the head dominates a CPU training step: ``F.cross_entropy(h @ Wᵀ)``
+materialises the [N, V] fp32 logits, a log-softmax copy, a zero-filled gradient of the same size
+and its log-softmax backward — four passes over gigabytes. Here each chunk of rows computes its
+logits, its loss terms and, right away, its gradient ``softmax − onehot`` (in place), from which
+``dh`` and ``dW`` follow; the gradients are kept for the backward, which only scales them by the
+incoming gradient. Same three GEMMs as the unfused head, one chunk of logits in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _default_chunk(vocab: int) -> int:
+    # Rows whose fp32 logits fill ~512 MB: large enough for efficient GEMMs (4096 rows at a 32k
+    # vocabulary ran 8% faster than 1024 in fp32, 20% in bf16), a fraction of the unfused footprint.
+    return max(64, 2**27 // max(vocab, 1))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_grad: bool, cdt: torch.dtype):
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(cdt), weight.to(cdt)
+            sdt = torch.promote_types(cdt, torch.float32)  # softmax dtype: fp32, or fp64 for fp64
+            valid = labels != ignore_index
+            n_valid = valid.sum()
+            total = torch.zeros((), dtype=sdt, device=h.device)
+            dh = torch.empty_like(h) if need_grad else None
+            dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, sdt)) if need_grad else None
+            for s in range(0, h.shape[0], chunk):
+                x, lab, ok = hc[s:s + chunk], labels[s:s + chunk], valid[s:s + chunk]
+                logits = (x @ wc.T).to(sdt)  # [n, V]
+                lse = torch.logsumexp(logits, dim=-1)
+                target = logits.gather(1, lab.clamp_min(0)[:, None]).squeeze(1)
+                total += torch.where(ok, lse - target, 0.0).sum()
+                if need_grad:
+                    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                    rows = torch.arange(grad.shape[0], device=grad.device)
+                    grad[rows, lab.clamp_min(0)] -= 1.0
+                    grad.mul_(ok[:, None])  # ignored rows get no gradient
+                    g = grad.to(cdt)
+                    dh[s:s + chunk] = g @ wc
+                    dw += (g.T @ x).to(dw.dtype)
+        ctx.save_for_backward(dh, dw, n_valid)
+        ctx.weight_dtype = weight.dtype
+        return total / n_valid  # all rows ignored: 0/0 = nan, as F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw, n_valid = ctx.saved_tensors
+        if dh is None:
+            raise RuntimeError("linear_cross_entropy was called without gradients enabled")
+        scale = grad_loss / n_valid
+        return dh * scale.to(dh.dtype), (dw * scale).to(ctx.weight_dtype), None, None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                         chunk_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of ``h @ weight.T`` against ``labels`` without keeping the logits.
+
+    Args:
+        h: [N, d] hidden states.
+        weight: [V, d] output embedding (a bias-free LM head, possibly tied).
+        labels: [N] integer targets; ``ignore_index`` rows do not count.
+        chunk_size: rows per chunk (one [chunk, V] fp32 logits block is alive at a time);
+            default: as many rows as fit 2**27 logits (512 MB).
+
+    Returns the scalar mean loss over non-ignored rows, equal to
+    ``F.cross_entropy(h @ weight.T, labels, ignore_index=ignore_index)``. Under autocast the
+    products run in the autocast dtype and the softmax in fp32, as autocast would do.
+    """
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
+        raise ValueError(f"h must be [N, d] and weight [V, d]; got {tuple(h.shape)} and {tuple(weight.shape)}")
+    if labels.shape != h.shape[:1] or labels.is_floating_point():
+        raise ValueError(f"labels must be integer [N] = [{h.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
+    chunk_size = _default_chunk(weight.shape[0]) if chunk_size is None else chunk_size
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, labels, ignore_index, chunk_size, need_grad, _compute_dtype(h))

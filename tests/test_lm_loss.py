@@ -1,0 +1,71 @@
+"""The fused chunked LM-head loss against F.cross_entropy on materialised logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from transnormer.models import TransNormerConfig, TransNormerForCausalLM, TransNormerForMaskedLM
+from transnormer.modules.lm_loss import linear_cross_entropy
+
+
+@pytest.mark.parametrize("N", [1, 63, 64, 65, 300])
+@pytest.mark.parametrize("chunk", [1, 64, 1000])
+def test_matches_unfused_loss_and_grads_fp64(N, chunk):
+    h = torch.randn(N, 16, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (N,))
+    labels[1::3] = -100  # some ignored rows (none when N == 1)
+    got = linear_cross_entropy(h, W, labels, chunk_size=chunk)
+    ref = F.cross_entropy(h @ W.T, labels, ignore_index=-100)
+    assert rel_err(got, ref) < 1e-12
+    for a, b in zip(torch.autograd.grad(got * 1.7, (h, W)), torch.autograd.grad(ref * 1.7, (h, W))):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_all_rows_ignored_is_nan_like_cross_entropy():
+    h, W = torch.randn(4, 8), torch.randn(10, 8)
+    labels = torch.full((4,), -100)
+    assert torch.isnan(linear_cross_entropy(h, W, labels)) and torch.isnan(F.cross_entropy(h @ W.T, labels))
+
+
+def test_bf16_autocast_close_to_fp32():
+    h, W = torch.randn(200, 32, requires_grad=True), torch.randn(300, 32, requires_grad=True)
+    labels = torch.randint(0, 300, (200,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, W, labels, chunk_size=64)
+    ref = F.cross_entropy(h @ W.T, labels)
+    assert got.dtype == torch.float32 and abs(got.item() - ref.item()) < 2e-2 * ref.item()
+    gh, gW = torch.autograd.grad(got, (h, W))
+    assert gh.dtype == torch.float32 and gW.dtype == torch.float32
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="h must be"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), chunk_size=0)
+
+
+def _tiny(causal):
+    return TransNormerConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             layer_types=["diag", "norm"], causal=causal, block_size=8, chunk_size=8,
+                             max_position_embeddings=64, dropout=0.0)
+
+
+@pytest.mark.parametrize("cls,causal", [(TransNormerForCausalLM, True), (TransNormerForMaskedLM, False)])
+def test_models_give_the_same_loss_and_grads_without_logits(cls, causal):
+    model = cls(_tiny(causal)).double()
+    ids = torch.randint(0, 97, (2, 30))
+    labels = ids.clone()
+    if not causal:
+        labels[torch.rand(2, 30) > 0.3] = -100
+    full = model(input_ids=ids, labels=labels)
+    g_full = torch.autograd.grad(full.loss, list(model.parameters()))
+    fused = model(input_ids=ids, labels=labels, return_logits=False)
+    assert fused.logits is None and rel_err(fused.loss, full.loss) < 1e-12
+    g_fused = torch.autograd.grad(fused.loss, list(model.parameters()))
+    for a, b in zip(g_fused, g_full):
+        assert rel_err(a, b) < 1e-10
