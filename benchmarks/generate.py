@@ -17,6 +17,7 @@ import time
 import torch
 
 from transnormer.presets import build_model
+from transnormer.runtime import tune_allocator
 
 
 def rss_mb() -> float:
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, help="override the preset vocabulary (default: the preset's)")
     args = ap.parse_args()
+    tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, batch 1")
     print("| preset | context | per-token latency (ms) | vs 256 | cache (MB) | RSS growth while decoding (MB) |")
     print("|---|---|---|---|---|---|")

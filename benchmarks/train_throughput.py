@@ -17,6 +17,7 @@ import torch
 
 from transnormer.bench.train_step import model_flops_per_token, train_step_throughput
 from transnormer.presets import get_config
+from transnormer.runtime import tune_allocator
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
+    tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.tokens_per_step} tokens/step, "
           f"vocab {args.vocab_size}; each row a fresh process; median of {args.steps} steps")
     print("| dtype | T | " + " | ".join(f"{p} tok/s | {p} peak MB" for p in args.presets)

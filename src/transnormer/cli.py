@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    from .runtime import tune_allocator
+
+    tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as e:

@@ -98,8 +98,10 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
     args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {}, mode)
     if not isolate:
         return _measure(*args)
+    from ..runtime import tune_allocator
+
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
+    with ctx.Pool(1, initializer=tune_allocator) as pool:
         return pool.apply(_measure, args)
 
 

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 from pathlib import Path
 
+from ..runtime import tune_allocator
 from .loop import TrainConfig, parse_budget, train
 from .metrics import plot_curves, read_metrics
 
@@ -56,7 +57,7 @@ def _train_isolated(cfg: TrainConfig) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return train(cfg)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
+    with ctx.Pool(1, initializer=tune_allocator) as pool:
         return pool.apply(train, (cfg,))
 
 
