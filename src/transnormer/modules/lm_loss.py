@@ -38,11 +38,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk):
                 x, lab, ok = hc[s:s + chunk], labels[s:s + chunk], valid[s:s + chunk]
                 logits = (x @ wc.T).to(sdt)  # [n, V]
-                lse = torch.logsumexp(logits, dim=-1)
                 target = logits.gather(1, lab.clamp_min(0)[:, None]).squeeze(1)
+                # log-sum-exp and softmax in place: torch.logsumexp would allocate a second
+                # [n, V] block, which costs more than the arithmetic.
+                m = logits.amax(dim=-1, keepdim=True)
+                z = logits.sub_(m).exp_().sum(dim=-1, keepdim=True)  # logits now hold exp(l - m)
+                lse = (m + z.log()).squeeze(1)
                 total += torch.where(ok, lse - target, 0.0).sum()
                 if need_grad:
-                    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                    grad = logits.div_(z)  # softmax
                     rows = torch.arange(grad.shape[0], device=grad.device)
                     grad[rows, lab.clamp_min(0)] -= 1.0
                     grad.mul_(ok[:, None])  # ignored rows get no gradient
