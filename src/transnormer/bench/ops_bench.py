@@ -1,25 +1,31 @@
 """Op-level throughput: norm_linear_attn forward+backward as a fraction of the machine's GEMM rate.
 
 FLOPs counted are the algorithm's (forward + a backward of twice the forward, the usual 3x
-convention); the recomputation our backward does is not counted, so the reported fraction is
-conservative. Per head, forward:
+convention); the recomputation our backward does is not counted. Per head, forward:
     causal chunked (chunk c): 2T·(c·D + c·E) intra-chunk + 2·2T·D·E states and queries
     bidirectional:            2·2T·D·E  (Kᵀ V, then Q S)
+The intra-chunk term is the chunked algorithm's full c×c products, as written. The fused CPU
+kernel skips the zero upper triangle of the score tiles, so it also reports "useful" FLOPs,
+with the intra-chunk term halved: that rate is the one to compare with the GEMM peak when
+asking how busy the machine is.
 The reference GEMM rates are measured in the same run: a large square matmul (the peak) and a
-batched matmul of the op's own dominant shape.
+batched matmul of the op's own dominant shape. The backward is taken with ``autograd.grad``
+on q, k, v, so no leaf-gradient accumulation (an extra pass that is not the op's) is timed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops import norm_linear_attn
+from ..ops import _native, norm_linear_attn
 from .timing import gemm_gflops, measure
 
 
-def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_heads: int) -> float:
+def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_heads: int,
+                    useful: bool = False) -> float:
     c = min(chunk, T)
-    fwd = 4 * T * D * E + (2 * T * c * (D + E) if causal else 0)
+    intra = 2 * T * c * (D + E) // (2 if useful else 1)
+    fwd = 4 * T * D * E + (intra if causal else 0)
     return 3.0 * fwd * batch_heads
 
 
@@ -35,11 +41,15 @@ def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B
                   chunk: int = 64, repeat: int = 3) -> dict:
     q, k, v = (torch.randn(B, T, H, D, dtype=dtype).mul_(0.1).requires_grad_() for _ in range(3))
 
+    do = torch.randn(B, T, H, D, dtype=dtype)
+
     def run():
         o, _ = norm_linear_attn(q, k, v, causal=causal, chunk_size=chunk)
-        o.backward(torch.ones_like(o))
+        torch.autograd.grad(o, (q, k, v), do)
 
     t = measure(run, warmup=1, repeat=repeat)["median_s"]
     flops = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H)
-    return {"T": T, "causal": causal, "dtype": str(dtype).replace("torch.", ""), "seconds": t,
-            "gflops": flops / t / 1e9}
+    useful = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H, useful=True)
+    backend = "native" if causal and _native.usable(q, k, v) else "torch"
+    return {"T": T, "causal": causal, "dtype": str(dtype).replace("torch.", ""), "seconds": t, "backend": backend,
+            "gflops": flops / t / 1e9, "useful_gflops": useful / t / 1e9}

@@ -30,16 +30,21 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
                 r = op_throughput(T, causal=causal, dtype=DTYPES[dname], chunk=chunk)
                 r.update(preset=f"{'causal' if causal else 'bidir'}-{dname}", seq_len=T, step_s=r["seconds"],
                          gemm_square=g["square_gflops"], gemm_chunk_bmm=g["chunk_bmm_gflops"],
-                         frac_square=r["gflops"] / g["square_gflops"], frac_chunk_bmm=r["gflops"] / g["chunk_bmm_gflops"])
+                         frac_square=r["gflops"] / g["square_gflops"], frac_chunk_bmm=r["gflops"] / g["chunk_bmm_gflops"],
+                         frac_useful=r["useful_gflops"] / g["square_gflops"])
                 rows.append(r)
                 if T >= 4096:
                     target = 0.5 if causal else 0.7
+                    useful = (f"; useful FLOPs (causal half of the score tiles, which the kernel skips) "
+                              f"{r['frac_useful']:.0%}" if causal else "")
                     verdicts.append(verdict(
-                        f"op {'causal' if causal else 'bidirectional'} {dname} T={T}",
+                        f"op {'causal' if causal else 'bidirectional'} {dname} T={T} [{r['backend']}]",
                         r["frac_square"] >= target,
                         f"{r['gflops']:.1f} GFLOP/s = {r['frac_square']:.0%} of the {g['square_gflops']:.0f} GFLOP/s "
-                        f"square GEMM (target {target:.0%}); {r['frac_chunk_bmm']:.0%} of a same-shape batched GEMM"))
-    rep = write_report(rows, out_dir, "ops", ["preset", "seq_len", "step_s", "gflops", "frac_square", "frac_chunk_bmm"],
+                        f"square GEMM (target {target:.0%}){useful}; {r['frac_chunk_bmm']:.0%} of a same-shape "
+                        f"batched GEMM"))
+    rep = write_report(rows, out_dir, "ops", ["preset", "backend", "seq_len", "step_s", "gflops", "frac_square",
+                                              "frac_useful", "frac_chunk_bmm"],
                        plots=("step_s",), extra={"verdicts": verdicts})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
