@@ -41,7 +41,7 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): leave the allocator alone
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # 2**31 - 1 bytes is the largest trim threshold mallopt's int takes; with M_MMAP_MAX = 0 the
-    # heap serves every block, and only a free tail above ~2 GB is ever given back.
-    _done = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    # With M_MMAP_MAX = 0 the heap serves every block; a trim threshold of -1 never gives its free
+    # tail back (a finite one, even 2 GB, is crossed when a step frees its activations at once).
+    _done = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
     return _done

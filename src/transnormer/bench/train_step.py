@@ -72,7 +72,8 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
             torch.cuda.synchronize()
         return float(loss.detach())
 
-    loss = step()  # warm-up (allocations, optimizer state)
+    for _ in range(2):  # warm-up: optimizer state, and the allocator's heap reaching its steady size
+        loss = step()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
