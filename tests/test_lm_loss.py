@@ -69,3 +69,11 @@ def test_models_give_the_same_loss_and_grads_without_logits(cls, causal):
     g_fused = torch.autograd.grad(fused.loss, list(model.parameters()))
     for a, b in zip(g_fused, g_full):
         assert rel_err(a, b) < 1e-10
+
+
+def test_second_backward_raises_clearly():
+    h, W = torch.randn(5, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, W, torch.randint(0, 10, (5,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="used up"):
+        loss.backward()

@@ -34,7 +34,7 @@ def cmd_bench(args) -> int:
         elif w == "long":
             res = suite.bench_long(out)
         else:
-            res = suite.bench_peers(out, vocab_size=args.vocab_size)
+            res = suite.bench_peers(out, vocab_size=args.vocab_size, dtypes=args.dtypes)
         _print(res)
         all_verdicts += res["verdicts"]
     if len(what) > 1:

@@ -53,7 +53,7 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
         model.activation_checkpointing_enable()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(dev).train(mode == "train")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if mode == "train" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if mode == "train" else None  # as train/loop.py
     batch = max(1, tokens_per_step // seq_len)
     vocab = vocab_size or model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), device=dev)

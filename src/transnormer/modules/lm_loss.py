@@ -44,16 +44,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_grad: bool, cdt: torch.dtype):
         with torch.autocast(h.device.type, enabled=False):
-            hc, wc = h.to(cdt), weight.to(cdt)
+            V, d = weight.shape
+            hc = h.to(cdt)
+            wc = weight if weight.dtype == cdt else _scratch(2, V * d, cdt, h.device)[: V * d].view(V, d).copy_(weight)
             sdt = torch.promote_types(cdt, torch.float32)  # softmax dtype: fp32, or fp64 for fp64
             valid = labels != ignore_index
             n_valid = valid.sum()
             total = torch.zeros((), dtype=sdt, device=h.device)
             dh = torch.empty_like(h) if need_grad else None
-            dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, sdt)) if need_grad else None
-            rows_max, V = min(chunk, h.shape[0]), weight.shape[0]
+            # dW is returned to autograd (which may keep it as .grad): a fresh tensor, written by the
+            # first chunk's product instead of zero-filled first.
+            dw = torch.empty(V, d, dtype=torch.promote_types(weight.dtype, sdt), device=h.device) if need_grad else None
+            rows_max = min(chunk, h.shape[0])
             buf = _scratch(0, rows_max * V, sdt, h.device)[: rows_max * V].view(rows_max, V)  # logits, softmax
             low = None if cdt == sdt else _scratch(1, rows_max * V, cdt, h.device)[: rows_max * V].view(rows_max, V)
+            dw_low = None if dw is None or dw.dtype == cdt else _scratch(3, V * d, cdt, h.device)[: V * d].view(V, d)
             for s in range(0, h.shape[0], chunk):
                 x, lab, ok = hc[s:s + chunk], labels[s:s + chunk], valid[s:s + chunk]
                 n = x.shape[0]
@@ -74,22 +79,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad[torch.arange(n, device=grad.device), lab.clamp_min(0)] -= 1.0
                     grad.mul_(ok[:, None])  # ignored rows get no gradient
                     g = grad if low is None else low[:n].copy_(grad)
-                    dh[s:s + chunk] = g @ wc
-                    if dw.dtype == g.dtype:
-                        dw.addmm_(g.T, x)
+                    if dh.dtype == cdt:
+                        torch.mm(g, wc, out=dh[s:s + chunk])
                     else:
-                        dw += (g.T @ x).to(dw.dtype)
-        ctx.save_for_backward(dh, dw, n_valid)
+                        dh[s:s + chunk] = g @ wc
+                    if dw_low is None and s == 0:
+                        torch.mm(g.T, x, out=dw)
+                    elif dw_low is None:
+                        dw.addmm_(g.T, x)
+                    else:  # half-precision product, fp32 sum over chunks
+                        torch.mm(g.T, x, out=dw_low)
+                        if s == 0:
+                            dw.copy_(dw_low)
+                        else:
+                            dw.add_(dw_low)
+            if dw is not None and h.shape[0] == 0:
+                dw.zero_()
+        ctx.grads = (dh, dw)  # consumed (scaled in place) by the one backward
+        ctx.save_for_backward(n_valid)
         ctx.weight_dtype = weight.dtype
         return total / n_valid  # all rows ignored: 0/0 = nan, as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dw, n_valid = ctx.saved_tensors
+        (n_valid,) = ctx.saved_tensors
+        dh, dw = ctx.grads
         if dh is None:
-            raise RuntimeError("linear_cross_entropy was called without gradients enabled")
+            raise RuntimeError("linear_cross_entropy: no gradients were computed (gradients disabled in the "
+                               "forward), or backward ran twice through it (its gradients are used up)")
+        ctx.grads = (None, None)
         scale = grad_loss / n_valid
-        return dh * scale.to(dh.dtype), (dw * scale).to(ctx.weight_dtype), None, None, None, None, None
+        return dh.mul_(scale.to(dh.dtype)), dw.mul_(scale).to(ctx.weight_dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
