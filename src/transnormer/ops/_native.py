@@ -52,8 +52,12 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor() + flags
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
 def _compile(out: Path) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,8 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("TRANSNORMER_NATIVE", "1") == "0":
             _error = "disabled by TRANSNORMER_NATIVE=0"
             return None
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()
+        ident = " ".join([*_FLAGS, str(_compiler()), _cpu_signature()]).encode()
+        key = hashlib.sha256(_SOURCE.read_bytes() + ident).hexdigest()
         path = _cache_dir() / f"linear_attn_{key[:16]}.so"
         try:
             if not path.exists():
