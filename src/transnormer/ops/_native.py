@@ -3,8 +3,8 @@
 The C++ source is compiled once per machine with the system compiler (``-O3 -march=native``)
 into a cache directory and loaded with ctypes: no torch headers, so the build takes about two
 seconds. When there is no compiler, the build fails, or ``TRANSNORMER_NATIVE=0`` is set, the
-kernel is simply unavailable and ``norm_linear_attn`` runs its PyTorch form; ``backend()``
-says which one runs. The kernel reads q, k, v in their [B, T, H, D] layout (no permute copies)
+kernel is simply unavailable and ``norm_linear_attn`` runs its PyTorch form
+(``set_backend("torch")`` forces that; exported as ``transnormer.ops.set_kernel_backend``). The kernel reads q, k, v in their [B, T, H, D] layout (no permute copies)
 and splits heads over ``torch.get_num_threads()`` threads.
 
 Cache directory: ``$TRANSNORMER_CACHE/native`` if set, else ``~/.cache/transnormer/native``.
