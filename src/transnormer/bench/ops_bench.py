@@ -37,6 +37,25 @@ def gemm_rates(dtype: torch.dtype, *, chunk: int, D: int, repeat: int = 5) -> di
     return {"square_gflops": peak, "chunk_bmm_gflops": 2 * 1024 * chunk * D * chunk / t / 1e9}
 
 
+def same_shape_gemm_gflops(T: int, *, causal: bool, dtype: torch.dtype, B: int = 1, H: int = 8, D: int = 64,
+                           chunk: int = 64, repeat: int = 5) -> float:
+    """GFLOP/s of the op's own dominant product, batched as the op batches it, at this T.
+
+    causal: the chunk products [B·H·G, c, D] x [B·H·G, D, c]; bidirectional: Q S per head,
+    [B·H, T, D] x [B·H, D, D]. This is the issue's "matmul of the same dtype and similar shape".
+    """
+    if causal:
+        c = min(chunk, T)
+        n = B * H * -(-T // c)
+        x, y = torch.randn(n, c, D, dtype=dtype), torch.randn(n, D, c, dtype=dtype)
+        flops = 2 * n * c * D * c
+    else:
+        x, y = torch.randn(B * H, T, D, dtype=dtype), torch.randn(B * H, D, D, dtype=dtype)
+        flops = 2 * B * H * T * D * D
+    t = measure(lambda: torch.bmm(x, y), warmup=2, repeat=repeat)["median_s"]
+    return flops / t / 1e9
+
+
 def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B: int = 1, H: int = 8, D: int = 64,
                   chunk: int = 64, repeat: int = 3) -> dict:
     q, k, v = (torch.randn(B, T, H, D, dtype=dtype).mul_(0.1).requires_grad_() for _ in range(3))
