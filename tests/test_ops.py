@@ -133,6 +133,36 @@ def test_block_attn_matches_reference(kernel, causal, T, w):
         assert (a - b).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,w", [(1, 4), (63, 16), (65, 16), (70, 64)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_block_attn_explicit_softmax_path(monkeypatch, causal, T, w, padded):
+    """The bf16 CPU route (explicit matmuls + fp32 softmax) forced on fp64 against the reference."""
+    import transnormer.ops.block as block_mod
+
+    monkeypatch.setattr(block_mod, "_SDPA_CPU_DTYPES", ())
+    q, k, v = qkv(2, T, 2, 8, 5, requires_grad=True)
+    mask = None
+    if padded:
+        mask = torch.ones(2, T, dtype=torch.bool)
+        mask[1, max(1, T - 7):] = False
+        if T > 3:
+            mask[0, :3] = False
+    o = block_attn(q, k, v, block_size=w, causal=causal, key_padding_mask=mask)
+    ref = block_attn_reference(q, k, v, block_size=w, causal=causal, key_padding_mask=mask)
+    assert torch.isfinite(o).all() and rel_err(o, ref) < 1e-10
+    g = torch.randn_like(o)
+    for a, b in zip(torch.autograd.grad((o * g).sum(), (q, k, v)), torch.autograd.grad((ref * g).sum(), (q, k, v))):
+        assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-10
+
+
+def test_block_attn_bf16_close_to_reference():
+    q, k, v = qkv(1, 130, 2, 16, dtype=torch.float32)
+    o = block_attn(q.bfloat16(), k.bfloat16(), v.bfloat16(), block_size=64, causal=True)
+    ref = block_attn_reference(q.double(), k.double(), v.double(), block_size=64, causal=True)
+    assert o.dtype == torch.bfloat16 and rel_err(o.double(), ref) < 3e-2
+
+
 def test_block_attn_padded_key_takes_no_softmax_mass():
     q, k, v = qkv(1, 10, 1, 4)
     mask = torch.ones(1, 10, dtype=torch.bool)
