@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -39,6 +38,15 @@ typedef long idx;
 // hundred rows; the register-blocked micro-kernel keeps a 6 x 64 (fp32) block of C in registers
 // and streams B rows, which stay in L1.
 // ---------------------------------------------------------------------------------------------
+
+// Triangular shortcuts for the c x c score tiles of the causal form (they are zero above the
+// diagonal, so half their products need not run):
+//   kFull      plain product
+//   kOutLower  only C(i, j) with j <= i is needed (columns past the row block are skipped;
+//              the caller masks the upper triangle afterwards)
+//   kALower    A is lower-triangular: row i sums over k <= i only
+//   kAUpper    A is upper-triangular: row i sums over k >= i only
+enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
 
 #if defined(__AVX512F__)
 template <typename T> struct Vec;
@@ -116,15 +124,6 @@ static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T
     }
 }
 
-// Triangular shortcuts for the c x c score tiles of the causal form (they are zero above the
-// diagonal, so half their products need not run):
-//   kFull      plain product
-//   kOutLower  only C(i, j) with j <= i is needed (columns past the row block are skipped;
-//              the caller masks the upper triangle afterwards)
-//   kALower    A is lower-triangular: row i sums over k <= i only
-//   kAUpper    A is upper-triangular: row i sums over k >= i only
-enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
-
 template <typename T>
 static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
                          bool accumulate) {
@@ -171,7 +170,6 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
 }
 #else
 // Portable fallback (no AVX-512): plain loops the compiler vectorises along n.
-enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };  // see the AVX-512 branch
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
@@ -356,7 +354,7 @@ struct Worker {
     void backward(const T* q, const T* k, const T* v, const T* dout, const T* init, const T* dfin, T* dq, T* dk,
                   T* dv, T* dinit) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks(), DE = D * E;
-        T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data();  // g_: a chunk of dO
+        T *q_ = w.q.data(), *k_ = w.k.data(), *g_ = w.g.data();  // g_: a chunk of dO
         T *o_ = w.o.data(), *o2_ = w.o2.data(), *a_ = w.a.data(), *da_ = w.da.data();
         T *rt_ = w.rt.data(), *kt = w.kt.data(), *vt = w.vt.data();
         std::vector<T> Rs = load_states(dfin, false);  // R = dS_final + suffix sums of Q^T dO
@@ -440,14 +438,6 @@ static int backward_all(const T* q, const T* k, const T* v, const T* dout, const
 extern "C" {
 
 int tn_abi_version() { return 3; }
-
-int tn_has_avx512() {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \
