@@ -8,8 +8,8 @@ The intra-chunk term is the chunked algorithm's full c×c products, as written. 
 kernel skips the zero upper triangle of the score tiles, so it also reports "useful" FLOPs,
 with the intra-chunk term halved: that rate is the one to compare with the GEMM peak when
 asking how busy the machine is.
-The reference GEMM rates are measured in the same run: a large square matmul (the peak) and a
-batched matmul of the op's own dominant shape. The backward is taken with ``autograd.grad``
+The reference GEMM rates are measured in the same run: a large square matmul (the peak,
+``timing.gemm_gflops``) and the op's own dominant product (``same_shape_gemm_gflops``). The backward is taken with ``autograd.grad``
 on q, k, v, so no leaf-gradient accumulation (an extra pass that is not the op's) is timed.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import _native, norm_linear_attn
-from .timing import gemm_gflops, measure
+from .timing import measure
 
 
 def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_heads: int,
@@ -27,14 +27,6 @@ def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_h
     intra = 2 * T * c * (D + E) // (2 if useful else 1)
     fwd = 4 * T * D * E + (intra if causal else 0)
     return 3.0 * fwd * batch_heads
-
-
-def gemm_rates(dtype: torch.dtype, *, chunk: int, D: int, repeat: int = 5) -> dict:
-    """GFLOP/s of a 2048³ matmul and of a [1024, c, D] x [1024, D, c] batched matmul."""
-    peak = gemm_gflops(2048, dtype, repeat=repeat)
-    x, y = torch.randn(1024, chunk, D, dtype=dtype), torch.randn(1024, D, chunk, dtype=dtype)
-    t = measure(lambda: torch.bmm(x, y), warmup=2, repeat=repeat)["median_s"]
-    return {"square_gflops": peak, "chunk_bmm_gflops": 2 * 1024 * chunk * D * chunk / t / 1e9}
 
 
 def same_shape_gemm_gflops(T: int, *, causal: bool, dtype: torch.dtype, B: int = 1, H: int = 8, D: int = 64,

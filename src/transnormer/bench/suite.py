@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .ops_bench import gemm_rates, op_throughput, same_shape_gemm_gflops
+from .ops_bench import op_throughput, same_shape_gemm_gflops
 from .report import write_report
+from .timing import gemm_gflops
 from .train_step import model_flops_per_token, train_step_throughput
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -24,15 +25,15 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
     """norm_linear_attn fwd+bwd GFLOP/s as a fraction of the GEMM rate (causal ≥ 50%, bidir ≥ 70% at T ≥ 4k)."""
     rows, verdicts = [], []
     for dname in dtypes:
-        g = gemm_rates(DTYPES[dname], chunk=chunk, D=64)
+        square = gemm_gflops(2048, DTYPES[dname])
         for causal in (True, False):
             for T in lengths:
                 r = op_throughput(T, causal=causal, dtype=DTYPES[dname], chunk=chunk)
                 shape = same_shape_gemm_gflops(T, causal=causal, dtype=DTYPES[dname], chunk=chunk)
                 r.update(preset=f"{'causal' if causal else 'bidir'}-{dname}", seq_len=T, step_s=r["seconds"],
-                         gemm_square=g["square_gflops"], gemm_same_shape=shape,
-                         frac_square=r["gflops"] / g["square_gflops"], frac_same_shape=r["gflops"] / shape,
-                         frac_useful=r["useful_gflops"] / g["square_gflops"])
+                         gemm_square=square, gemm_same_shape=shape,
+                         frac_square=r["gflops"] / square, frac_same_shape=r["gflops"] / shape,
+                         frac_useful=r["useful_gflops"] / square)
                 rows.append(r)
                 if T >= 4096:
                     target = 0.5 if causal else 0.7
@@ -47,7 +48,7 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
                         f"own product shape (target {target:.0%})"))
                     verdicts.append(verdict(
                         f"{name} vs square GEMM", r["frac_square"] >= target,
-                        f"{r['frac_square']:.0%} of the {g['square_gflops']:.0f} GFLOP/s 2048^3 GEMM (target "
+                        f"{r['frac_square']:.0%} of the {square:.0f} GFLOP/s 2048^3 GEMM (target "
                         f"{target:.0%}){useful}"))
     rep = write_report(rows, out_dir, "ops", ["preset", "backend", "seq_len", "step_s", "gflops", "frac_same_shape",
                                               "frac_square", "frac_useful"],
@@ -59,7 +60,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                 vocab_size: int = 32768, tokens_per_step: int = 16384, steps: int = 2, mode: str = "train") -> dict:
     """Training (or inference) step of each preset against T; ideal-vs-measured ratio and MFU of the first."""
     rows, verdicts = [], []
-    peaks = {d: gemm_rates(DTYPES[d], chunk=64, D=64)["square_gflops"] for d in dtypes}
+    peaks = {d: gemm_gflops(2048, DTYPES[d]) for d in dtypes}
     for dname in dtypes:
         for T in lengths:
             got = {}
