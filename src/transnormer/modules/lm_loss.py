@@ -27,17 +27,18 @@ def _default_chunk(vocab: int) -> int:
 _SCRATCH: dict = {}
 
 
-def _scratch(slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A chunk buffer kept across calls (CPU only). A fresh [n, V] block every step is page-faulted
-    in again (the allocator has split the previous step's block for other tensors meanwhile):
-    measured in a t2-lm step, 290 ms for a GEMM that takes 55 ms into a warm buffer."""
-    if device.type != "cpu":
-        return torch.empty(numel, dtype=dtype, device=device)  # the CUDA caching allocator does this
+def _scratch(slot: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [rows, cols] buffer kept across calls (CPU only). A fresh [n, V] block every step is
+    page-faulted in again (the allocator has split the previous step's block for other tensors
+    meanwhile): measured in a t2-lm step, 290 ms for a GEMM that takes 55 ms into a warm buffer."""
+    numel = rows * cols
+    if device.type != "cpu":  # the CUDA caching allocator already reuses blocks
+        return torch.empty(rows, cols, dtype=dtype, device=device)
     key = (slot, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
         buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype)
-    return buf
+    return buf[:numel].view(rows, cols)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -46,7 +47,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             V, d = weight.shape
             hc = h.to(cdt)
-            wc = weight if weight.dtype == cdt else _scratch(2, V * d, cdt, h.device)[: V * d].view(V, d).copy_(weight)
+            wc = weight if weight.dtype == cdt else _scratch(2, V, d, cdt, h.device).copy_(weight)
             sdt = torch.promote_types(cdt, torch.float32)  # softmax dtype: fp32, or fp64 for fp64
             valid = labels != ignore_index
             n_valid = valid.sum()
@@ -56,9 +57,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # first chunk's product instead of zero-filled first.
             dw = torch.empty(V, d, dtype=torch.promote_types(weight.dtype, sdt), device=h.device) if need_grad else None
             rows_max = min(chunk, h.shape[0])
-            buf = _scratch(0, rows_max * V, sdt, h.device)[: rows_max * V].view(rows_max, V)  # logits, softmax
-            low = None if cdt == sdt else _scratch(1, rows_max * V, cdt, h.device)[: rows_max * V].view(rows_max, V)
-            dw_low = None if dw is None or dw.dtype == cdt else _scratch(3, V * d, cdt, h.device)[: V * d].view(V, d)
+            buf = _scratch(0, rows_max, V, sdt, h.device)  # logits, then softmax / gradient
+            low = None if cdt == sdt else _scratch(1, rows_max, V, cdt, h.device)
+            dw_low = None if dw is None or dw.dtype == cdt else _scratch(3, V, d, cdt, h.device)
             for s in range(0, h.shape[0], chunk):
                 x, lab, ok = hc[s:s + chunk], labels[s:s + chunk], valid[s:s + chunk]
                 n = x.shape[0]
