@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.base import default_positions, mask_or_none
+from ..layers.base import default_positions, mask_and_positions
 from ..ops.reference import block_attn_reference, norm_linear_attn_reference
 
 # The ReLA row sum is clamped at this value before dividing (the released code's choice, spec §10).
@@ -95,12 +95,6 @@ def linear_attention_map(scores: torch.Tensor, allowed: torch.Tensor | None = No
     return AttentionMap(row_normalize(scores), kind="linear")
 
 
-def _inputs(x: torch.Tensor, attention_mask, positions):
-    if positions is None:
-        positions = default_positions(x, attention_mask)
-    return mask_or_none(attention_mask), positions
-
-
 def _linear_scores_map(q, k, v, causal: bool, mask) -> AttentionMap:
     """Row-normalised s = q̂k̂ᵀ from featurised q, k [B, T, H, F] via the quadratic reference."""
     _, _, s = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=causal,
@@ -118,7 +112,7 @@ def _linear_scores_map(q, k, v, causal: bool, mask) -> AttentionMap:
 @register_attention_map("NormAttention")
 def norm_attention_map(layer, x, attention_mask=None, positions=None) -> AttentionMap:
     """p_ij = s_ij / Σ_k s_ik, s = q̂ k̂ᵀ (masked keys and, if causal, k > i removed)."""
-    mask, positions = _inputs(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions)
     q, k, v = layer.featurize(x, positions)
     return _linear_scores_map(q, k, v, layer.causal, mask)
 
@@ -128,7 +122,7 @@ def kernel_linear_attention_map(layer, x, attention_mask=None, positions=None) -
     """Baselines of the form φq·φk / Σ φq·φk (linear_elu, Performer, cosFormer; also with
     ``denominator=False``, where it is the map the analysis defines rather than what the layer
     mixes with). The layer's eps in the denominator is left out, as in the spec's definition."""
-    mask, positions = _inputs(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions)
     q, k, v = layer.featurize(x, positions, mask)
     return _linear_scores_map(q, k, v, layer.causal, mask)
 
@@ -136,7 +130,7 @@ def kernel_linear_attention_map(layer, x, attention_mask=None, positions=None) -
 @register_attention_map("SoftmaxAttention")
 def softmax_attention_map(layer, x, attention_mask=None, positions=None) -> AttentionMap:
     """softmax(q kᵀ/√e) over the allowed keys: the block reference with one block of T tokens."""
-    mask, positions = _inputs(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions)
     q, k, v = layer.featurize(x, positions)
     _, p = block_attn_reference(q.double(), k.double(), v.double(), block_size=max(1, x.shape[1]),
                                 causal=layer.causal, kernel="softmax", key_padding_mask=mask, return_weights=True)
@@ -147,7 +141,7 @@ def softmax_attention_map(layer, x, attention_mask=None, positions=None) -> Atte
 def diag_attention_map(layer, x, attention_mask=None, positions=None) -> AttentionMap:
     """Softmax Diag: its block-diagonal weights. ReLA Diag: ReLU(s) row-normalised with the row sum
     clamped at ≥ 1e-4 (rows whose scores are all ≤ 0 stay zero). Dropout is never applied."""
-    mask, positions = _inputs(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions)
     q, k, v = layer.featurize(x, positions)  # q already carries the e^{-1/2} scale
     _, p = block_attn_reference(
         q.double(), k.double(), v.double(), block_size=layer.block_size, causal=layer.causal,

@@ -91,6 +91,13 @@ def mask_or_none(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if bool(attention_mask.all()) else attention_mask
 
 
+def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None):
+    """A mixer's optional arguments resolved: (key mask [B, T] or None, positions [B, T])."""
+    if positions is None:
+        positions = default_positions(x, attention_mask)
+    return mask_or_none(attention_mask), positions
+
+
 def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -> dict:
     """Keep, per row, the keys/values of the block of the last real token (at most ``block``).
 

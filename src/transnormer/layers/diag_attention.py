@@ -7,7 +7,7 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
-from .base import MultiHeadMixer, default_positions, mask_or_none, update_block_cache
+from .base import MultiHeadMixer, mask_and_positions, update_block_cache
 
 
 def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel: str, causal: bool = True):
@@ -87,9 +87,7 @@ class DiagAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        if positions is None:
-            positions = default_positions(x, attention_mask)
-        mask = mask_or_none(attention_mask)
+        mask, positions = mask_and_positions(x, attention_mask, positions)
         q, k, v = self.featurize(x, positions)
         new_cache = None
         if use_cache:

@@ -34,7 +34,7 @@ from ..ops.flash import (
     relu2_attention,
 )
 from ..ops.norm_linear import state_dtype_for
-from .base import TokenMixer, default_positions, mask_or_none, update_block_cache
+from .base import TokenMixer, mask_and_positions, update_block_cache
 
 REL_BIAS_TYPES = ("toeplitz", "toeplitz_moving", "rope_bias", "t5", "none")
 
@@ -220,9 +220,7 @@ class GAU(_GatedUnit):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        if positions is None:
-            positions = default_positions(x, attention_mask)
-        mask = mask_or_none(attention_mask)
+        mask, positions = mask_and_positions(x, attention_mask, positions)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         u, v, heads = self.project(x, positions)
         q, k = heads[:, :, 0], heads[:, :, 1]
@@ -302,9 +300,7 @@ class FLASH(_GatedUnit):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        if positions is None:
-            positions = default_positions(x, attention_mask)
-        mask = mask_or_none(attention_mask)
+        mask, positions = mask_and_positions(x, attention_mask, positions)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         u, v, heads = self.project(x, positions)
         ql, kl, qg, kg = heads.unbind(2)

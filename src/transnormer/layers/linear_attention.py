@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..ops.linear_baselines import DEFAULT_EPS, kernel_linear_attn, kernel_linear_attn_step
-from .base import MultiHeadMixer, default_positions, mask_or_none
+from .base import MultiHeadMixer, mask_and_positions
 from .norm_attention import get_kernel
 
 
@@ -61,9 +61,7 @@ class KernelLinearAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        if positions is None:
-            positions = default_positions(x, attention_mask)
-        mask = mask_or_none(attention_mask)
+        mask, positions = mask_and_positions(x, attention_mask, positions)
         if use_cache and not self.causal:
             raise ValueError(f"use_cache needs a causal {type(self).__name__} (decoding is causal)")
         qf, kf, v = self.featurize(x, positions, mask)

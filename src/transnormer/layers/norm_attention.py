@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import norm_linear_attn, norm_linear_attn_step
-from .base import MultiHeadMixer, default_positions, mask_or_none
+from .base import MultiHeadMixer, mask_and_positions
 
 KERNELS = {
     "elu": F.elu,  # T1: may be negative
@@ -73,9 +73,7 @@ class NormAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        if positions is None:
-            positions = default_positions(x, attention_mask)
-        mask = mask_or_none(attention_mask)
+        mask, positions = mask_and_positions(x, attention_mask, positions)
         q, k, v = self.featurize(x, positions)
         state = None if cache is None else cache.get("state")
         if use_cache and not self.causal:

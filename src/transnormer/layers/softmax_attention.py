@@ -13,7 +13,7 @@ import torch
 
 from ..modules.positional import build_lrpe
 from ..ops.softmax import softmax_attn, softmax_attn_cached
-from .base import MultiHeadMixer, default_positions, mask_or_none
+from .base import MultiHeadMixer, mask_and_positions
 
 
 class SoftmaxAttention(MultiHeadMixer):
@@ -54,9 +54,7 @@ class SoftmaxAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        if positions is None:
-            positions = default_positions(x, attention_mask)
-        mask = mask_or_none(attention_mask)
+        mask, positions = mask_and_positions(x, attention_mask, positions)
         q, k, v = self.featurize(x, positions)
         if not use_cache:
             o = softmax_attn(q, k, v, causal=self.causal, key_padding_mask=mask,
