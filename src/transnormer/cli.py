@@ -57,18 +57,27 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
+def parse_overrides(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items → {KEY: VALUE}, VALUE parsed as JSON when it is JSON, else a string."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def _train_config(args) -> object:
     from .train.loop import TrainConfig
 
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            overrides[k] = json.loads(v)
-        except json.JSONDecodeError:
-            overrides[k] = v
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     read = {k: getattr(args, k) for k in ("text_column", "text_pair_column", "label_column")
             if getattr(args, k, None)}
     fields = TrainConfig.__dataclass_fields__

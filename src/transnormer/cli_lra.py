@@ -32,18 +32,6 @@ def _canonical(task: str) -> str:
     return task_info(task).name
 
 
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
 
 def _load_options(args) -> dict:
     opts = {}
@@ -204,6 +192,7 @@ def cmd_prepare(args) -> int:
 
 def run_train(args) -> dict:
     """``lra train``: the loop with LRA defaults, then val + test evaluation and result files."""
+    from .cli import parse_overrides
     from .data.lra import task_info
     from .models.lra_presets import LRA_MODELS
     from .train.loop import TrainConfig, train
@@ -232,7 +221,7 @@ def run_train(args) -> dict:
     out = Path(args.out or f"runs/lra/{task}-{preset}")
     seed = args.seed if args.seed is not None else defaults["seed"]
     cfg = TrainConfig(
-        task="cls", preset=preset, overrides=_overrides(args.set), data=_spec(task, args.root),
+        task="cls", preset=preset, overrides=parse_overrides(args.set), data=_spec(task, args.root),
         cls_read_kwargs=opts, seq_len=seq_len, batch_size=batch, grad_accum=args.grad_accum,
         max_steps=max_steps, budget=budget, lr=lr, min_lr_ratio=defaults["min_lr_ratio"], warmup=warmup,
         schedule=defaults["schedule"], weight_decay=defaults["weight_decay"], betas=tuple(defaults["betas"]),
