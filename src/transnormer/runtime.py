@@ -12,7 +12,6 @@ process keeps its peak footprint instead of shrinking between steps.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 _M_TRIM_THRESHOLD = -1
@@ -32,13 +31,9 @@ def tune_allocator() -> bool:
     _done = False
     if os.environ.get("TRANSNORMER_MALLOC", "").lower() == "default":
         return False
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): leave the allocator alone
+    try:  # the process's own symbols: libc is loaded already (find_library would run ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # no mallopt (musl, macOS): leave the allocator alone
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # With M_MMAP_MAX = 0 the heap serves every block; a trim threshold of -1 never gives its free
