@@ -5,19 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import norm_linear_attn, norm_linear_attn_step
+from ..ops.lrpe import FEATURE_KERNELS
 from .base import MultiHeadMixer, mask_and_positions
 
-KERNELS = {
-    "elu": F.elu,  # T1: may be negative
-    "1+elu": lambda x: 1.0 + F.elu(x),  # T2
-    "relu": F.relu,
-    "silu": F.silu,
-}
+KERNELS = {name: fn for name, fn in FEATURE_KERNELS.items() if name != "identity"}
 
 
 def get_kernel(name: str):
@@ -66,10 +61,10 @@ class NormAttention(MultiHeadMixer):
     def featurize(self, x: torch.Tensor, positions: torch.Tensor):
         """q̂, k̂ [B, T, H, e] (kernel then LRPE) and v [B, T, H, e]; used by the analysis tools."""
         q, k, v = self._project(x)
-        q, k = self.kernel(q), self.kernel(k)
-        if self.lrpe is not None:
-            q, k = self.lrpe(q, positions), self.lrpe(k, positions)
-        return q, k, v
+        if self.lrpe is None:
+            return self.kernel(q), self.kernel(k), v
+        # the kernel rides inside LRPE (one fused pass on CPU, ops/lrpe.py)
+        return self.lrpe(q, positions, kernel=self.kernel_name), self.lrpe(k, positions, kernel=self.kernel_name), v
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import _native
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     dev = x.device.type
@@ -41,6 +43,28 @@ def _scratch(slot: int, rows: int, cols: int, dtype: torch.dtype, device: torch.
     return buf[:numel].view(rows, cols)
 
 
+def _torch_rows(x, wc, lab, ok, logits, low, total, need_grad):
+    """The PyTorch form of one chunk: adds its loss terms to ``total``; returns the gradient block
+    ``ok * (softmax - onehot)`` in the product dtype (in ``low``, else in ``logits``) or None."""
+    if low is None:
+        torch.mm(x, wc.T, out=logits)
+    else:  # products in the autocast dtype, softmax in fp32
+        logits.copy_(torch.mm(x, wc.T, out=low))
+    target = logits.gather(1, lab.clamp_min(0)[:, None]).squeeze(1)
+    # log-sum-exp and softmax in place: torch.logsumexp would allocate a second [n, V] block,
+    # which costs more than the arithmetic.
+    m = logits.amax(dim=-1, keepdim=True)
+    z = logits.sub_(m).exp_().sum(dim=-1, keepdim=True)  # logits now hold exp(l - m)
+    lse = (m + z.log()).squeeze(1)
+    total += torch.where(ok, lse - target, 0.0).sum()
+    if not need_grad:
+        return None
+    grad = logits.div_(z)  # softmax
+    grad[torch.arange(grad.shape[0], device=grad.device), lab.clamp_min(0)] -= 1.0
+    grad.mul_(ok[:, None])  # ignored rows get no gradient
+    return grad if low is None else low.copy_(grad)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_grad: bool, cdt: torch.dtype):
@@ -57,29 +81,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # first chunk's product instead of zero-filled first.
             dw = torch.empty(V, d, dtype=torch.promote_types(weight.dtype, sdt), device=h.device) if need_grad else None
             rows_max = min(chunk, h.shape[0])
-            buf = _scratch(0, rows_max, V, sdt, h.device)  # logits, then softmax / gradient
+            # Fused rows (ops/_native_xent.cpp): the logits block, in the product dtype, becomes the
+            # gradient in place in one pass; otherwise the PyTorch form below (and for fp64).
+            fused = _native.xent_rows_usable(cdt, h.device)
+            buf = None if fused and cdt != sdt else _scratch(0, rows_max, V, sdt, h.device)  # fp32 logits
             low = None if cdt == sdt else _scratch(1, rows_max, V, cdt, h.device)
             dw_low = None if dw is None or dw.dtype == cdt else _scratch(3, V, d, cdt, h.device)
             for s in range(0, h.shape[0], chunk):
                 x, lab, ok = hc[s:s + chunk], labels[s:s + chunk], valid[s:s + chunk]
                 n = x.shape[0]
-                logits = buf[:n]
-                if low is None:
-                    torch.mm(x, wc.T, out=logits)
-                else:  # products in the autocast dtype, softmax in fp32
-                    logits.copy_(torch.mm(x, wc.T, out=low[:n]))
-                target = logits.gather(1, lab.clamp_min(0)[:, None]).squeeze(1)
-                # log-sum-exp and softmax in place: torch.logsumexp would allocate a second
-                # [n, V] block, which costs more than the arithmetic.
-                m = logits.amax(dim=-1, keepdim=True)
-                z = logits.sub_(m).exp_().sum(dim=-1, keepdim=True)  # logits now hold exp(l - m)
-                lse = (m + z.log()).squeeze(1)
-                total += torch.where(ok, lse - target, 0.0).sum()
+                if fused:
+                    g = torch.mm(x, wc.T, out=buf[:n] if low is None else low[:n])
+                    lse, target = _native.xent_rows(g, lab.clamp_min(0), ok, write_grad=need_grad)
+                    total += torch.where(ok, lse - target, 0.0).sum()
+                else:
+                    g = _torch_rows(x, wc, lab, ok, buf[:n], None if low is None else low[:n], total, need_grad)
                 if need_grad:
-                    grad = logits.div_(z)  # softmax
-                    grad[torch.arange(n, device=grad.device), lab.clamp_min(0)] -= 1.0
-                    grad.mul_(ok[:, None])  # ignored rows get no gradient
-                    g = grad if low is None else low[:n].copy_(grad)
                     if dh.dtype == cdt:
                         torch.mm(g, wc, out=dh[s:s + chunk])
                     else:

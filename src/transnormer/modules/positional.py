@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn as nn
 
+from ..ops.lrpe import FEATURE_KERNELS, lrpe_feature_map
+
 LRPE_TYPES = ("householder_rope", "rope", "none")
 
 
@@ -78,23 +80,19 @@ class LRPE(nn.Module):
         else:
             self.u = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """LRPE of x [B, T, H, D] at positions [B, T] (or [T]), times ``scale``."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, scale: float = 1.0,
+                kernel: str = "identity") -> torch.Tensor:
+        """LRPE of ``kernel(x)`` for x [B, T, H, D] at positions [B, T] (or [T]), times ``scale``.
+
+        Fusing the attention kernel here lets the interleaved form run as one pass (ops.lrpe).
+        """
         angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
-        e = self.head_dim
-        if self.u is not None and self.pairing == "interleaved" and e % 2 == 0:
-            # R_m P x = (xP)·cos + swap(xP)·sin, and swap(xP) = x(PS) with S the pair swap, so one
-            # [e, 2e] matmul gives both terms: 3 full-size passes instead of 5 (matmul, flip, 2 mul, add).
-            u = self.u.to(x.dtype)
-            P = (torch.eye(e, dtype=x.dtype, device=x.device) - 2.0 * torch.outer(u, u)) * scale
-            swap = torch.arange(e, device=x.device).view(-1, 2).flip(-1).flatten()
-            y = (x @ torch.cat((P, P[:, swap]), dim=1)).unflatten(-1, (2, e))  # [B, T, H, 2, e]
-            cos, sin = torch.cos(angles), torch.sin(angles)
-            cs = torch.stack((torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)), -2)
-            return (y * cs[:, :, None].to(x.dtype)).sum(-2)
+        if self.pairing == "interleaved" and self.head_dim % 2 == 0:
+            return lrpe_feature_map(x, torch.cos(angles), torch.sin(angles), self.u, scale=scale, kernel=kernel)
+        x = FEATURE_KERNELS[kernel](x)
         if self.u is not None:
             u = self.u.to(x.dtype)
-            x = x @ (torch.eye(e, dtype=x.dtype, device=x.device) - 2.0 * torch.outer(u, u))
+            x = x @ (torch.eye(self.head_dim, dtype=x.dtype, device=x.device) - 2.0 * torch.outer(u, u))
         if scale != 1.0:
             x = x * scale
         return rotate(x, angles, self.pairing)

@@ -1,6 +1,8 @@
-"""The fused CPU kernel for causal ``norm_linear_attn`` (``_native_linear_attn.cpp``), built at first use.
+"""Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``),
+the LRPE feature map (``_native_lrpe.cpp``) and the LM loss's softmax cross-entropy rows
+(``_native_xent.cpp``).
 
-The C++ source is compiled once per machine with the system compiler (``-O3 -march=native``)
+The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native``)
 into a cache directory and loaded with ctypes: no torch headers, so the build takes about two
 seconds. When there is no compiler, the build fails, or ``TRANSNORMER_NATIVE=0`` is set, the
 kernel is simply unavailable and ``norm_linear_attn`` runs its PyTorch form
@@ -26,10 +28,11 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
-_SOURCE = Path(__file__).with_name("_native_linear_attn.cpp")
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp"))
+_HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 3
+_ABI = 4
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -65,11 +68,12 @@ def _compile(out: Path) -> None:
     os.close(fd)
     try:
         for arch in (["-march=native"], []):  # some compilers (or CPUs) reject -march=native
-            proc = subprocess.run([compiler, *_FLAGS, *arch, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+            proc = subprocess.run([compiler, *_FLAGS, *arch, *map(str, _SOURCES), "-o", tmp], capture_output=True,
+                                  text=True)
             if proc.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"compiling {' '.join(f.name for f in _SOURCES)} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent ranks never load a half-written library
     finally:
         if os.path.exists(tmp):
@@ -85,6 +89,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         bwd = getattr(lib, f"tn_causal_bwd_{sfx}")
         bwd.argtypes = [p] * 10 + [i64] * 6 + [i32]
         bwd.restype = i32
+    f32 = ctypes.c_float
+    for sfx in ("f32", "bf16"):
+        lrpe_fwd = getattr(lib, f"tn_lrpe_fwd_{sfx}")
+        lrpe_fwd.argtypes = [p] * 5 + [f32, i32, i64, i64, i64, i32]
+        lrpe_fwd.restype = i32
+        lrpe_bwd = getattr(lib, f"tn_lrpe_bwd_{sfx}")
+        lrpe_bwd.argtypes = [p] * 8 + [f32, i32, i64, i64, i64, i32]
+        lrpe_bwd.restype = i32
+        xent = getattr(lib, f"tn_xent_rows_{sfx}")
+        xent.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
+        xent.restype = i32
 
 
 def load() -> ctypes.CDLL | None:
@@ -100,8 +115,8 @@ def load() -> ctypes.CDLL | None:
             _error = "disabled by TRANSNORMER_NATIVE=0"
             return None
         ident = " ".join([*_FLAGS, str(_compiler()), _cpu_signature()]).encode()
-        key = hashlib.sha256(_SOURCE.read_bytes() + ident).hexdigest()
-        path = _cache_dir() / f"linear_attn_{key[:16]}.so"
+        key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + ident).hexdigest()
+        path = _cache_dir() / f"kernels_{key[:16]}.so"
         try:
             if not path.exists():
                 _compile(path)
@@ -195,3 +210,73 @@ def native_causal_linear_attn(q, k, v, init, *, chunk: int):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     init = None if init is None else init.to(q.dtype).contiguous()
     return NativeCausalLinearAttn.apply(q, k, v, init, chunk)
+
+
+def xent_rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`xent_rows` runs for logits of this dtype and device (CPU fp32/bf16, kernel built,
+    backend mode not "torch")."""
+    return (_mode != "torch" and not torch.compiler.is_compiling() and device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16) and load() is not None)
+
+
+def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, write_grad: bool):
+    """Per-row log-sum-exp and target logit of ``x`` [n, V]; optionally ``x`` := the loss gradient.
+
+    ``labels`` [n] integers in [0, V) (clamp ignored rows' labels first), ``valid`` [n] bool
+    (False rows get a zero gradient row). Returns ``(lse, target)``, both fp32 [n]. With
+    ``write_grad`` the block is overwritten in place with ``valid * (softmax(x) - onehot(labels))``
+    in its own dtype, the arithmetic in fp32 (``_native_xent.cpp``).
+    """
+    n, V = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("xent_rows: x must have contiguous rows")
+    labels = labels.to(torch.int64).contiguous()
+    valid = valid.to(torch.uint8).contiguous()
+    lse = torch.empty(n, dtype=torch.float32)
+    target = torch.empty(n, dtype=torch.float32)
+    sfx = "f32" if x.dtype == torch.float32 else "bf16"
+    rc = getattr(load(), f"tn_xent_rows_{sfx}")(_ptr(x), n, V, x.stride(0), _ptr(labels), _ptr(valid), _ptr(lse),
+                                                 _ptr(target), int(write_grad), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"xent_rows: bad sizes or labels outside [0, {V}) (code {rc})")
+    return lse, target
+
+
+LRPE_KERNELS = {"identity": 0, "elu": 1, "1+elu": 2, "relu": 3}
+
+
+def lrpe_usable(x: torch.Tensor, kernel: str) -> bool:
+    """Whether the fused LRPE feature map runs for ``x`` [B, T, H, D] (CPU fp32/bf16, even D)."""
+    return (_mode != "torch" and not torch.compiler.is_compiling() and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 4 and x.shape[-1] % 2 == 0
+            and kernel in LRPE_KERNELS and load() is not None)
+
+
+def _lrpe_sfx(x: torch.Tensor) -> str:
+    return "f32" if x.dtype == torch.float32 else "bf16"
+
+
+def lrpe_fwd(x, cos, sin, u, scale: float, kernel: str):
+    """y [B, T, H, D] (x's dtype) from contiguous x, fp32 cos/sin [B, T, D/2], fp32 u [D] or None."""
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)
+    rc = getattr(load(), f"tn_lrpe_fwd_{_lrpe_sfx(x)}")(
+        _ptr(x), _ptr(y), _ptr(cos), _ptr(sin), _ptr(u), scale, LRPE_KERNELS[kernel], B * T, H, D,
+        torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"tn_lrpe_fwd failed with code {rc}")
+    return y
+
+
+def lrpe_bwd(x, dy, cos, sin, u, scale: float, kernel: str):
+    """(dx [B, T, H, D], dcos, dsin [B, T, D/2] fp32) for :func:`lrpe_fwd`'s inputs and contiguous dy."""
+    B, T, H, D = x.shape
+    dx = torch.empty_like(x)
+    dcos = torch.empty(B, T, D // 2, dtype=torch.float32)
+    dsin = torch.empty_like(dcos)
+    rc = getattr(load(), f"tn_lrpe_bwd_{_lrpe_sfx(x)}")(
+        _ptr(x), _ptr(dy), _ptr(dx), _ptr(dcos), _ptr(dsin), _ptr(cos), _ptr(sin), _ptr(u), scale,
+        LRPE_KERNELS[kernel], B * T, H, D, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"tn_lrpe_bwd failed with code {rc}")
+    return dx, dcos, dsin

@@ -26,6 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include "_native_common.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -404,13 +406,7 @@ struct Worker {
 // Split heads over threads; each thread owns its scratch and its heads' states.
 template <typename F>
 static void parallel_heads(const Shape& s, int nthreads, F body) {
-    const idx N = s.B * s.H;
-    const int nt = (int)std::max<idx>(1, std::min<idx>(nthreads, N));
-    auto work = [&](int t) { body(N * t / nt, N * (t + 1) / nt); };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) pool.emplace_back(work, t);
-    work(0);
-    for (auto& th : pool) th.join();
+    tn::parallel_ranges(s.B * s.H, nthreads, body);
 }
 
 static bool valid(idx B, idx T, idx H, idx D, idx E, idx c) { return B >= 1 && T >= 1 && H >= 1 && D >= 1 && E >= 1 && c >= 1; }
@@ -437,7 +433,7 @@ static int backward_all(const T* q, const T* k, const T* v, const T* dout, const
 
 extern "C" {
 
-int tn_abi_version() { return 3; }
+int tn_abi_version() { return 4; }
 
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \

@@ -1,0 +1,130 @@
+// Fused softmax cross-entropy over rows of logits, in place (the LM loss's element-wise part).
+//
+// Why this file exists: for each chunk of rows, modules/lm_loss.py needs, per row, the
+// log-sum-exp, the target's logit and the gradient softmax - onehot. In PyTorch that is a
+// bf16 -> fp32 copy, max, subtract, exp, sum, divide, a scatter and a mask multiply, plus a copy
+// back to bf16: about nine passes over a [rows, V] block of hundreds of megabytes. Here one
+// thread takes a row (V floats fit in L2), reads it once from memory and writes the gradient
+// over it, in the logits' own dtype (fp32 or bf16; the arithmetic is fp32 throughout).
+//
+// Built with _native_linear_attn.cpp into one library by transnormer/ops/_native.py.
+//
+// tn_xent_rows_{f32,bf16}(x, n, V, ld, labels, valid, lse, target, write_grad, nthreads):
+//   x       [n, V] logits, row stride ld (elements); overwritten with the gradient if write_grad
+//   labels  [n] int64 in [0, V) (the caller clamps ignored rows' labels to a valid index)
+//   valid   [n] uint8: 0 = ignored row (its gradient row is all zeros)
+//   lse     [n] fp32 out: log sum_j exp(x_ij)
+//   target  [n] fp32 out: x_i,labels_i (read before the row is overwritten)
+//   gradient: g_ij = valid_i * (exp(x_ij - lse_i) - [j == labels_i])
+// Returns 0, or 1 for bad sizes / labels.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "_native_common.h"
+#include "_native_simd.h"
+
+
+typedef long idx;
+
+namespace {
+
+using tn::bf16;
+using tn::from_float;
+using tn::to_float;
+
+#if defined(TN_AVX512)
+inline __mmask16 tail_mask(idx left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u); }
+
+// One row: returns (max, sum of exp(x - max)) and leaves exp(x - max) in e[0..V).
+template <typename T>
+void row_exp(const T* x, idx V, float* e, float& mx, float& sum) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (idx j = 0; j < V; j += 16) vm = _mm512_mask_max_ps(vm, tail_mask(V - j), vm, tn::load16(x + j, tail_mask(V - j)));
+    mx = _mm512_reduce_max_ps(vm);
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 vs = _mm512_setzero_ps();
+    for (idx j = 0; j < V; j += 16) {
+        const __mmask16 k = tail_mask(V - j);
+        const __m512 ex = tn::exp16(_mm512_sub_ps(tn::load16(x + j, k), m));
+        vs = _mm512_mask_add_ps(vs, k, vs, ex);
+        _mm512_mask_storeu_ps(e + j, k, ex);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+}
+
+template <typename T>
+void row_scale(const float* e, idx V, float scale, T* g) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (idx j = 0; j < V; j += 16) {
+        const __mmask16 k = tail_mask(V - j);
+        tn::store16(g + j, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, e + j), s), k);
+    }
+}
+#else
+template <typename T>
+void row_exp(const T* x, idx V, float* e, float& mx, float& sum) {
+    mx = -INFINITY;
+    for (idx j = 0; j < V; ++j) mx = std::max(mx, to_float(x[j]));
+    double acc = 0.0;  // one sequential sum over the row: in double, so V terms do not add up rounding
+    for (idx j = 0; j < V; ++j) acc += (e[j] = std::exp(to_float(x[j]) - mx));
+    sum = float(acc);
+}
+
+template <typename T>
+void row_scale(const float* e, idx V, float scale, T* g) {
+    for (idx j = 0; j < V; ++j) from_float(e[j] * scale, g + j);
+}
+#endif
+
+template <typename T>
+void rows(T* x, idx r0, idx r1, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
+          float* target, bool write_grad) {
+    std::vector<float> e(V);
+    for (idx i = r0; i < r1; ++i) {
+        T* row = x + i * ld;
+        float mx, sum;
+        row_exp(row, V, e.data(), mx, sum);
+        const float l = std::log(sum);
+        lse[i] = mx + l;
+        target[i] = to_float(row[labels[i]]);
+        if (!write_grad) continue;
+        if (!valid[i]) {
+            row_scale(e.data(), V, 0.0f, row);
+            continue;
+        }
+        row_scale(e.data(), V, 1.0f / sum, row);
+        // e/sum - 1 at the label, rounded once like the rest of the row
+        from_float(e[labels[i]] / sum - 1.0f, row + labels[i]);
+    }
+}
+
+template <typename T>
+int xent_all(T* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse, float* target,
+             int write_grad, int nthreads) {
+    if (n < 0 || V < 1 || ld < V) return 1;
+    for (idx i = 0; i < n; ++i)
+        if (labels[i] < 0 || labels[i] >= V) return 1;
+    tn::parallel_ranges(n, nthreads, [&](idx r0, idx r1) { rows(x, r0, r1, V, ld, labels, valid, lse, target, write_grad != 0); });
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tn_xent_rows_f32(float* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
+                     float* target, int write_grad, int nthreads) {
+    return xent_all(x, n, V, ld, labels, valid, lse, target, write_grad, nthreads);
+}
+
+int tn_xent_rows_bf16(void* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
+                      float* target, int write_grad, int nthreads) {
+    return xent_all(static_cast<bf16*>(x), n, V, ld, labels, valid, lse, target, write_grad, nthreads);
+}
+
+}  // extern "C"

@@ -1,0 +1,151 @@
+"""Fused CPU row kernels against their references: the LRPE feature map and the LM loss rows."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from transnormer.modules.lm_loss import linear_cross_entropy
+from transnormer.ops import _native
+from transnormer.ops.lrpe import FEATURE_KERNELS, lrpe_feature_map, lrpe_feature_map_reference
+
+needs_kernel = pytest.mark.skipif(_native.load() is None, reason="fused CPU kernels unavailable")
+
+
+@pytest.fixture
+def backend_mode():
+    before = _native.backend()
+    yield _native.set_backend
+    _native.set_backend(before)
+
+
+def _lrpe_case(T, H, D, *, batch_angles=False, seed=0):
+    g = torch.Generator().manual_seed(seed + 31 * T + D)
+    B = 2
+    x = torch.randn(B, T, H, D, dtype=torch.float64, generator=g)
+    ang = torch.randn(B if batch_angles else 1, T, D // 2, dtype=torch.float64, generator=g) * 3
+    u = torch.randn(D, dtype=torch.float64, generator=g)
+    gy = torch.randn(B, T, H, D, dtype=torch.float64, generator=g)
+    return x, ang, u / u.norm(), gy
+
+
+def _lrpe_grads(fn, x, ang, u, gy, dtype, kernel, scale):
+    x = x.to(dtype).requires_grad_()
+    ang = ang.clone().requires_grad_()
+    a = ang if dtype == torch.float64 else ang.float()
+    y = fn(x, a.cos(), a.sin(), None if u is None else u.to(a.dtype), scale=scale, kernel=kernel)
+    gx, ga = torch.autograd.grad(y, (x, ang), gy.to(dtype))
+    return y, gx, ga
+
+
+@pytest.mark.parametrize("kernel", list(FEATURE_KERNELS))
+@pytest.mark.parametrize("householder", [True, False])
+def test_lrpe_torch_form_matches_reference_fp64(kernel, householder):
+    x, ang, u, gy = _lrpe_case(65, 3, 64)
+    u = u if householder else None
+    ref = _lrpe_grads(lrpe_feature_map_reference, x, ang, u, gy, torch.float64, kernel, 0.7)
+    got = _lrpe_grads(lrpe_feature_map, x, ang, u, gy, torch.float64, kernel, 0.7)  # fp64: PyTorch form
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-12
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 63, 64, 65])
+@pytest.mark.parametrize("H,D", [(3, 64), (1, 32), (2, 6), (2, 40)])  # 6, 40: the portable loops
+@pytest.mark.parametrize("kernel", ["identity", "elu", "1+elu", "relu"])
+def test_lrpe_fused_fp32_matches_reference(backend_mode, T, H, D, kernel):
+    backend_mode("native")
+    for householder, batch_angles in ((True, False), (False, True)):
+        x, ang, u, gy = _lrpe_case(T, H, D, batch_angles=batch_angles)
+        u = u if householder else None
+        ref = _lrpe_grads(lrpe_feature_map_reference, x, ang, u, gy, torch.float64, kernel, 0.125)
+        got = _lrpe_grads(lrpe_feature_map, x, ang, u, gy, torch.float32, kernel, 0.125)
+        for a, b in zip(got, ref):
+            assert rel_err(a.double(), b) < 2e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel", ["1+elu", "identity"])
+def test_lrpe_fused_bf16_rounds_once(backend_mode, kernel):
+    """bf16 in, bf16 out, fp32 inside: the error is bf16 rounding of inputs and outputs, no more."""
+    backend_mode("native")
+    x, ang, u, gy = _lrpe_case(200, 4, 64)
+    x, gy = x.bfloat16().double(), gy.bfloat16().double()  # the reference sees the same inputs
+    ref = _lrpe_grads(lrpe_feature_map_reference, x, ang, u, gy, torch.float64, kernel, 1.0)
+    got = _lrpe_grads(lrpe_feature_map, x, ang, u, gy, torch.bfloat16, kernel, 1.0)
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    for a, b in zip(got, ref):
+        assert rel_err(a.double(), b) < 8e-3
+
+
+@needs_kernel
+def test_lrpe_fused_and_torch_forms_agree_in_a_model_layer(backend_mode):
+    from transnormer.layers import NormAttention
+
+    torch.manual_seed(0)
+    layer = NormAttention(64, 2, causal=True, chunk_size=16)
+    x = torch.randn(2, 37, 64, requires_grad=True)
+    out = {}
+    for mode in ("torch", "native"):
+        backend_mode(mode)
+        y, _ = layer(x)
+        grads = torch.autograd.grad(y.square().sum(), (x, layer.lrpe.theta))
+        out[mode] = (y, *grads)
+    for a, b in zip(out["native"], out["torch"]):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_lrpe_bad_shapes():
+    x = torch.randn(1, 5, 2, 8)
+    c = torch.randn(1, 5, 4)
+    with pytest.raises(ValueError, match="D even"):
+        lrpe_feature_map(torch.randn(1, 5, 2, 7), c, c)
+    with pytest.raises(ValueError, match="cos must be"):
+        lrpe_feature_map(x, torch.randn(1, 5, 3), c)
+    with pytest.raises(ValueError, match="u must be"):
+        lrpe_feature_map(x, c, c, torch.randn(7))
+    with pytest.raises(ValueError, match="kernel must be"):
+        lrpe_feature_map(x, c, c, kernel="gelu")
+
+
+# ------------------------------------------------------------------------------------------------
+# LM loss rows
+# ------------------------------------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("V", [1, 7, 33, 1000])
+def test_xent_rows_match_the_formula(V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(37, V, dtype=torch.float64, generator=g) * 4
+    labels = torch.randint(0, V, (37,), generator=g)
+    valid = torch.rand(37, generator=g) > 0.2
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 4e-3)):
+        xin = x.to(dtype)
+        # the kernel sees the rounded logits; bf16 then rounds the gradient once more
+        lse_in = torch.logsumexp(xin.double(), -1)
+        grad_ref = (torch.softmax(xin.double(), -1) - torch.nn.functional.one_hot(labels, V)) * valid[:, None]
+        block = xin.clone()
+        lse, target = _native.xent_rows(block, labels, valid, write_grad=True)
+        assert rel_err(lse.double(), lse_in) < 1e-6
+        assert torch.equal(target, xin.float().gather(1, labels[:, None]).squeeze(1))
+        assert rel_err(block.double(), grad_ref) < tol
+        assert (block[~valid] == 0).all()
+    with pytest.raises(ValueError, match="labels outside"):
+        _native.xent_rows(x.float(), torch.full((37,), V), valid, write_grad=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("V,N,chunk", [(33, 50, 16), (1000, 300, 128), (1000, 7, 1000)])
+def test_linear_cross_entropy_fused_equals_torch_form(backend_mode, autocast, V, N, chunk):
+    torch.manual_seed(V + N)
+    w = (torch.randn(V, 48) * 0.3).requires_grad_()
+    h = torch.randn(N, 48).requires_grad_()
+    labels = torch.randint(0, V, (N,))
+    labels[::5] = -100
+    out = {}
+    for mode in ("torch", "native"):
+        backend_mode(mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = linear_cross_entropy(h, w, labels, chunk_size=chunk)
+        out[mode] = (loss, *torch.autograd.grad(loss, (h, w)))
+    for a, b in zip(out["native"], out["torch"]):
+        assert rel_err(a, b) < (2e-3 if autocast else 1e-5)
