@@ -1,4 +1,5 @@
-"""Fused CPU row kernels against their references: the LRPE feature map and the LM loss rows."""
+"""Fused CPU row kernels against their references: LRPE feature map, LM loss rows, SimpleRMSNorm,
+SiLU gate."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from conftest import rel_err
 from transnormer.modules.lm_loss import linear_cross_entropy
 from transnormer.ops import _native
 from transnormer.ops.lrpe import FEATURE_KERNELS, lrpe_feature_map, lrpe_feature_map_reference
+from transnormer.ops.rowwise import silu_gate, silu_gate_reference, simple_rms_norm, simple_rms_norm_reference
 
 needs_kernel = pytest.mark.skipif(_native.load() is None, reason="fused CPU kernels unavailable")
 
@@ -29,12 +31,24 @@ def _lrpe_case(T, H, D, *, batch_angles=False, seed=0):
 
 
 def _lrpe_grads(fn, x, ang, u, gy, dtype, kernel, scale):
+    """Output and gradients for x and the cos/sin tables. The tables are the op's inputs: they are
+    computed once here, because torch's fp64 cos can differ by ~1e-8 between two calls on the same
+    tensor in some processes (seen with torch 2.13 on this CPU), which would swamp an fp64 test."""
+    tdt = torch.float64 if dtype == torch.float64 else torch.float32
+    c, s = (t.to(tdt).requires_grad_() for t in _tables(ang))
     x = x.to(dtype).requires_grad_()
-    ang = ang.clone().requires_grad_()
-    a = ang if dtype == torch.float64 else ang.float()
-    y = fn(x, a.cos(), a.sin(), None if u is None else u.to(a.dtype), scale=scale, kernel=kernel)
-    gx, ga = torch.autograd.grad(y, (x, ang), gy.to(dtype))
-    return y, gx, ga
+    y = fn(x, c, s, None if u is None else u.to(tdt), scale=scale, kernel=kernel)
+    return (y, *torch.autograd.grad(y, (x, c, s), gy.to(dtype)))
+
+
+_TABLES: dict = {}
+
+
+def _tables(ang):
+    key = (tuple(ang.shape), float(ang.sum()))
+    if key not in _TABLES:
+        _TABLES[key] = (ang.cos(), ang.sin())
+    return _TABLES[key]
 
 
 @pytest.mark.parametrize("kernel", list(FEATURE_KERNELS))
@@ -128,7 +142,7 @@ def test_xent_rows_match_the_formula(V):
         assert torch.equal(target, xin.float().gather(1, labels[:, None]).squeeze(1))
         assert rel_err(block.double(), grad_ref) < tol
         assert (block[~valid] == 0).all()
-    with pytest.raises(ValueError, match="labels outside"):
+    with pytest.raises(ValueError, match="labels must lie"):
         _native.xent_rows(x.float(), torch.full((37,), V), valid, write_grad=False)
 
 
@@ -149,3 +163,76 @@ def test_linear_cross_entropy_fused_equals_torch_form(backend_mode, autocast, V,
         out[mode] = (loss, *torch.autograd.grad(loss, (h, w)))
     for a, b in zip(out["native"], out["torch"]):
         assert rel_err(a, b) < (2e-3 if autocast else 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# SimpleRMSNorm and the SiLU gate
+# ------------------------------------------------------------------------------------------------
+def _grads(fn, x, gy, dtype):
+    x = x.to(dtype).requires_grad_()
+    y = fn(x)
+    return y, *torch.autograd.grad(y, x, gy.to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [1, 5, 16, 512, 515])  # vector tails and a single lane
+@pytest.mark.parametrize("inside", [False, True])
+def test_simple_rms_norm_fused_matches_reference(backend_mode, D, inside):
+    backend_mode("native")
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(3, 65, D, dtype=torch.float64, generator=g) * 3
+    x[0, 0] = 0.0  # a zero row: output 0, gradient dy / eps (outside) with no NaN
+    gy = torch.randn(3, 65, D, dtype=torch.float64, generator=g)
+    ref = _grads(lambda t: simple_rms_norm_reference(t, 1e-6, inside), x, gy, torch.float64)
+    assert torch.isfinite(ref[1]).all()
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        xin, gin = x.to(dtype).double(), gy.to(dtype).double()
+        ref = _grads(lambda t: simple_rms_norm_reference(t, 1e-6, inside), xin, gin, torch.float64)
+        got = _grads(lambda t: simple_rms_norm(t, 1e-6, inside), xin, gin, dtype)
+        assert got[0].dtype == dtype
+        for a, b in zip(got, ref):
+            assert rel_err(a.double(), b) < tol
+
+
+def test_simple_rms_norm_torch_form_is_the_reference(backend_mode):
+    backend_mode("torch")
+    x = torch.randn(4, 33, dtype=torch.float64)
+    assert torch.equal(simple_rms_norm(x, 1e-8), simple_rms_norm_reference(x, 1e-8, False))
+
+
+@needs_kernel
+@pytest.mark.parametrize("F_", [1, 7, 16, 1365])
+def test_silu_gate_fused_matches_reference(backend_mode, F_):
+    backend_mode("native")
+    g = torch.Generator().manual_seed(F_)
+    ab = torch.randn(2, 63, 2 * F_, dtype=torch.float64, generator=g) * 4  # both sigmoid branches, large |a|
+    gh = torch.randn(2, 63, F_, dtype=torch.float64, generator=g)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        abin, ghin = ab.to(dtype).double(), gh.to(dtype).double()
+        ref = _grads(silu_gate_reference, abin, ghin, torch.float64)
+        got = _grads(silu_gate, abin, ghin, dtype)
+        for a, b in zip(got, ref):
+            assert rel_err(a.double(), b) < tol
+
+
+def test_silu_gate_needs_an_even_width():
+    with pytest.raises(ValueError, match="even last dim"):
+        silu_gate(torch.randn(2, 5))
+
+
+@needs_kernel
+def test_glu_merged_projection_equals_two_linears(backend_mode):
+    from transnormer.modules.ffn import GLU
+
+    torch.manual_seed(0)
+    glu = GLU(24, 40)
+    x = torch.randn(3, 11, 24, requires_grad=True)
+    out = {}
+    for mode in ("torch", "native"):
+        backend_mode(mode)
+        y = glu(x)
+        out[mode] = (y, *torch.autograd.grad(y.square().sum(), (x, glu.l1.weight, glu.l2.bias)))
+    y_plain = glu.l3(torch.nn.functional.silu(glu.l1(x)) * glu.l2(x))
+    assert rel_err(out["torch"][0], y_plain) < 1e-6
+    for a, b in zip(out["native"], out["torch"]):
+        assert rel_err(a, b) < 1e-5

@@ -83,7 +83,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows_max = min(chunk, h.shape[0])
             # Fused rows (ops/_native_xent.cpp): the logits block, in the product dtype, becomes the
             # gradient in place in one pass; otherwise the PyTorch form below (and for fp64).
-            fused = _native.xent_rows_usable(cdt, h.device)
+            fused = _native.rows_usable(cdt, h.device)
             buf = None if fused and cdt != sdt else _scratch(0, rows_max, V, sdt, h.device)  # fp32 logits
             low = None if cdt == sdt else _scratch(1, rows_max, V, cdt, h.device)
             dw_low = None if dw is None or dw.dtype == cdt else _scratch(3, V, d, cdt, h.device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..ops.rowwise import simple_rms_norm
+
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """fp32 for half inputs (their sums of squares lose too much); fp32/fp64 stay as they are."""
@@ -27,13 +29,7 @@ class SimpleRMSNorm(nn.Module):
         self.dim, self.eps, self.eps_inside_sqrt = dim, eps, eps_inside_sqrt
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        xf = _upcast(x)
-        if self.eps_inside_sqrt:
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        else:
-            rms = xf.norm(dim=-1, keepdim=True) * self.dim ** -0.5
-            y = xf / (rms + self.eps)
-        return y.to(x.dtype)
+        return simple_rms_norm(x, self.eps, self.eps_inside_sqrt)  # fused on CPU (ops/rowwise.py)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, eps_inside_sqrt={self.eps_inside_sqrt}"

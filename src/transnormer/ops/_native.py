@@ -1,6 +1,7 @@
-"""Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``),
-the LRPE feature map (``_native_lrpe.cpp``) and the LM loss's softmax cross-entropy rows
-(``_native_xent.cpp``).
+"""Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``)
+and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM
+loss's softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``)
+and the GLU's SiLU gate (``_native_glu.cpp``).
 
 The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native``)
 into a cache directory and loaded with ctypes: no torch headers, so the build takes about two
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
-_SOURCES = tuple(Path(__file__).with_name(f) for f in ("_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(f) for f in (
+    "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
@@ -67,8 +69,10 @@ def _compile(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        for arch in (["-march=native"], []):  # some compilers (or CPUs) reject -march=native
-            proc = subprocess.run([compiler, *_FLAGS, *arch, *map(str, _SOURCES), "-o", tmp], capture_output=True,
+        # -fopenmp: share PyTorch's OpenMP threads (_native_common.h); some compilers lack it, and
+        # some compilers (or CPUs) reject -march=native
+        for extra in (["-fopenmp", "-march=native"], ["-march=native"], ["-fopenmp"], []):
+            proc = subprocess.run([compiler, *_FLAGS, *extra, *map(str, _SOURCES), "-o", tmp], capture_output=True,
                                   text=True)
             if proc.returncode == 0:
                 break
@@ -100,6 +104,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         xent = getattr(lib, f"tn_xent_rows_{sfx}")
         xent.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
         xent.restype = i32
+        for name, n_ptr, tail in (("srms_fwd", 2, [i64, i64, f32, i32]), ("srms_bwd", 3, [i64, i64, f32, i32]),
+                                  ("silu_gate_fwd", 2, [i64, i64]), ("silu_gate_bwd", 3, [i64, i64])):
+            fn = getattr(lib, f"tn_{name}_{sfx}")
+            fn.argtypes = [p] * n_ptr + tail + [i32]
+            fn.restype = i32
 
 
 def load() -> ctypes.CDLL | None:
@@ -212,11 +221,20 @@ def native_causal_linear_attn(q, k, v, init, *, chunk: int):
     return NativeCausalLinearAttn.apply(q, k, v, init, chunk)
 
 
-def xent_rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`xent_rows` runs for logits of this dtype and device (CPU fp32/bf16, kernel built,
-    backend mode not "torch")."""
+# ------------------------------------------------------------------------------------------------
+# Row kernels (fp32 or bf16 storage, fp32 arithmetic): LM loss rows, LRPE, SRMSNorm, SiLU gate
+# ------------------------------------------------------------------------------------------------
+def rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the row kernels run for tensors of this dtype and device (CPU fp32/bf16, the library
+    built, backend mode not "torch", not being traced by torch.compile)."""
     return (_mode != "torch" and not torch.compiler.is_compiling() and device.type == "cpu"
             and dtype in (torch.float32, torch.bfloat16) and load() is not None)
+
+
+def _call(name: str, dtype: torch.dtype, *args) -> None:
+    rc = getattr(load(), f"{name}_{'f32' if dtype == torch.float32 else 'bf16'}")(*args, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"{name} failed with code {rc}")
 
 
 def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, write_grad: bool):
@@ -234,37 +252,22 @@ def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, wri
     valid = valid.to(torch.uint8).contiguous()
     lse = torch.empty(n, dtype=torch.float32)
     target = torch.empty(n, dtype=torch.float32)
-    sfx = "f32" if x.dtype == torch.float32 else "bf16"
-    rc = getattr(load(), f"tn_xent_rows_{sfx}")(_ptr(x), n, V, x.stride(0), _ptr(labels), _ptr(valid), _ptr(lse),
-                                                 _ptr(target), int(write_grad), torch.get_num_threads())
-    if rc:
-        raise ValueError(f"xent_rows: bad sizes or labels outside [0, {V}) (code {rc})")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= V):
+        raise ValueError(f"xent_rows: labels must lie in [0, {V})")
+    _call("tn_xent_rows", x.dtype, _ptr(x), n, V, x.stride(0), _ptr(labels), _ptr(valid), _ptr(lse), _ptr(target),
+          int(write_grad))
     return lse, target
 
 
 LRPE_KERNELS = {"identity": 0, "elu": 1, "1+elu": 2, "relu": 3}
 
 
-def lrpe_usable(x: torch.Tensor, kernel: str) -> bool:
-    """Whether the fused LRPE feature map runs for ``x`` [B, T, H, D] (CPU fp32/bf16, even D)."""
-    return (_mode != "torch" and not torch.compiler.is_compiling() and x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 4 and x.shape[-1] % 2 == 0
-            and kernel in LRPE_KERNELS and load() is not None)
-
-
-def _lrpe_sfx(x: torch.Tensor) -> str:
-    return "f32" if x.dtype == torch.float32 else "bf16"
-
-
 def lrpe_fwd(x, cos, sin, u, scale: float, kernel: str):
     """y [B, T, H, D] (x's dtype) from contiguous x, fp32 cos/sin [B, T, D/2], fp32 u [D] or None."""
     B, T, H, D = x.shape
     y = torch.empty_like(x)
-    rc = getattr(load(), f"tn_lrpe_fwd_{_lrpe_sfx(x)}")(
-        _ptr(x), _ptr(y), _ptr(cos), _ptr(sin), _ptr(u), scale, LRPE_KERNELS[kernel], B * T, H, D,
-        torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"tn_lrpe_fwd failed with code {rc}")
+    _call("tn_lrpe_fwd", x.dtype, _ptr(x), _ptr(y), _ptr(cos), _ptr(sin), _ptr(u), scale, LRPE_KERNELS[kernel],
+          B * T, H, D)
     return y
 
 
@@ -274,9 +277,34 @@ def lrpe_bwd(x, dy, cos, sin, u, scale: float, kernel: str):
     dx = torch.empty_like(x)
     dcos = torch.empty(B, T, D // 2, dtype=torch.float32)
     dsin = torch.empty_like(dcos)
-    rc = getattr(load(), f"tn_lrpe_bwd_{_lrpe_sfx(x)}")(
-        _ptr(x), _ptr(dy), _ptr(dx), _ptr(dcos), _ptr(dsin), _ptr(cos), _ptr(sin), _ptr(u), scale,
-        LRPE_KERNELS[kernel], B * T, H, D, torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"tn_lrpe_bwd failed with code {rc}")
+    _call("tn_lrpe_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), _ptr(dcos), _ptr(dsin), _ptr(cos), _ptr(sin), _ptr(u),
+          scale, LRPE_KERNELS[kernel], B * T, H, D)
     return dx, dcos, dsin
+
+
+def srms_fwd(x: torch.Tensor, eps: float, inside: bool) -> torch.Tensor:
+    """SimpleRMSNorm of the last dim of contiguous x (``_native_norm.cpp``)."""
+    y = torch.empty_like(x)
+    _call("tn_srms_fwd", x.dtype, _ptr(x), _ptr(y), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside))
+    return y
+
+
+def srms_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float, inside: bool) -> torch.Tensor:
+    dx = torch.empty_like(x)
+    _call("tn_srms_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside))
+    return dx
+
+
+def silu_gate_fwd(ab: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b for contiguous ab = [..., 2F] = [a | b] (``_native_glu.cpp``)."""
+    F = ab.shape[-1] // 2
+    h = torch.empty(*ab.shape[:-1], F, dtype=ab.dtype)
+    _call("tn_silu_gate_fwd", ab.dtype, _ptr(ab), _ptr(h), h.numel() // max(F, 1), F)
+    return h
+
+
+def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    F = ab.shape[-1] // 2
+    dab = torch.empty_like(ab)
+    _call("tn_silu_gate_bwd", ab.dtype, _ptr(ab), _ptr(dh), _ptr(dab), dh.numel() // max(F, 1), F)
+    return dab

@@ -32,7 +32,6 @@
 #include <immintrin.h>
 #endif
 
-typedef long idx;
 
 // ---------------------------------------------------------------------------------------------
 // Small GEMM: C[M x N] (= or +=) A B with A(m, k) = a[m * ars + k * acs] (so a transposed A is

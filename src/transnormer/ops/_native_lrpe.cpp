@@ -24,13 +24,9 @@
 #include "_native_common.h"
 #include "_native_simd.h"
 
-typedef long idx;
-
 namespace {
 
-using tn::bf16;
-using tn::from_float;
-using tn::to_float;
+using namespace tn;
 
 // exp(x) for x <= 0 without a library call, so loops over a row vectorize: x = n ln2 + r,
 // degree-7 Taylor polynomial of e^r (relative error < 1e-7), 2^n through the exponent bits.

@@ -11,6 +11,9 @@
 
 namespace tn {
 
+// lanes [0, min(left, 16)) of a 16-lane vector
+inline __mmask16 tail_mask(long left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u); }
+
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);

@@ -28,28 +28,21 @@
 #include "_native_common.h"
 #include "_native_simd.h"
 
-
-typedef long idx;
-
 namespace {
 
-using tn::bf16;
-using tn::from_float;
-using tn::to_float;
+using namespace tn;
 
 #if defined(TN_AVX512)
-inline __mmask16 tail_mask(idx left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u); }
-
 // One row: returns (max, sum of exp(x - max)) and leaves exp(x - max) in e[0..V).
 template <typename T>
 void row_exp(const T* x, idx V, float* e, float& mx, float& sum) {
     __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (idx j = 0; j < V; j += 16) vm = _mm512_mask_max_ps(vm, tail_mask(V - j), vm, tn::load16(x + j, tail_mask(V - j)));
+    for (idx j = 0; j < V; j += 16) vm = _mm512_mask_max_ps(vm, tn::tail_mask(V - j), vm, tn::load16(x + j, tn::tail_mask(V - j)));
     mx = _mm512_reduce_max_ps(vm);
     const __m512 m = _mm512_set1_ps(mx);
     __m512 vs = _mm512_setzero_ps();
     for (idx j = 0; j < V; j += 16) {
-        const __mmask16 k = tail_mask(V - j);
+        const __mmask16 k = tn::tail_mask(V - j);
         const __m512 ex = tn::exp16(_mm512_sub_ps(tn::load16(x + j, k), m));
         vs = _mm512_mask_add_ps(vs, k, vs, ex);
         _mm512_mask_storeu_ps(e + j, k, ex);
@@ -61,7 +54,7 @@ template <typename T>
 void row_scale(const float* e, idx V, float scale, T* g) {
     const __m512 s = _mm512_set1_ps(scale);
     for (idx j = 0; j < V; j += 16) {
-        const __mmask16 k = tail_mask(V - j);
+        const __mmask16 k = tn::tail_mask(V - j);
         tn::store16(g + j, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, e + j), s), k);
     }
 }

@@ -1,0 +1,112 @@
+// Fused SimpleRMSNorm (SRMSNorm, spec §5: no gain, no bias) forward and backward over rows.
+//
+// Why this file exists: PyTorch runs the norm as upcast, vector norm, scale, add, divide, cast,
+// and autograd replays about a dozen passes backward (two divides, a masked fill for zero
+// rows, sums, casts); a t2-lm block has two or three of them. Here a row is read once and
+// written once per direction; fp32 arithmetic on fp32 or bf16 storage.
+//
+// Built with the other kernels into one library by transnormer/ops/_native.py.
+//
+// Layouts (contiguous): x, y, dy, dx [N, D].  ss = sum_j x_j^2.
+//   eps outside the root (released code): r = sqrt(ss / D), y = x / (r + eps)
+//       dx = dy / (r + eps) - x (dy.x) / ((r + eps)^2 D r)        (second term 0 when r = 0)
+//   eps inside the root (paper):          s = (ss / D + eps)^(-1/2), y = s x
+//       dx = s dy - x s^3 (dy.x) / D
+
+#include <cmath>
+
+#include "_native_common.h"
+#include "_native_simd.h"
+
+namespace {
+
+using namespace tn;
+
+#if defined(TN_AVX512)
+template <typename T>
+float dot(const T* a, const T* b, idx D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (idx j = 0; j < D; j += 16) acc = _mm512_fmadd_ps(tn::load16(a + j, tn::tail_mask(D - j)), tn::load16(b + j, tn::tail_mask(D - j)), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+// out = alpha x + beta y (beta may be 0 with y = x)
+template <typename T>
+void axpby(float alpha, const T* x, float beta, const T* y, T* out, idx D) {
+    const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+    for (idx j = 0; j < D; j += 16) {
+        const __mmask16 k = tn::tail_mask(D - j);
+        tn::store16(out + j, _mm512_fmadd_ps(va, tn::load16(x + j, k), _mm512_mul_ps(vb, tn::load16(y + j, k))), k);
+    }
+}
+#else
+template <typename T>
+float dot(const T* a, const T* b, idx D) {
+    double acc = 0.0;
+    for (idx j = 0; j < D; ++j) acc += double(to_float(a[j])) * to_float(b[j]);
+    return float(acc);
+}
+
+template <typename T>
+void axpby(float alpha, const T* x, float beta, const T* y, T* out, idx D) {
+    for (idx j = 0; j < D; ++j) from_float(alpha * to_float(x[j]) + beta * to_float(y[j]), out + j);
+}
+#endif
+
+struct Coefs {
+    float scale;   // y = scale x
+    float dscale;  // dx = scale dy - dscale (dy.x) x
+};
+
+inline Coefs coefs(float ss, idx D, float eps, bool inside) {
+    if (inside) {
+        const float s = 1.0f / std::sqrt(ss / float(D) + eps);
+        return {s, s * s * s / float(D)};
+    }
+    const float r = std::sqrt(ss / float(D)), den = r + eps;
+    return {1.0f / den, r > 0.0f ? 1.0f / (den * den * float(D) * r) : 0.0f};
+}
+
+template <typename T>
+void forward_rows(const T* x, T* y, idx D, float eps, bool inside, idx r0, idx r1) {
+    for (idx r = r0; r < r1; ++r) {
+        const T* xr = x + r * D;
+        axpby(coefs(dot(xr, xr, D), D, eps, inside).scale, xr, 0.0f, xr, y + r * D, D);
+    }
+}
+
+template <typename T>
+void backward_rows(const T* x, const T* dy, T* dx, idx D, float eps, bool inside, idx r0, idx r1) {
+    for (idx r = r0; r < r1; ++r) {
+        const T *xr = x + r * D, *gr = dy + r * D;
+        const Coefs c = coefs(dot(xr, xr, D), D, eps, inside);
+        axpby(c.scale, gr, -c.dscale * dot(gr, xr, D), xr, dx + r * D, D);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define TN_NORM_DEFINE(SUFFIX, T)                                                                              \
+    int tn_srms_fwd_##SUFFIX(const void* x, void* y, idx N, idx D, float eps, int inside, int nthreads) {      \
+        if (N < 0 || D < 1) return 1;                                                                          \
+        tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                 \
+            forward_rows(static_cast<const T*>(x), static_cast<T*>(y), D, eps, inside != 0, r0, r1);           \
+        });                                                                                                    \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    int tn_srms_bwd_##SUFFIX(const void* x, const void* dy, void* dx, idx N, idx D, float eps, int inside,     \
+                             int nthreads) {                                                                   \
+        if (N < 0 || D < 1) return 1;                                                                          \
+        tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                 \
+            backward_rows(static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), D, eps,    \
+                          inside != 0, r0, r1);                                                                \
+        });                                                                                                    \
+        return 0;                                                                                              \
+    }
+
+TN_NORM_DEFINE(f32, float)
+TN_NORM_DEFINE(bf16, bf16)
+
+}  // extern "C"
