@@ -108,6 +108,22 @@ def test_lrpe_fused_and_torch_forms_agree_in_a_model_layer(backend_mode):
         assert rel_err(a, b) < 1e-5
 
 
+@needs_kernel
+def test_lrpe_reads_strided_rows_in_place(backend_mode):
+    """q and k are views of one fused qkv projection ([B, T, 3, H, D] unbound): same result."""
+    backend_mode("native")
+    qkv = torch.randn(2, 9, 3, 4, 16, requires_grad=True)
+    ang = torch.randn(2, 9, 8)
+    q = qkv.unbind(2)[1]
+    assert not q.is_contiguous() and _native.lrpe_rows_ok(q)
+    y = lrpe_feature_map(q, ang.cos(), ang.sin(), kernel="1+elu")
+    (g,) = torch.autograd.grad(y.sum(), qkv)
+    q2 = q.detach().contiguous().requires_grad_()
+    y2 = lrpe_feature_map(q2, ang.cos(), ang.sin(), kernel="1+elu")
+    (g2,) = torch.autograd.grad(y2.sum(), q2)
+    assert torch.equal(y, y2) and torch.equal(g[:, :, 1], g2) and (g[:, :, 0] == 0).all()
+
+
 def test_lrpe_bad_shapes():
     x = torch.randn(1, 5, 2, 8)
     c = torch.randn(1, 5, 4)

@@ -96,10 +96,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     f32 = ctypes.c_float
     for sfx in ("f32", "bf16"):
         lrpe_fwd = getattr(lib, f"tn_lrpe_fwd_{sfx}")
-        lrpe_fwd.argtypes = [p] * 5 + [f32, i32, i64, i64, i64, i32]
+        lrpe_fwd.argtypes = [p] * 5 + [f32, i32, i64, i64, i64, i64, i32]
         lrpe_fwd.restype = i32
         lrpe_bwd = getattr(lib, f"tn_lrpe_bwd_{sfx}")
-        lrpe_bwd.argtypes = [p] * 8 + [f32, i32, i64, i64, i64, i32]
+        lrpe_bwd.argtypes = [p] * 8 + [f32, i32, i64, i64, i64, i64, i32]
         lrpe_bwd.restype = i32
         xent = getattr(lib, f"tn_xent_rows_{sfx}")
         xent.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
@@ -262,23 +262,31 @@ def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, wri
 LRPE_KERNELS = {"identity": 0, "elu": 1, "1+elu": 2, "relu": 3}
 
 
-def lrpe_fwd(x, cos, sin, u, scale: float, kernel: str):
-    """y [B, T, H, D] (x's dtype) from contiguous x, fp32 cos/sin [B, T, D/2], fp32 u [D] or None."""
+def lrpe_rows_ok(x: torch.Tensor) -> bool:
+    """Whether x [B, T, H, D] can be read in place: token rows at one stride, each row's heads contiguous."""
     B, T, H, D = x.shape
-    y = torch.empty_like(x)
+    return (x.stride(3) == 1 and x.stride(2) == D and x.stride(1) >= H * D
+            and (B == 1 or x.stride(0) == T * x.stride(1)))
+
+
+def lrpe_fwd(x, cos, sin, u, scale: float, kernel: str):
+    """y [B, T, H, D] (x's dtype, contiguous) from x (see :func:`lrpe_rows_ok`), fp32 cos/sin [B, T, D/2],
+    fp32 u [D] or None."""
+    B, T, H, D = x.shape
+    y = torch.empty(B, T, H, D, dtype=x.dtype)
     _call("tn_lrpe_fwd", x.dtype, _ptr(x), _ptr(y), _ptr(cos), _ptr(sin), _ptr(u), scale, LRPE_KERNELS[kernel],
-          B * T, H, D)
+          B * T, H, D, x.stride(1))
     return y
 
 
 def lrpe_bwd(x, dy, cos, sin, u, scale: float, kernel: str):
     """(dx [B, T, H, D], dcos, dsin [B, T, D/2] fp32) for :func:`lrpe_fwd`'s inputs and contiguous dy."""
     B, T, H, D = x.shape
-    dx = torch.empty_like(x)
+    dx = torch.empty(B, T, H, D, dtype=x.dtype)
     dcos = torch.empty(B, T, D // 2, dtype=torch.float32)
     dsin = torch.empty_like(dcos)
     _call("tn_lrpe_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), _ptr(dcos), _ptr(dsin), _ptr(cos), _ptr(sin), _ptr(u),
-          scale, LRPE_KERNELS[kernel], B * T, H, D)
+          scale, LRPE_KERNELS[kernel], B * T, H, D, x.stride(1))
     return dx, dcos, dsin
 
 

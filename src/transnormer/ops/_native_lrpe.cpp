@@ -9,7 +9,8 @@
 //
 // Built with the other kernels into one library by transnormer/ops/_native.py.
 //
-// Layouts (contiguous): x, y, dy, dx [N, H, D] (N = B*T rows of H heads), D even;
+// Layouts: x, y, dy, dx [N, H, D] (N = B*T rows of H heads), D even, all contiguous except that
+// x's rows may be ldx >= H*D elements apart (q and k as views of one fused qkv projection);
 // cos, sin, dcos, dsin [N, D/2] fp32 (one angle per pair, shared by the heads of a row);
 // u [D] fp32 or null (no reflection). Pairs are interleaved, (2i, 2i+1):
 //   f = phi(x),  z = s (f - 2 (f.u) u),  y_2i = z_2i c_i - z_2i+1 s_i,  y_2i+1 = z_2i+1 c_i + z_2i s_i
@@ -65,7 +66,7 @@ inline float dphi(int kern, float v) {
 }
 
 struct Args {
-    idx H, D;
+    idx H, D, ldx;  // ldx: x's row stride (elements); y, dy, dx rows are H * D apart
     const float *cos, *sin, *u;
     float scale;
     int kern;
@@ -94,7 +95,7 @@ void forward_rows(const Args& a, const T* x, T* y, idx r0, idx r1) {
         const float *c = a.cos + r * P, *s = a.sin + r * P;
         for (idx h = 0; h < H; ++h) {
             const idx off = (r * H + h) * D;
-            reflect(a, x + off, z.data());
+            reflect(a, x + r * a.ldx + h * D, z.data());
             T* yr = y + off;
             for (idx i = 0; i < P; ++i) {
                 from_float(z[2 * i] * c[i] - z[2 * i + 1] * s[i], yr + 2 * i);
@@ -114,7 +115,8 @@ void backward_rows(const Args& a, const T* x, const T* dy, T* dx, float* dcos, f
         for (idx i = 0; i < P; ++i) dc[i] = ds[i] = 0.0f;
         for (idx h = 0; h < H; ++h) {
             const idx off = (r * H + h) * D;
-            reflect(a, x + off, z.data());
+            const T* xr = x + r * a.ldx + h * D;
+            reflect(a, xr, z.data());
             for (idx j = 0; j < D; ++j) g[j] = to_float(dy[off + j]);
             for (idx i = 0; i < P; ++i) {
                 const float g0 = g[2 * i], g1 = g[2 * i + 1], z0 = z[2 * i], z1 = z[2 * i + 1];
@@ -127,7 +129,6 @@ void backward_rows(const Args& a, const T* x, const T* dy, T* dx, float* dcos, f
             if (a.u)
                 for (idx j = 0; j < D; ++j) dot += dz[j] * a.u[j];
             const float two_dot = 2.0f * dot;
-            const T* xr = x + off;
             T* dxr = dx + off;
             for (idx j = 0; j < D; ++j) {
                 const float df = a.scale * (a.u ? dz[j] - two_dot * a.u[j] : dz[j]);
@@ -197,7 +198,7 @@ void forward_rows16(const Args& a, const T* x, T* y, idx r0, idx r1) {
         expand_angles(a.cos + r * P, a.sin + r * P, P, c2, s2);
         for (idx h = 0; h < H; ++h) {
             const idx off = (r * H + h) * D;
-            reflect16<KERN>(a, x + off, nv, zr);
+            reflect16<KERN>(a, x + r * a.ldx + h * D, nv, zr);
             for (int v = 0; v < nv; ++v) {
                 const __m512 out = _mm512_fmadd_ps(zr[v], _mm512_load_ps(c2 + 16 * v),
                                                    _mm512_mul_ps(swap_pairs(zr[v]), _mm512_load_ps(s2 + 16 * v)));
@@ -219,7 +220,8 @@ void backward_rows16(const Args& a, const T* x, const T* dy, T* dx, float* dcos,
         for (int v = 0; v < nv; ++v) ac[v] = as[v] = _mm512_setzero_ps();
         for (idx h = 0; h < H; ++h) {
             const idx off = (r * H + h) * D;
-            reflect16<KERN>(a, x + off, nv, zr);
+            const T* xr = x + r * a.ldx + h * D;
+            reflect16<KERN>(a, xr, nv, zr);
             __m512 dot = _mm512_setzero_ps();
             for (int v = 0; v < nv; ++v) {
                 const __m512 g = tn::load16(dy + off + 16 * v, 0xFFFF), gs = swap_pairs(g);
@@ -234,7 +236,7 @@ void backward_rows16(const Args& a, const T* x, const T* dy, T* dx, float* dcos,
             const __m512 m2dot = _mm512_set1_ps(-2.0f * _mm512_reduce_add_ps(dot));
             for (int v = 0; v < nv; ++v) {
                 __m512 df = a.u ? _mm512_fmadd_ps(m2dot, _mm512_loadu_ps(a.u + 16 * v), dz[v]) : dz[v];
-                df = _mm512_mul_ps(_mm512_mul_ps(sc, df), dphi16<KERN>(tn::load16(x + off + 16 * v, 0xFFFF)));
+                df = _mm512_mul_ps(_mm512_mul_ps(sc, df), dphi16<KERN>(tn::load16(xr + 16 * v, 0xFFFF)));
                 tn::store16(dx + off + 16 * v, df, 0xFFFF);
             }
         }
@@ -290,9 +292,9 @@ extern "C" {
 
 #define TN_LRPE_DEFINE(SUFFIX, T)                                                                                  \
     int tn_lrpe_fwd_##SUFFIX(const void* x, void* y, const float* cos, const float* sin, const float* u, float scale, \
-                             int kern, idx N, idx H, idx D, int nthreads) {                                          \
-        if (bad(N, H, D, kern)) return 1;                                                                            \
-        const Args a{H, D, cos, sin, u, scale, kern};                                                                \
+                             int kern, idx N, idx H, idx D, idx ldx, int nthreads) {                                 \
+        if (bad(N, H, D, kern) || ldx < H * D) return 1;                                                             \
+        const Args a{H, D, ldx, cos, sin, u, scale, kern};                                                                \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                             \
             forward_any(a, static_cast<const T*>(x), static_cast<T*>(y), r0, r1);                                  \
         });                                                                                                          \
@@ -300,9 +302,9 @@ extern "C" {
     }                                                                                                                \
     int tn_lrpe_bwd_##SUFFIX(const void* x, const void* dy, void* dx, float* dcos, float* dsin, const float* cos,     \
                              const float* sin, const float* u, float scale, int kern, idx N, idx H, idx D,          \
-                             int nthreads) {                                                                         \
-        if (bad(N, H, D, kern)) return 1;                                                                            \
-        const Args a{H, D, cos, sin, u, scale, kern};                                                                \
+                             idx ldx, int nthreads) {                                                                \
+        if (bad(N, H, D, kern) || ldx < H * D) return 1;                                                             \
+        const Args a{H, D, ldx, cos, sin, u, scale, kern};                                                                \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                             \
             backward_any(a, static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), dcos, dsin,  \
                           r0, r1);                                                                                   \
