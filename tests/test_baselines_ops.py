@@ -202,6 +202,32 @@ def test_flash_attn_matches_dense_formula(causal, normalizer, T):
     assert_parity(o, ref, (ql, kl, qg, kg, v, bias))
 
 
+@pytest.mark.parametrize("prefix_by", ["matmul", "cumsum"])
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("normalizer", ["visible", "chunk", "none"])
+def test_flash_causal_global_prefix_forms(monkeypatch, prefix_by, padded, normalizer):
+    """The causal prefix over chunks: a [G, G] product for few chunks, a cumsum beyond; both exact,
+    with and without padding (no padding and T a multiple of C: the no-mask fast path)."""
+    import transnormer.ops.flash as flash_mod
+
+    monkeypatch.setattr(flash_mod, "_PREFIX_MATMUL_MAX_CHUNKS", 64 if prefix_by == "matmul" else 0)
+    T, C = 64, 8
+    ql, kl, qg, kg, v = rand(2, T, 8), rand(2, T, 8), rand(2, T, 8), rand(2, T, 8), rand(2, T, 6)
+    kw = dict(causal=True, chunk_size=C, normalizer=normalizer, key_padding_mask=padding(2, T) if padded else None)
+    o = flash_attn(ql, kl, qg, kg, v, **kw)
+    ref = flash_attn_reference(ql, kl, qg, kg, v, **kw)
+    assert_parity(o, ref, (ql, kl, qg, kg, v))
+
+
+def test_flash_under_bf16_autocast_close_to_fp64():
+    T, C = 200, 32
+    ql, kl, qg, kg, v = (torch.randn(1, T, 16, dtype=torch.float64) for _ in range(5))
+    ref = flash_attn_reference(ql, kl, qg, kg, v, causal=True, chunk_size=C)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = flash_attn(*(x.float() for x in (ql, kl, qg, kg, v)), causal=True, chunk_size=C)
+    assert rel_err(o.double(), ref) < 3e-2
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_fp32_within_1e5(causal):
     T, C = 300, 64

@@ -1,5 +1,5 @@
 """Fused CPU row kernels against their references: LRPE feature map, LM loss rows, SimpleRMSNorm,
-SiLU gate."""
+SiLU gate, GAU/FLASH heads."""
 
 import pytest
 import torch
@@ -8,7 +8,14 @@ from conftest import rel_err
 from transnormer.modules.lm_loss import linear_cross_entropy
 from transnormer.ops import _native
 from transnormer.ops.lrpe import FEATURE_KERNELS, lrpe_feature_map, lrpe_feature_map_reference
-from transnormer.ops.rowwise import silu_gate, silu_gate_reference, simple_rms_norm, simple_rms_norm_reference
+from transnormer.ops.rowwise import (
+    scale_offset_rope,
+    scale_offset_rope_reference,
+    silu_gate,
+    silu_gate_reference,
+    simple_rms_norm,
+    simple_rms_norm_reference,
+)
 
 needs_kernel = pytest.mark.skipif(_native.load() is None, reason="fused CPU kernels unavailable")
 
@@ -252,3 +259,66 @@ def test_glu_merged_projection_equals_two_linears(backend_mode):
     assert rel_err(out["torch"][0], y_plain) < 1e-6
     for a, b in zip(out["native"], out["torch"]):
         assert rel_err(a, b) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# GAU / FLASH query-key heads: RoPE(z * gamma_h + beta_h)
+# ------------------------------------------------------------------------------------------------
+def _heads_grads(fn, z, gamma, beta, cos, sin, gy, dtype):
+    z = z.to(dtype).requires_grad_()
+    gamma, beta = gamma.clone().requires_grad_(), beta.clone().requires_grad_()
+    y = fn(z, gamma, beta, cos, sin)
+    return (y, *torch.autograd.grad(y, (z, gamma, beta), gy.to(y.dtype)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 63, 65])
+@pytest.mark.parametrize("s,P", [(128, 64), (64, 16), (7, 3), (8, 0)])  # full, partial, odd width, no rotation
+def test_scale_offset_rope_fused_matches_reference(backend_mode, T, s, P):
+    backend_mode("native")
+    g = torch.Generator().manual_seed(T + s + P)
+    B, n = 2, 4
+    proj = torch.randn(B, T, 3 * s, dtype=torch.float64, generator=g)  # z is a strided slice, as in the layer
+    gamma, beta = (torch.randn(n, s, dtype=torch.float64, generator=g) for _ in range(2))
+    ang = torch.randn(1, T, P, dtype=torch.float64, generator=g) * 3
+    cos, sin = ang.cos(), ang.sin()
+    gy = torch.randn(B, T, n, s, dtype=torch.float64, generator=g)
+    z = proj[..., s:2 * s]
+    ref = _heads_grads(scale_offset_rope_reference, z, gamma, beta, cos, sin, gy, torch.float64)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        zin = z.to(dtype).double()  # the reference sees the rounded z
+        ref = _heads_grads(scale_offset_rope_reference, zin, gamma, beta, cos, sin, gy, torch.float64)
+        got = _heads_grads(scale_offset_rope, z.to(dtype), gamma.float(), beta.float(), cos.float(), sin.float(), gy,
+                           dtype)
+        assert got[0].dtype == torch.float32 and got[1].dtype == dtype
+        for a, b in zip(got, ref):
+            assert rel_err(a.double(), b) < tol
+
+
+def test_scale_offset_rope_torch_form_in_fp64_is_the_reference():
+    z = torch.randn(2, 5, 16, dtype=torch.float64)
+    gamma, beta = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    cos, sin = torch.randn(1, 5, 6, dtype=torch.float64), torch.randn(1, 5, 6, dtype=torch.float64)
+    assert torch.equal(scale_offset_rope(z, gamma, beta, cos, sin), scale_offset_rope_reference(z, gamma, beta, cos, sin))
+    with pytest.raises(ValueError, match="gamma and beta"):
+        scale_offset_rope(z, gamma[:, :8], beta, cos, sin)
+    with pytest.raises(ValueError, match="cos must be"):
+        scale_offset_rope(z, gamma, beta, torch.randn(1, 5, 9), sin)
+
+
+@needs_kernel
+def test_gau_heads_fused_equal_the_rotate_half_form(backend_mode):
+    """The FLASH layer's heads through the fused op == the LRPE rotate() path it replaced."""
+    from transnormer.layers.gau import FLASH
+    from transnormer.modules.positional import rotate
+
+    torch.manual_seed(0)
+    layer = FLASH(32, causal=True, chunk_size=8, qk_dim=16, rope="partial:8")
+    x = torch.randn(2, 13, 32)
+    pos = torch.arange(13).expand(2, 13)
+    backend_mode("native")
+    _, _, heads = layer.project(x, pos)
+    z = torch.nn.functional.silu(layer.proj(x))[..., -16:]
+    angles = pos[..., None].float() * layer.rope.theta
+    old = rotate(z[:, :, None, :] * layer.gamma + layer.beta, angles, "half")
+    assert rel_err(heads, old) < 1e-6

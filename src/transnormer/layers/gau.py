@@ -34,6 +34,7 @@ from ..ops.flash import (
     relu2_attention,
 )
 from ..ops.norm_linear import state_dtype_for
+from ..ops.rowwise import scale_offset_rope
 from .base import TokenMixer, mask_and_positions, update_block_cache
 
 REL_BIAS_TYPES = ("toeplitz", "toeplitz_moving", "rope_bias", "t5", "none")
@@ -183,10 +184,10 @@ class _GatedUnit(TokenMixer):
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``)."""
         u, v, z = F.silu(self.proj(x)).split([self.e, self.e, self.s], dim=-1)
-        heads = z[:, :, None, :] * self.gamma + self.beta
-        if self.rope is not None:
-            heads = self.rope(heads, positions)
-        return u, v, heads
+        if self.rope is None:
+            return u, v, z[:, :, None, :] * self.gamma + self.beta
+        # scale/offset and rotate-half in one pass on CPU (ops/rowwise.py)
+        return u, v, scale_offset_rope(z, self.gamma, self.beta, *self.rope.tables(positions))
 
     def _dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0

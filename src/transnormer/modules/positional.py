@@ -80,15 +80,20 @@ class LRPE(nn.Module):
         else:
             self.u = None
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B or 1, T, D/2] of the pair angles m·θ at positions [B, T] (or [T])."""
+        angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
+        return torch.cos(angles), torch.sin(angles)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, scale: float = 1.0,
                 kernel: str = "identity") -> torch.Tensor:
         """LRPE of ``kernel(x)`` for x [B, T, H, D] at positions [B, T] (or [T]), times ``scale``.
 
         Fusing the attention kernel here lets the interleaved form run as one pass (ops.lrpe).
         """
-        angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
         if self.pairing == "interleaved" and self.head_dim % 2 == 0:
-            return lrpe_feature_map(x, torch.cos(angles), torch.sin(angles), self.u, scale=scale, kernel=kernel)
+            return lrpe_feature_map(x, *self.tables(positions), self.u, scale=scale, kernel=kernel)
+        angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
         x = FEATURE_KERNELS[kernel](x)
         if self.u is not None:
             u = self.u.to(x.dtype)

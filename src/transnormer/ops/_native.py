@@ -1,7 +1,7 @@
 """Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``)
 and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM
 loss's softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``)
-and the GLU's SiLU gate (``_native_glu.cpp``).
+the GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
 
 The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native``)
 into a cache directory and loaded with ctypes: no torch headers, so the build takes about two
@@ -30,7 +30,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
-    "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp"))
+    "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
+    "_native_heads.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
@@ -84,31 +85,30 @@ def _compile(out: Path) -> None:
             os.unlink(tmp)
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+# Exported functions: name -> (suffixes, argument types); every one returns an int status and
+# takes the thread count last.
+_SIGNATURES = {
+    "tn_causal_fwd": (("f32", "f64"), [_P] * 6 + [_I64] * 6),
+    "tn_causal_bwd": (("f32", "f64"), [_P] * 10 + [_I64] * 6),
+    "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
+    "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
+    "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
+    "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32]),
+    "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32]),
+    "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
+    "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
+    "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5),
+    "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6),
+}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    for sfx in ("f32", "f64"):
-        fwd = getattr(lib, f"tn_causal_fwd_{sfx}")
-        fwd.argtypes = [p] * 6 + [i64] * 6 + [i32]
-        fwd.restype = i32
-        bwd = getattr(lib, f"tn_causal_bwd_{sfx}")
-        bwd.argtypes = [p] * 10 + [i64] * 6 + [i32]
-        bwd.restype = i32
-    f32 = ctypes.c_float
-    for sfx in ("f32", "bf16"):
-        lrpe_fwd = getattr(lib, f"tn_lrpe_fwd_{sfx}")
-        lrpe_fwd.argtypes = [p] * 5 + [f32, i32, i64, i64, i64, i64, i32]
-        lrpe_fwd.restype = i32
-        lrpe_bwd = getattr(lib, f"tn_lrpe_bwd_{sfx}")
-        lrpe_bwd.argtypes = [p] * 8 + [f32, i32, i64, i64, i64, i64, i32]
-        lrpe_bwd.restype = i32
-        xent = getattr(lib, f"tn_xent_rows_{sfx}")
-        xent.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
-        xent.restype = i32
-        for name, n_ptr, tail in (("srms_fwd", 2, [i64, i64, f32, i32]), ("srms_bwd", 3, [i64, i64, f32, i32]),
-                                  ("silu_gate_fwd", 2, [i64, i64]), ("silu_gate_bwd", 3, [i64, i64])):
-            fn = getattr(lib, f"tn_{name}_{sfx}")
-            fn.argtypes = [p] * n_ptr + tail + [i32]
-            fn.restype = i32
+    for name, (suffixes, args) in _SIGNATURES.items():
+        for sfx in suffixes:
+            fn = getattr(lib, f"{name}_{sfx}")
+            fn.argtypes = [*args, _I32]
+            fn.restype = _I32
 
 
 def load() -> ctypes.CDLL | None:
@@ -316,3 +316,36 @@ def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     dab = torch.empty_like(ab)
     _call("tn_silu_gate_bwd", ab.dtype, _ptr(ab), _ptr(dh), _ptr(dab), dh.numel() // max(F, 1), F)
     return dab
+
+
+def heads_rows_ok(z: torch.Tensor) -> bool:
+    """Whether z [B, T, s] can be read in place: token rows at one stride, each row contiguous."""
+    B, T, s = z.shape
+    return z.stride(2) == 1 and z.stride(1) >= s and (B == 1 or z.stride(0) == T * z.stride(1))
+
+
+_HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend on the thread count
+
+
+def heads_fwd(z, gamma, beta, cos, sin):
+    """RoPE(z * gamma_h + beta_h) [B, T, n, s] fp32 from z [B, T, s] (see :func:`heads_rows_ok`), fp32
+    gamma, beta [n, s] and cos, sin [B, T, P] contiguous (``_native_heads.cpp``)."""
+    B, T, s = z.shape
+    n, P = gamma.shape[0], cos.shape[-1]
+    y = torch.empty(B, T, n, s, dtype=torch.float32)
+    _call("tn_heads_fwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(beta), _ptr(cos), _ptr(sin), _ptr(y), B * T, n, s, P,
+          z.stride(1))
+    return y
+
+
+def heads_bwd(z, gamma, cos, sin, dy):
+    """(dz [B, T, s] in z's dtype, dgamma [n, s], dbeta [n, s]) for contiguous fp32 dy [B, T, n, s]."""
+    B, T, s = z.shape
+    n, P = gamma.shape[0], cos.shape[-1]
+    parts = max(1, min(_HEADS_PARTS, B * T))
+    dz = torch.empty(B, T, s, dtype=z.dtype)
+    dg = torch.zeros(parts, n, s, dtype=torch.float32)
+    db = torch.zeros(parts, n, s, dtype=torch.float32)
+    _call("tn_heads_bwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(cos), _ptr(sin), _ptr(dy), _ptr(dz), _ptr(dg), _ptr(db),
+          B * T, n, s, P, z.stride(1), parts)
+    return dz, dg.sum(0), db.sum(0)

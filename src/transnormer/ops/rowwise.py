@@ -1,7 +1,7 @@
-"""Row-wise ops of a block: SimpleRMSNorm and the GLU's SiLU gate.
+"""Row-wise ops of a block: SimpleRMSNorm, the GLU's SiLU gate and the GAU/FLASH query-key heads.
 
-Each has a fused CPU kernel for fp32/bf16 (``_native_norm.cpp``, ``_native_glu.cpp``: one read
-and one write per direction, fp32 arithmetic) and a PyTorch form (GPU, fp64, no compiler,
+Each has a fused CPU kernel for fp32/bf16 (``_native_norm.cpp``, ``_native_glu.cpp``,
+``_native_heads.cpp``: one read and one write per direction, fp32 arithmetic) and a PyTorch form (GPU, fp64, no compiler,
 ``set_kernel_backend("torch")``), which is also the tests' oracle.
 """
 
@@ -71,3 +71,53 @@ def silu_gate(ab: torch.Tensor) -> torch.Tensor:
     if ab.numel() and _native.rows_usable(ab.dtype, ab.device):
         return _FusedSiluGate.apply(ab.contiguous())
     return silu_gate_reference(ab)
+
+
+def scale_offset_rope_reference(z, gamma, beta, cos, sin):
+    """heads_h = RoPE(z ⊙ γ_h + β_h), rotate-half pairs (i, i + P) of the first 2P channels."""
+    x = z[:, :, None, :] * gamma + beta  # [B, T, n, s]
+    P = cos.shape[-1]
+    c, s_ = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
+    lo, hi = x[..., :P], x[..., P:2 * P]
+    return torch.cat((lo * c - hi * s_, hi * c + lo * s_, x[..., 2 * P:]), -1)
+
+
+class _FusedHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, gamma, beta, cos, sin):
+        ctx.save_for_backward(z, gamma, cos, sin)
+        return _native.heads_fwd(z, gamma, beta, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        z, gamma, cos, sin = ctx.saved_tensors
+        dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dy.float().contiguous())
+        return dz, dgamma, dbeta, None, None
+
+
+def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """GAU/FLASH query-key heads: RoPE(z ⊙ γ_h + β_h) for every head h.
+
+    Args:
+        z: [B, T, s] shared projection (its rows may be strided: a slice of the layer's projection).
+        gamma, beta: [n, s] per-head scale and offset.
+        cos, sin: [B or 1, T, P] rotary tables; pairs (i, i + P) of the first 2P ≤ s channels
+            rotate (rotate-half), the other channels pass through. No gradient flows to them.
+
+    Returns [B, T, n, s] in the promoted dtype of z and γ (fp32 for a bf16 z under autocast).
+    """
+    B, T, s = z.shape
+    P = cos.shape[-1]
+    if gamma.dim() != 2 or gamma.shape[1] != s or beta.shape != gamma.shape:
+        raise ValueError(f"gamma and beta must be [n, s = {s}], got {tuple(gamma.shape)} and {tuple(beta.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[0] not in (1, B) or t.shape[1] != T or 2 * P > s:
+            raise ValueError(f"{name} must be [B or 1, T = {T}, P] with 2P <= {s}, got {tuple(t.shape)}")
+    if (z.numel() and _native.rows_usable(z.dtype, z.device) and gamma.dtype == beta.dtype == torch.float32
+            and not (cos.requires_grad or sin.requires_grad)):
+        z = z if _native.heads_rows_ok(z) else z.contiguous()
+        cos, sin = (t.float().expand(B, T, P).contiguous() for t in (cos, sin))
+        return _FusedHeads.apply(z, gamma.contiguous(), beta.contiguous(), cos, sin)
+    return scale_offset_rope_reference(z, gamma, beta, cos, sin)

@@ -1,0 +1,111 @@
+// Fused query/key heads of GAU / FLASH: per-head scale and offset of the shared z, then RoPE.
+//
+// Why this file exists: heads_h = RoPE(z * gamma_h + beta_h) is, in PyTorch, a broadcast
+// multiply-add to [B, T, n, s] and a rotate-half written with cat/slices (two cats forward,
+// zero-filled slice gradients backward, the cos/sin products), about 20 ms per FLASH layer at
+// 4k tokens; a 12-layer flash-lm runs it 12 times per step. Here a token row of z is read once
+// and its n head rows written once; backward reads the head gradients once and writes dz and
+// per-thread partial sums of dgamma, dbeta.
+//
+// Built with the other kernels into one library by transnormer/ops/_native.py.
+//
+// Layouts: z [N, s] with rows ldz >= s elements apart (a slice of the projection), fp32 or bf16;
+// gamma, beta [n, s] fp32; cos, sin [N, P] fp32, rotating pairs (i, i + P) of the first 2P <= s
+// channels (rotate-half), the rest passing through; y, dy [N, n, s] fp32 contiguous;
+// dz [N, s] contiguous in z's dtype; dgamma, dbeta partials [parts, n, s] fp32.
+//   x = z * gamma_h + beta_h,  y_i = x_i c_i - x_i+P s_i,  y_i+P = x_i+P c_i + x_i s_i  (i < P)
+
+#include "_native_common.h"
+
+namespace {
+
+using namespace tn;
+
+struct Shape {
+    idx N, n, s, P, ldz;
+};
+
+template <typename T>
+void forward_rows(const Shape& sh, const T* z, const float* gamma, const float* beta, const float* cos,
+                  const float* sin, float* y, idx r0, idx r1) {
+    const idx n = sh.n, s = sh.s, P = sh.P;
+    std::vector<float> zr(s), x(s);
+    for (idx r = r0; r < r1; ++r) {
+        for (idx j = 0; j < s; ++j) zr[j] = to_float(z[r * sh.ldz + j]);
+        const float *c = cos + r * P, *sn = sin + r * P;
+        for (idx h = 0; h < n; ++h) {
+            const float *g = gamma + h * s, *b = beta + h * s;
+            float* out = y + (r * n + h) * s;
+            for (idx j = 0; j < s; ++j) x[j] = zr[j] * g[j] + b[j];
+            for (idx i = 0; i < P; ++i) {
+                out[i] = x[i] * c[i] - x[i + P] * sn[i];
+                out[i + P] = x[i + P] * c[i] + x[i] * sn[i];
+            }
+            for (idx j = 2 * P; j < s; ++j) out[j] = x[j];
+        }
+    }
+}
+
+// Rows [r0, r1) add their dgamma, dbeta into dg, db ([n, s], zeroed by the caller).
+template <typename T>
+void backward_rows(const Shape& sh, const T* z, const float* gamma, const float* cos, const float* sin,
+                   const float* dy, T* dz, float* dg, float* db, idx r0, idx r1) {
+    const idx n = sh.n, s = sh.s, P = sh.P;
+    std::vector<float> zr(s), dx(s), acc(s);
+    for (idx r = r0; r < r1; ++r) {
+        for (idx j = 0; j < s; ++j) zr[j] = to_float(z[r * sh.ldz + j]);
+        for (idx j = 0; j < s; ++j) acc[j] = 0.0f;
+        const float *c = cos + r * P, *sn = sin + r * P;
+        for (idx h = 0; h < n; ++h) {
+            const float* g = dy + (r * n + h) * s;
+            for (idx i = 0; i < P; ++i) {  // the rotation transposed
+                dx[i] = g[i] * c[i] + g[i + P] * sn[i];
+                dx[i + P] = g[i + P] * c[i] - g[i] * sn[i];
+            }
+            for (idx j = 2 * P; j < s; ++j) dx[j] = g[j];
+            const float* gm = gamma + h * s;
+            float *dgh = dg + h * s, *dbh = db + h * s;
+            for (idx j = 0; j < s; ++j) {
+                acc[j] += dx[j] * gm[j];
+                dgh[j] += dx[j] * zr[j];
+                dbh[j] += dx[j];
+            }
+        }
+        for (idx j = 0; j < s; ++j) from_float(acc[j], dz + r * s + j);
+    }
+}
+
+bool bad(const Shape& sh) { return sh.N < 0 || sh.n < 1 || sh.s < 1 || sh.P < 0 || 2 * sh.P > sh.s || sh.ldz < sh.s; }
+
+}  // namespace
+
+extern "C" {
+
+#define TN_HEADS_DEFINE(SUFFIX, T)                                                                              \
+    int tn_heads_fwd_##SUFFIX(const void* z, const float* gamma, const float* beta, const float* cos,           \
+                              const float* sin, float* y, idx N, idx n, idx s, idx P, idx ldz, int nthreads) {   \
+        const Shape sh{N, n, s, P, ldz};                                                                        \
+        if (bad(sh)) return 1;                                                                                  \
+        parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                      \
+            forward_rows(sh, static_cast<const T*>(z), gamma, beta, cos, sin, y, r0, r1);                       \
+        });                                                                                                     \
+        return 0;                                                                                               \
+    }                                                                                                           \
+    /* dg, db: [parts, n, s] zeroed; part p sums the rows [N p / parts, N (p + 1) / parts) */                  \
+    int tn_heads_bwd_##SUFFIX(const void* z, const float* gamma, const float* cos, const float* sin,            \
+                              const float* dy, void* dz, float* dg, float* db, idx N, idx n, idx s, idx P,       \
+                              idx ldz, idx parts, int nthreads) {                                               \
+        const Shape sh{N, n, s, P, ldz};                                                                        \
+        if (bad(sh) || parts < 1) return 1;                                                                     \
+        parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                  \
+            for (idx p = p0; p < p1; ++p)                                                                       \
+                backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, dy, static_cast<T*>(dz),           \
+                              dg + p * n * s, db + p * n * s, N * p / parts, N * (p + 1) / parts);              \
+        });                                                                                                     \
+        return 0;                                                                                               \
+    }
+
+TN_HEADS_DEFINE(f32, float)
+TN_HEADS_DEFINE(bf16, bf16)
+
+}  // extern "C"
