@@ -228,7 +228,7 @@ def flash_attn(
         q_local, k_local, q_global, k_global, v = (F.pad(x, (0, 0, 0, pad)) for x in
                                                    (q_local, k_local, q_global, k_global, v))
         valid = F.pad(valid, (0, pad), value=False)
-    vc = v.reshape(B, G, C, e)
+    vc = v.reshape(B, G, C, e).contiguous()  # v is a slice of the projection: one copy here, none per product
     holes = mask is not None or pad > 0  # some rows are not real tokens
     out = None
 
