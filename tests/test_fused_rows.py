@@ -13,6 +13,7 @@ from transnormer.ops.rowwise import (
     scale_offset_rope_reference,
     silu_gate,
     silu_gate_reference,
+    silu_split,
     simple_rms_norm,
     simple_rms_norm_reference,
 )
@@ -322,3 +323,35 @@ def test_gau_heads_fused_equal_the_rotate_half_form(backend_mode):
     angles = pos[..., None].float() * layer.rope.theta
     old = rotate(z[:, :, None, :] * layer.gamma + layer.beta, angles, "half")
     assert rel_err(heads, old) < 1e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("widths", [[16, 16, 8], [7, 1, 33], [40]])
+def test_silu_split_fused_matches_reference(backend_mode, widths):
+    backend_mode("native")
+    g = torch.Generator().manual_seed(sum(widths))
+    pre = torch.randn(2, 37, sum(widths), dtype=torch.float64, generator=g) * 4
+    grads = [torch.randn(2, 37, w, dtype=torch.float64, generator=g) for w in widths]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        p_ref = pre.to(dtype).double().requires_grad_()
+        ref = torch.nn.functional.silu(p_ref).split(widths, -1)
+        (d_ref,) = torch.autograd.grad(ref, p_ref, grads)
+        p = pre.to(dtype).requires_grad_()
+        outs = silu_split(p, widths)
+        assert all(o.is_contiguous() and o.dtype == dtype for o in outs)
+        (d,) = torch.autograd.grad(outs, p, [x.to(dtype) for x in grads])
+        for a, b in zip((*outs, d), (*ref, d_ref)):
+            assert rel_err(a.double(), b) < tol
+
+
+@needs_kernel
+def test_silu_split_unused_group_gets_no_gradient(backend_mode):
+    backend_mode("native")
+    pre = torch.randn(3, 10, requires_grad=True)
+    u, v = silu_split(pre, [6, 4])
+    (d,) = torch.autograd.grad(u.sum(), pre)
+    assert (d[:, 6:] == 0).all()
+    ref = torch.autograd.grad(torch.nn.functional.silu(pre)[:, :6].sum(), pre)[0]
+    assert rel_err(d, ref) < 1e-6
+    with pytest.raises(ValueError, match="widths must be positive"):
+        silu_split(pre, [6, 5])

@@ -22,7 +22,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..modules.positional import LRPE
 from ..ops.flash import (
@@ -34,7 +33,7 @@ from ..ops.flash import (
     relu2_attention,
 )
 from ..ops.norm_linear import state_dtype_for
-from ..ops.rowwise import scale_offset_rope
+from ..ops.rowwise import scale_offset_rope, silu_split
 from .base import TokenMixer, mask_and_positions, update_block_cache
 
 REL_BIAS_TYPES = ("toeplitz", "toeplitz_moving", "rope_bias", "t5", "none")
@@ -183,7 +182,7 @@ class _GatedUnit(TokenMixer):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``)."""
-        u, v, z = F.silu(self.proj(x)).split([self.e, self.e, self.s], dim=-1)
+        u, v, z = silu_split(self.proj(x), [self.e, self.e, self.s])  # fused on CPU (ops/rowwise.py)
         if self.rope is None:
             return u, v, z[:, :, None, :] * self.gamma + self.beta
         # scale/offset and rotate-half in one pass on CPU (ops/rowwise.py)

@@ -98,6 +98,8 @@ _SIGNATURES = {
     "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32]),
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
+    "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 3 + [_I32, _I64, _I64]),
+    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 3 + [_I32, _P, _I64, _I64]),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6),
 }
@@ -316,6 +318,24 @@ def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     dab = torch.empty_like(ab)
     _call("tn_silu_gate_bwd", ab.dtype, _ptr(ab), _ptr(dh), _ptr(dab), dh.numel() // max(F, 1), F)
     return dab
+
+
+def silu_split_fwd(pre: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """silu of contiguous pre [..., W], split into contiguous column groups of ``widths``."""
+    n = len(widths)
+    outs = [torch.empty(*pre.shape[:-1], w, dtype=pre.dtype) for w in widths]
+    _call("tn_silu_split_fwd", pre.dtype, _ptr(pre), (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]),
+          (ctypes.c_long * n)(*widths), n, pre.numel() // max(pre.shape[-1], 1), pre.shape[-1])
+    return outs
+
+
+def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: list[int]) -> torch.Tensor:
+    """d(pre) from the groups' contiguous gradients (None = zero)."""
+    n = len(widths)
+    dpre = torch.empty_like(pre)
+    _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
+          (ctypes.c_long * n)(*widths), n, _ptr(dpre), pre.numel() // max(pre.shape[-1], 1), pre.shape[-1])
+    return dpre
 
 
 def heads_rows_ok(z: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -34,6 +35,35 @@ inline void from_float(float x, bf16* dst) {
     std::memcpy(&u, &x, 4);
     u += 0x7FFFu + ((u >> 16) & 1u);
     dst->bits = uint16_t(u >> 16);
+}
+
+// exp(x) for x <= 0 without a library call, so loops over a row vectorize: x = n ln2 + r,
+// degree-7 Taylor polynomial of e^r (relative error < 1e-7), 2^n through the exponent bits.
+inline float exp_nonpositive(float x) {
+    x = std::max(x, -87.0f);
+    const float t = x * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// sigmoid through exp(-|a|) <= 1 (no overflow), branch-free so row loops vectorize
+inline float sigmoid(float a) {
+    const float e = exp_nonpositive(-std::fabs(a));
+    const float r = 1.0f / (1.0f + e);
+    return a >= 0.0f ? r : e * r;
 }
 
 // body(lo, hi) on [0, N) split into contiguous ranges, one per thread (the caller's thread too).

@@ -20,8 +20,6 @@ namespace {
 
 using namespace tn;
 
-inline float sigmoid(float a) { return 1.0f / (1.0f + std::exp(-a)); }
-
 #if defined(TN_AVX512)
 // sigmoid through exp(-|a|) <= 1, so exp never overflows: a >= 0: 1 / (1 + e), a < 0: e / (1 + e)
 inline __m512 sigmoid16(__m512 a) {
@@ -105,5 +103,106 @@ extern "C" {
 
 TN_GLU_DEFINE(f32, float)
 TN_GLU_DEFINE(bf16, bf16)
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// SiLU of a projection split into column groups (GAU / FLASH: [u | v | z] = silu(x W + b)).
+// Forward writes each group to its own contiguous tensor; backward takes the groups' gradients
+// (null = zero) and writes d(pre) in one pass: no concatenation of the three gradients first.
+//   pre [N, W] with rows ldp >= W apart; out_g / dout_g [N, w_g] contiguous; dpre [N, W] contiguous.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// silu of one group row: src[0..w) -> dst (vectorized where AVX-512 is there)
+template <typename T>
+inline void silu_row(const T* src, idx w, T* dst) {
+    idx j = 0;
+#if defined(TN_AVX512)
+    for (; j < w; j += 16) {
+        const __mmask16 k = tail_mask(w - j);
+        const __m512 a = load16(src + j, k);
+        store16(dst + j, _mm512_mul_ps(a, sigmoid16(a)), k);
+    }
+#endif
+    for (; j < w; ++j) {
+        const float a = to_float(src[j]);
+        from_float(a * sigmoid(a), dst + j);
+    }
+}
+
+// d(pre) of one group row: go * silu'(pre), or 0 without a gradient
+template <typename T>
+inline void silu_grad_row(const T* src, const T* go, idx w, T* dst) {
+    idx j = 0;
+#if defined(TN_AVX512)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j < w; j += 16) {
+        const __mmask16 k = tail_mask(w - j);
+        const __m512 a = load16(src + j, k), s = sigmoid16(a);
+        const __m512 ds = _mm512_fmadd_ps(_mm512_mul_ps(a, s), _mm512_sub_ps(one, s), s);
+        store16(dst + j, go ? _mm512_mul_ps(load16(go + j, k), ds) : _mm512_setzero_ps(), k);
+    }
+#endif
+    for (; j < w; ++j) {
+        const float a = to_float(src[j]), s = sigmoid(a);
+        from_float(go ? to_float(go[j]) * s * (1.0f + a * (1.0f - s)) : 0.0f, dst + j);
+    }
+}
+
+template <typename T>
+void silu_split_rows(const T* pre, idx ldp, int ng, const idx* widths, T* const* outs, idx r0, idx r1) {
+    for (idx r = r0; r < r1; ++r) {
+        const T* p = pre + r * ldp;
+        for (int g = 0; g < ng; ++g) {
+            silu_row(p, widths[g], outs[g] + r * widths[g]);
+            p += widths[g];
+        }
+    }
+}
+
+template <typename T>
+void silu_split_bwd_rows(const T* pre, idx ldp, int ng, const idx* widths, const T* const* douts, T* dpre, idx W,
+                         idx r0, idx r1) {
+    for (idx r = r0; r < r1; ++r) {
+        const T* p = pre + r * ldp;
+        T* d = dpre + r * W;
+        for (int g = 0; g < ng; ++g) {
+            silu_grad_row(p, douts[g] ? douts[g] + r * widths[g] : nullptr, widths[g], d);
+            p += widths[g];
+            d += widths[g];
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define TN_SILU_SPLIT_DEFINE(SUFFIX, T)                                                                        \
+    int tn_silu_split_fwd_##SUFFIX(const void* pre, void* const* outs, const idx* widths, int ng, idx N, idx ldp, \
+                                   int nthreads) {                                                            \
+        idx W = 0;                                                                                             \
+        for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
+        if (N < 0 || ng < 1 || ldp < W) return 1;                                                              \
+        parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                     \
+            silu_split_rows(static_cast<const T*>(pre), ldp, ng, widths, reinterpret_cast<T* const*>(outs), r0, r1); \
+        });                                                                                                    \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    int tn_silu_split_bwd_##SUFFIX(const void* pre, const void* const* douts, const idx* widths, int ng, void* dpre, \
+                                   idx N, idx ldp, int nthreads) {                                            \
+        idx W = 0;                                                                                             \
+        for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
+        if (N < 0 || ng < 1 || ldp < W) return 1;                                                              \
+        parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                     \
+            silu_split_bwd_rows(static_cast<const T*>(pre), ldp, ng, widths, reinterpret_cast<const T* const*>(douts), \
+                                static_cast<T*>(dpre), W, r0, r1);                                             \
+        });                                                                                                    \
+        return 0;                                                                                              \
+    }
+
+TN_SILU_SPLIT_DEFINE(f32, float)
+TN_SILU_SPLIT_DEFINE(bf16, bf16)
 
 }  // extern "C"

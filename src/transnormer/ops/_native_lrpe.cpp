@@ -29,28 +29,6 @@ namespace {
 
 using namespace tn;
 
-// exp(x) for x <= 0 without a library call, so loops over a row vectorize: x = n ln2 + r,
-// degree-7 Taylor polynomial of e^r (relative error < 1e-7), 2^n through the exponent bits.
-inline float exp_nonpositive(float x) {
-    x = std::max(x, -87.0f);
-    const float t = x * 1.44269504088896341f;
-    const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
 inline float phi(int kern, float v) {
     if (kern == 0) return v;
     if (kern == 3) return v > 0.0f ? v : 0.0f;

@@ -1,4 +1,5 @@
-"""Row-wise ops of a block: SimpleRMSNorm, the GLU's SiLU gate and the GAU/FLASH query-key heads.
+"""Row-wise ops of a block: SimpleRMSNorm, the GLU's SiLU gate, and GAU/FLASH's split SiLU and
+query-key heads.
 
 Each has a fused CPU kernel for fp32/bf16 (``_native_norm.cpp``, ``_native_glu.cpp``,
 ``_native_heads.cpp``: one read and one write per direction, fp32 arithmetic) and a PyTorch form (GPU, fp64, no compiler,
@@ -71,6 +72,36 @@ def silu_gate(ab: torch.Tensor) -> torch.Tensor:
     if ab.numel() and _native.rows_usable(ab.dtype, ab.device):
         return _FusedSiluGate.apply(ab.contiguous())
     return silu_gate_reference(ab)
+
+
+class _FusedSiluSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pre, widths):
+        ctx.save_for_backward(pre)
+        ctx.widths = widths
+        ctx.set_materialize_grads(False)  # an unused group needs no zero gradient
+        return tuple(_native.silu_split_fwd(pre, widths))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        (pre,) = ctx.saved_tensors
+        grads = [None if g is None else g.to(pre.dtype).contiguous() for g in grads]
+        return _native.silu_split_bwd(pre, grads, ctx.widths), None
+
+
+def silu_split(pre: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
+    """``F.silu(pre).split(widths, -1)`` as contiguous tensors (GAU/FLASH's [u | v | z]).
+
+    The fused CPU form writes each group once and, backward, d(pre) in one pass from the groups'
+    gradients, without concatenating them first.
+    """
+    widths = [int(w) for w in widths]
+    if sum(widths) != pre.shape[-1] or min(widths, default=0) < 1:
+        raise ValueError(f"widths must be positive and sum to pre's last dim {pre.shape[-1]}, got {widths}")
+    if pre.numel() and _native.rows_usable(pre.dtype, pre.device):
+        return _FusedSiluSplit.apply(pre.contiguous(), widths)
+    return F.silu(pre).split(widths, dim=-1)
 
 
 def scale_offset_rope_reference(z, gamma, beta, cos, sin):
