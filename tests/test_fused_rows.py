@@ -355,3 +355,36 @@ def test_silu_split_unused_group_gets_no_gradient(backend_mode):
     assert rel_err(d, ref) < 1e-6
     with pytest.raises(ValueError, match="widths must be positive"):
         silu_split(pre, [6, 5])
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole models: the fused kernels change no result beyond rounding
+# ------------------------------------------------------------------------------------------------
+def _loss_and_grads(model, ids, amp):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach().double(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("preset", ["t2-lm-tiny", "t1-lm-tiny", "flash-lm-tiny", "flash-quad-lm-tiny", "vanilla-lm-tiny",
+                                    "t2-roberta-tiny"])
+def test_models_agree_with_and_without_the_fused_kernels(backend_mode, preset):
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    model = build_model(preset, task="mlm" if "roberta" in preset else "clm", vocab_size=300, dropout=0.0).eval()
+    ids = torch.randint(0, 300, (2, 37))
+    out = {}
+    for mode in ("torch", "auto"):  # auto: every kernel where it applies (the causal op is fp32-only)
+        backend_mode(mode)
+        out[mode, False] = _loss_and_grads(model, ids, False)
+        out[mode, True] = _loss_and_grads(model, ids, True)
+    for a, b in zip(out["auto", False], out["torch", False]):  # fp32: rounding only
+        assert rel_err(a, b) < 1e-5
+    ref = out["torch", False][1]
+    errs = [float((out[mode, True][1] - ref).norm() / ref.norm()) for mode in ("torch", "auto")]
+    assert max(errs) < 0.15  # bf16 autocast: both forms about as far from fp32 (T1 is the least precise)
+    assert errs[1] < 1.5 * errs[0] + 1e-3
