@@ -171,6 +171,20 @@ def test_xent_rows_match_the_formula(V):
 
 
 @needs_kernel
+@pytest.mark.parametrize("R,C", [(512, 1000), (7, 33), (16, 16), (17, 1), (1, 40)])
+def test_transpose_accumulate_is_exact(R, C):
+    src = torch.randn(R, C).bfloat16()
+    dst = torch.randn(C, R)
+    start = dst.clone()
+    _native.transpose_acc(src, dst, accumulate=True)
+    assert torch.equal(dst, start + src.float().T)
+    _native.transpose_acc(src, dst, accumulate=False)
+    assert torch.equal(dst, src.float().T)
+    with pytest.raises(ValueError, match="transpose_acc needs"):
+        _native.transpose_acc(src.float(), dst, accumulate=False)
+
+
+@needs_kernel
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("V,N,chunk", [(33, 50, 16), (1000, 300, 128), (1000, 7, 1000)])
 def test_linear_cross_entropy_fused_equals_torch_form(backend_mode, autocast, V, N, chunk):

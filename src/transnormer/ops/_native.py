@@ -94,6 +94,7 @@ _SIGNATURES = {
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
+    "tn_transpose_acc": (("bf16",), [_P, _I64, _I64, _P, _I32]),
     "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32]),
     "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32]),
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
@@ -259,6 +260,16 @@ def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, wri
     _call("tn_xent_rows", x.dtype, _ptr(x), n, V, x.stride(0), _ptr(labels), _ptr(valid), _ptr(lse), _ptr(target),
           int(write_grad))
     return lse, target
+
+
+def transpose_acc(src: torch.Tensor, dst: torch.Tensor, *, accumulate: bool) -> None:
+    """dst (fp32 [C, R], contiguous) = or += srcᵀ for contiguous bf16 src [R, C] (``_native_xent.cpp``)."""
+    R, C = src.shape
+    if src.dtype != torch.bfloat16 or dst.dtype != torch.float32 or dst.shape != (C, R) or not (
+            src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"transpose_acc needs contiguous bf16 src [R, C] and fp32 dst [C, R], got {src.dtype} "
+                         f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    _call("tn_transpose_acc", src.dtype, _ptr(src), R, C, _ptr(dst), int(accumulate))
 
 
 LRPE_KERNELS = {"identity": 0, "elu": 1, "1+elu": 2, "relu": 3}

@@ -121,3 +121,44 @@ int tn_xent_rows_bf16(void* x, idx n, idx V, idx ld, const int64_t* labels, cons
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// dst[C, R] (fp32, contiguous) = or += src[R, C]^T (bf16, contiguous): the LM head's weight
+// gradient. oneDNN runs the bf16 product x^T g ([d, n] . [n, V]) at about twice the rate of
+// g^T x ([V, n] . [n, d]); this turns its [d, V] result into the [V, d] gradient (fp32 sum over
+// row chunks) in one pass of 16 x 16 tiles through L1; it is bound by memory bandwidth (an AVX-512
+// gather version ran no faster).
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+void transpose_acc_cols(const bf16* src, idx R, idx C, float* dst, bool acc, idx c0, idx c1) {
+    alignas(64) float tile[16 * 16];
+    for (idx cb = c0; cb < c1; cb += 16) {
+        const idx nc = std::min<idx>(16, c1 - cb);
+        for (idx rb = 0; rb < R; rb += 16) {
+            const idx nr = std::min<idx>(16, R - rb);
+            for (idx i = 0; i < nr; ++i)
+                for (idx j = 0; j < nc; ++j) tile[j * 16 + i] = to_float(src[(rb + i) * C + cb + j]);
+            for (idx j = 0; j < nc; ++j) {
+                float* d = dst + (cb + j) * R + rb;
+                const float* t = tile + j * 16;
+                if (acc)
+                    for (idx i = 0; i < nr; ++i) d[i] += t[i];
+                else
+                    for (idx i = 0; i < nr; ++i) d[i] = t[i];
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int tn_transpose_acc_bf16(const void* src, idx R, idx C, float* dst, int accumulate, int nthreads) {
+    if (R < 0 || C < 0) return 1;
+    // split the columns (the rows of dst) in blocks of 16 over the threads
+    const idx nb = (C + 15) / 16;
+    parallel_ranges(nb, nthreads, [&](idx b0, idx b1) {
+        transpose_acc_cols(static_cast<const bf16*>(src), R, C, dst, accumulate != 0, b0 * 16, std::min(C, b1 * 16));
+    });
+    return 0;
+}
