@@ -402,3 +402,26 @@ def test_models_agree_with_and_without_the_fused_kernels(backend_mode, preset):
     errs = [float((out[mode, True][1] - ref).norm() / ref.norm()) for mode in ("torch", "auto")]
     assert max(errs) < 0.15  # bf16 autocast: both forms about as far from fp32 (T1 is the least precise)
     assert errs[1] < 1.5 * errs[0] + 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_norm_through_the_fused_norm_equals_its_formula(backend_mode, dtype):
+    from transnormer.modules.norms import ScaleNorm
+
+    backend_mode("native")
+    norm = ScaleNorm(40, eps=1e-5)
+    with torch.no_grad():
+        norm.scale.fill_(1.7)
+    x = (torch.randn(3, 9, 40) * 2).to(dtype).requires_grad_()
+    w = torch.randn(3, 9, 40, dtype=torch.float64)  # a random projection: Σ y² is constant per row
+    y = norm(x)
+    gx, gs = torch.autograd.grad((y.double() * w).sum(), (x, norm.scale))
+    xr = x.detach().double().requires_grad_()
+    sr = norm.scale.detach().double().requires_grad_()
+    ref = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5) * sr
+    gxr, gsr = torch.autograd.grad((ref * w).sum(), (xr, sr))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert y.dtype == dtype
+    for a, b in ((y, ref), (gx, gxr), (gs, gsr)):
+        assert rel_err(a.double(), b) < tol

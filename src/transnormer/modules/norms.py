@@ -55,8 +55,9 @@ class ScaleNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        xf = _upcast(x)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).to(x.dtype)
+        # x·rsqrt(mean(x²) + ε) is SimpleRMSNorm with ε inside the root (fused on CPU, ops/rowwise.py);
+        # half inputs are upcast first so the gain multiplies fp32 values and the result rounds once
+        return (simple_rms_norm(_upcast(x), self.eps, eps_inside_sqrt=True) * self.scale).to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):
