@@ -425,3 +425,58 @@ def test_scale_norm_through_the_fused_norm_equals_its_formula(backend_mode, dtyp
     assert y.dtype == dtype
     for a, b in ((y, ref), (gx, gxr), (gs, gsr)):
         assert rel_err(a.double(), b) < tol
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs the kernels must not take, and values they must carry
+# ------------------------------------------------------------------------------------------------
+@needs_kernel
+def test_fused_paths_leave_other_devices_to_the_pytorch_form(backend_mode):
+    """A table or parameter on another device must not reach the C++ code (it would read a
+    foreign pointer): the PyTorch form runs and raises its own error."""
+    backend_mode("native")
+    z = torch.randn(1, 4, 8)
+    gamma = torch.randn(2, 8, device="meta")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        scale_offset_rope(z, gamma, gamma, torch.randn(1, 4, 4), torch.randn(1, 4, 4)).sum().item()
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        lrpe_feature_map(x, torch.randn(1, 4, 4, device="meta"), torch.randn(1, 4, 4, device="meta")).sum().item()
+
+
+@needs_kernel
+def test_lrpe_with_a_trainable_householder_vector_uses_the_pytorch_form(backend_mode):
+    backend_mode("native")
+    x = torch.randn(1, 5, 2, 8)
+    c = torch.randn(1, 5, 4)
+    u = torch.nn.functional.normalize(torch.randn(8), dim=0).requires_grad_()
+    (gu,) = torch.autograd.grad(lrpe_feature_map(x, c.cos(), c.sin(), u).sum(), u)
+    assert gu.abs().sum() > 0
+
+
+@needs_kernel
+def test_bf16_stores_keep_nan_and_inf(backend_mode):
+    backend_mode("native")
+    for n in (16, 5):  # a full vector and a tail
+        ab = torch.randn(1, 2 * n).bfloat16()
+        ab[0, 0] = float("nan")
+        ab[0, n + 1] = float("inf")
+        h = silu_gate(ab)
+        assert h[0, 0].isnan() and h[0, 1].isinf() and h[0, 2:].isfinite().all()
+
+
+def test_row_kernels_refuse_other_dtypes():
+    if _native.load() is None:
+        pytest.skip("fused CPU kernels unavailable")
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        _native.srms_fwd(torch.randn(2, 4, dtype=torch.float64), 1e-6, False)
+
+
+def test_flash_attn_checks_its_branches_and_keeps_the_value_dtype():
+    from transnormer.ops.flash import flash_attn
+
+    q = torch.randn(1, 20, 8)
+    with pytest.raises(ValueError, match="at least one of local_branch, global_branch"):
+        flash_attn(q, q, q, q, q, causal=True, chunk_size=8, local_branch=False, global_branch=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flash_attn(q, q, q, q, q, causal=True, chunk_size=8).dtype == torch.float32

@@ -86,8 +86,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             fused = _native.rows_usable(cdt, h.device)
             buf = None if fused and cdt != sdt else _scratch(0, rows_max, V, sdt, h.device)  # fp32 logits
             low = None if cdt == sdt else _scratch(1, rows_max, V, cdt, h.device)
-            dw_low = None if dw is None or dw.dtype == cdt else _scratch(3, V, d, cdt, h.device)
             transposed_dw = fused and dw is not None and cdt == torch.bfloat16 and dw.dtype == torch.float32
+            dw_low = None if dw is None or dw.dtype == cdt or transposed_dw else _scratch(3, V, d, cdt, h.device)
             for s in range(0, h.shape[0], chunk):
                 x, lab, ok = hc[s:s + chunk], labels[s:s + chunk], valid[s:s + chunk]
                 n = x.shape[0]

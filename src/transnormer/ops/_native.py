@@ -1,14 +1,15 @@
 """Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``)
 and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM
-loss's softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``)
+loss's softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``),
 the GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
 
-The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native``)
-into a cache directory and loaded with ctypes: no torch headers, so the build takes about two
-seconds. When there is no compiler, the build fails, or ``TRANSNORMER_NATIVE=0`` is set, the
-kernel is simply unavailable and ``norm_linear_attn`` runs its PyTorch form
-(``set_backend("torch")`` forces that; exported as ``transnormer.ops.set_kernel_backend``). The kernel reads q, k, v in their [B, T, H, D] layout (no permute copies)
-and splits heads over ``torch.get_num_threads()`` threads.
+The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native
+-fopenmp``) into one library in a cache directory and loaded with ctypes: no torch headers, so
+the build takes a few seconds. When there is no compiler, the build fails, or
+``TRANSNORMER_NATIVE=0`` is set, the kernels are simply unavailable and every op runs its
+PyTorch form (``set_backend("torch")`` forces that; exported as
+``transnormer.ops.set_kernel_backend``). The kernels read their tensors in place (q, k, v in
+their [B, T, H, D] layout) and split rows or heads over ``torch.get_num_threads()`` threads.
 
 Cache directory: ``$TRANSNORMER_CACHE/native`` if set, else ``~/.cache/transnormer/native``.
 """
@@ -144,10 +145,12 @@ def load() -> ctypes.CDLL | None:
 
 
 def set_backend(mode: str) -> None:
-    """Choose the causal ``norm_linear_attn`` backend on CPU.
+    """Choose the CPU backend of the fused kernels.
 
-    ``"auto"`` (default) uses the fused kernel for fp32/fp64 CPU tensors when it builds,
-    ``"torch"`` always runs the PyTorch form, ``"native"`` requires the kernel (raises if absent).
+    ``"auto"`` (default) uses each fused kernel where it applies (causal ``norm_linear_attn``:
+    fp32/fp64; the row kernels: fp32/bf16) when the library builds; ``"torch"`` always runs the
+    PyTorch forms; ``"native"`` is ``"auto"`` that raises if the library is absent, and also if the
+    causal ``norm_linear_attn`` gets tensors its kernel cannot take (e.g. bf16).
     """
     global _mode
     if mode not in ("auto", "torch", "native"):
@@ -235,6 +238,8 @@ def rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _call(name: str, dtype: torch.dtype, *args) -> None:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name}: the row kernels take float32 or bfloat16 tensors, got {dtype}")
     rc = getattr(load(), f"{name}_{'f32' if dtype == torch.float32 else 'bf16'}")(*args, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"{name} failed with code {rc}")

@@ -30,9 +30,14 @@ inline float to_float(bf16 x) {
 }
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, bf16* dst) {
-    // round to nearest even, as PyTorch's float -> bfloat16 conversion (the values are finite)
+    // round to nearest even, as PyTorch's float -> bfloat16 conversion; a NaN stays a quiet NaN
+    // (the rounding add could carry its payload into the exponent)
     uint32_t u;
     std::memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        dst->bits = uint16_t((u >> 16) | 0x0040u);
+        return;
+    }
     u += 0x7FFFu + ((u >> 16) & 1u);
     dst->bits = uint16_t(u >> 16);
 }
@@ -67,10 +72,11 @@ inline float sigmoid(float a) {
 }
 
 // body(lo, hi) on [0, N) split into contiguous ranges, one per thread (the caller's thread too).
-// Built with -fopenmp the threads are those of the OpenMP runtime PyTorch already loaded (its
-// bundled libgomp.so.1 has the same soname, so this library binds to it): PyTorch's workers,
-// which spin for a while after each of its parallel ops, pick the work up instead of competing
-// for the cores with threads of our own.
+// Built with -fopenmp the threads come from the OpenMP runtime already in the process: with the
+// PyPI CPU wheels that is PyTorch's bundled libgomp.so.1 (same soname, so this library binds to
+// it), and PyTorch's workers, which spin for a while after each of its parallel ops, pick the
+// work up instead of competing for the cores with threads of our own. (A PyTorch built with
+// another OpenMP runtime would get a second pool: slower, not wrong.)
 template <typename F>
 void parallel_ranges(long N, int nthreads, F body) {
     const int nt = (int)std::max<long>(1, std::min<long>(nthreads, N));

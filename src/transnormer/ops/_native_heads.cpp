@@ -5,7 +5,8 @@
 // zero-filled slice gradients backward, the cos/sin products), about 20 ms per FLASH layer at
 // 4k tokens; a 12-layer flash-lm runs it 12 times per step. Here a token row of z is read once
 // and its n head rows written once; backward reads the head gradients once and writes dz and
-// per-thread partial sums of dgamma, dbeta.
+// partial sums of dgamma, dbeta over a fixed number of row parts (results do not depend on the
+// thread count; at most that many threads work on the backward).
 //
 // Built with the other kernels into one library by transnormer/ops/_native.py.
 //

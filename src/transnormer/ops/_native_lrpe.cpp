@@ -17,9 +17,6 @@
 // Kernels phi: 0 identity, 1 elu, 2 1+elu, 3 relu.
 
 #include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <thread>
 #include <vector>
 
 #include "_native_common.h"

@@ -20,11 +20,13 @@ inline __m512 load16(const bf16* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
-inline void store16(bf16* p, __m512 x, __mmask16 m) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+inline void store16(bf16* p, __m512 x, __mmask16 m) {  // round to nearest even; NaN stays NaN
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
 // exp(x) for x <= 0 (a row minus its max): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-7

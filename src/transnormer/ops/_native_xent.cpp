@@ -7,7 +7,7 @@
 // thread takes a row (V floats fit in L2), reads it once from memory and writes the gradient
 // over it, in the logits' own dtype (fp32 or bf16; the arithmetic is fp32 throughout).
 //
-// Built with _native_linear_attn.cpp into one library by transnormer/ops/_native.py.
+// Built with the other kernels into one library by transnormer/ops/_native.py.
 //
 // tn_xent_rows_{f32,bf16}(x, n, V, ld, labels, valid, lse, target, write_grad, nthreads):
 //   x       [n, V] logits, row stride ld (elements); overwritten with the gradient if write_grad

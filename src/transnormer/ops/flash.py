@@ -215,6 +215,8 @@ def flash_attn(
     _check_single_head(q_local=q_local, k_local=k_local, q_global=q_global, k_global=k_global, v=v)
     check_positive_int("chunk_size", chunk_size)
     check_normalizer(normalizer, GLOBAL_NORMALIZERS, "global normalizer")
+    if not (local_branch or global_branch):
+        raise ValueError("flash_attn needs at least one of local_branch, global_branch")
     B, T, s = q_local.shape
     e = v.shape[-1]
     C = chunk_size
@@ -244,4 +246,5 @@ def flash_attn(
     if global_branch:
         out = _global_branch(k_global.reshape(B, G, C, s), vc, q_global.reshape(B, G, C, s),
                              valid.reshape(B, G, C) if holes else None, causal=causal, normalizer=normalizer, acc=out)
-    return out.reshape(B, G * C, e)[:, :T]
+    # under autocast the products come back in the autocast dtype: return v's dtype, as documented
+    return out.reshape(B, G * C, e)[:, :T].to(v.dtype)

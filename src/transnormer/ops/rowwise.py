@@ -144,9 +144,10 @@ def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, 
     if gamma.dim() != 2 or gamma.shape[1] != s or beta.shape != gamma.shape:
         raise ValueError(f"gamma and beta must be [n, s = {s}], got {tuple(gamma.shape)} and {tuple(beta.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 3 or t.shape[0] not in (1, B) or t.shape[1] != T or 2 * P > s:
-            raise ValueError(f"{name} must be [B or 1, T = {T}, P] with 2P <= {s}, got {tuple(t.shape)}")
+        if t.dim() != 3 or t.shape[0] not in (1, B) or t.shape[1] != T or t.shape[2] != P or 2 * P > s:
+            raise ValueError(f"{name} must be [B or 1, T = {T}, P = {P}] with 2P <= {s}, got {tuple(t.shape)}")
     if (z.numel() and _native.rows_usable(z.dtype, z.device) and gamma.dtype == beta.dtype == torch.float32
+            and all(t.device == z.device for t in (gamma, beta, cos, sin))
             and not (cos.requires_grad or sin.requires_grad)):
         z = z if _native.heads_rows_ok(z) else z.contiguous()
         cos, sin = (t.float().expand(B, T, P).contiguous() for t in (cos, sin))
