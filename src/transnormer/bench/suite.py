@@ -21,6 +21,16 @@ def verdict(name: str, ok: bool, detail: str) -> str:
     return f"{'PASS' if ok else 'FAIL'}  {name}: {detail}"
 
 
+def ratio_verdict(name: str, fast: str, slow: str, measured: float, ideal: float, tol: float = 0.10) -> str:
+    """PASS when ``measured`` (fast's speed over slow's) is within ``tol`` of the FLOP ``ideal``; a
+    FAIL says on which side, since ahead of the ideal means the slow side runs below the GEMM rate."""
+    off = measured / ideal - 1
+    side = "" if abs(off) <= tol else (f"; {fast} ahead of its FLOP ratio: {slow} runs further below the GEMM rate"
+                                       if off > 0 else f"; {fast} behind its FLOP ratio")
+    return verdict(name, abs(off) <= tol,
+                   f"speed ratio {measured:.2f}x, ideal from FLOPs {ideal:.2f}x (within {tol:.0%}){side}")
+
+
 def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), chunk: int = 64) -> dict:
     """norm_linear_attn fwd+bwd GFLOP/s as a fraction of the GEMM rate (causal ≥ 50%, bidir ≥ 70% at T ≥ 4k)."""
     rows, verdicts = [], []
@@ -80,8 +90,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                 ideal = model_flops_per_token(_config(b, vocab_size), T) / model_flops_per_token(_config(a, vocab_size), T)
                 measured = got[a]["tokens_per_s"] / got[b]["tokens_per_s"]
                 got[a]["ideal_ratio"], got[a]["measured_ratio"] = ideal, measured
-                verdicts.append(verdict(f"{a} vs {b} {dname} T={T}", abs(measured / ideal - 1) <= 0.10,
-                                        f"speed ratio {measured:.2f}x, ideal from FLOPs {ideal:.2f}x (within 10%)"))
+                verdicts.append(ratio_verdict(f"{a} vs {b} {dname} T={T}", a, b, measured, ideal))
             if mode == "train" and dname == "fp32" and "mfu" in got[a]:
                 verdicts.append(verdict(f"{a} MFU fp32 T={T}", got[a]["mfu"] >= 0.5,
                                         f"{got[a]['model_gflops']:.1f} GFLOP/s = {got[a]['mfu']:.0%} of "
