@@ -123,7 +123,7 @@ def test_lrpe_reads_strided_rows_in_place(backend_mode):
     qkv = torch.randn(2, 9, 3, 4, 16, requires_grad=True)
     ang = torch.randn(2, 9, 8)
     q = qkv.unbind(2)[1]
-    assert not q.is_contiguous() and _native.lrpe_rows_ok(q)
+    assert not q.is_contiguous() and _native.token_rows_ok(q)
     y = lrpe_feature_map(q, ang.cos(), ang.sin(), kernel="1+elu")
     (g,) = torch.autograd.grad(y.sum(), qkv)
     q2 = q.detach().contiguous().requires_grad_()

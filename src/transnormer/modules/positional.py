@@ -80,9 +80,13 @@ class LRPE(nn.Module):
         else:
             self.u = None
 
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """The pair angles m·θ [B or 1, T, D/2] at positions [B, T] (or [T])."""
+        return _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
+
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B or 1, T, D/2] of the pair angles m·θ at positions [B, T] (or [T])."""
-        angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
+        """cos, sin [B or 1, T, D/2] of the pair angles at positions [B, T] (or [T])."""
+        angles = self.angles(positions)
         return torch.cos(angles), torch.sin(angles)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, scale: float = 1.0,
@@ -93,14 +97,13 @@ class LRPE(nn.Module):
         """
         if self.pairing == "interleaved" and self.head_dim % 2 == 0:
             return lrpe_feature_map(x, *self.tables(positions), self.u, scale=scale, kernel=kernel)
-        angles = _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
         x = FEATURE_KERNELS[kernel](x)
         if self.u is not None:
             u = self.u.to(x.dtype)
             x = x @ (torch.eye(self.head_dim, dtype=x.dtype, device=x.device) - 2.0 * torch.outer(u, u))
         if scale != 1.0:
             x = x * scale
-        return rotate(x, angles, self.pairing)
+        return rotate(x, self.angles(positions), self.pairing)
 
 
 def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int = 0, pairing: str = "interleaved"):

@@ -180,8 +180,18 @@ def _ptr(x: torch.Tensor | None):
     return None if x is None else ctypes.c_void_p(x.data_ptr())
 
 
-def _sfx(dtype: torch.dtype) -> str:
-    return "f32" if dtype == torch.float32 else "f64"
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+
+
+def _call(name: str, dtype: torch.dtype, *args) -> None:
+    """Run kernel ``name`` for ``dtype`` (its suffix in ``_SIGNATURES``) on the PyTorch thread count."""
+    suffixes = _SIGNATURES[name][0]
+    if _DTYPE_SUFFIX.get(dtype) not in suffixes:
+        names = " or ".join(str(d).removeprefix("torch.") for d, sfx in _DTYPE_SUFFIX.items() if sfx in suffixes)
+        raise TypeError(f"{name}: the kernel takes {names} tensors, got {dtype}")
+    rc = getattr(load(), f"{name}_{_DTYPE_SUFFIX[dtype]}")(*args, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"{name} failed with code {rc}")
 
 
 class NativeCausalLinearAttn(torch.autograd.Function):
@@ -193,10 +203,7 @@ class NativeCausalLinearAttn(torch.autograd.Function):
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
         fin = torch.empty(B, H, D, E, dtype=q.dtype)
-        rc = getattr(load(), f"tn_causal_fwd_{_sfx(q.dtype)}")(
-            _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E, chunk, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"tn_causal_fwd failed with code {rc}")
+        _call("tn_causal_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E, chunk)
         ctx.save_for_backward(q, k, v, init)
         ctx.chunk = chunk
         ctx.set_materialize_grads(False)  # an unused final state needs no zero gradient tensor
@@ -212,11 +219,8 @@ class NativeCausalLinearAttn(torch.autograd.Function):
         dfin = None if dfin is None else dfin.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dinit = None if init is None else torch.empty_like(init)
-        rc = getattr(load(), f"tn_causal_bwd_{_sfx(q.dtype)}")(
-            _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(init), _ptr(dfin), _ptr(dq), _ptr(dk), _ptr(dv), _ptr(dinit),
-            B, T, H, D, E, ctx.chunk, torch.get_num_threads())
-        if rc:
-            raise RuntimeError(f"tn_causal_bwd failed with code {rc}")
+        _call("tn_causal_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(init), _ptr(dfin), _ptr(dq), _ptr(dk),
+              _ptr(dv), _ptr(dinit), B, T, H, D, E, ctx.chunk)
         return dq, dk, dv, dinit, None
 
 
@@ -237,12 +241,6 @@ def rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
             and dtype in (torch.float32, torch.bfloat16) and load() is not None)
 
 
-def _call(name: str, dtype: torch.dtype, *args) -> None:
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"{name}: the row kernels take float32 or bfloat16 tensors, got {dtype}")
-    rc = getattr(load(), f"{name}_{'f32' if dtype == torch.float32 else 'bf16'}")(*args, torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"{name} failed with code {rc}")
 
 
 def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, write_grad: bool):
@@ -280,15 +278,20 @@ def transpose_acc(src: torch.Tensor, dst: torch.Tensor, *, accumulate: bool) -> 
 LRPE_KERNELS = {"identity": 0, "elu": 1, "1+elu": 2, "relu": 3}
 
 
-def lrpe_rows_ok(x: torch.Tensor) -> bool:
-    """Whether x [B, T, H, D] can be read in place: token rows at one stride, each row's heads contiguous."""
-    B, T, H, D = x.shape
-    return (x.stride(3) == 1 and x.stride(2) == D and x.stride(1) >= H * D
+def token_rows_ok(x: torch.Tensor) -> bool:
+    """Whether the kernels can read x [B, T, ...] in place with one row stride: each token's trailing
+    dims one contiguous row, rows at one stride (q, k views of a fused qkv; a projection's slice)."""
+    B, T, *inner = x.shape
+    width, want = 1, []
+    for n in reversed(inner):
+        want.append(width)
+        width *= n
+    return (list(x.stride()[2:]) == want[::-1] and x.stride(1) >= width
             and (B == 1 or x.stride(0) == T * x.stride(1)))
 
 
 def lrpe_fwd(x, cos, sin, u, scale: float, kernel: str):
-    """y [B, T, H, D] (x's dtype, contiguous) from x (see :func:`lrpe_rows_ok`), fp32 cos/sin [B, T, D/2],
+    """y [B, T, H, D] (x's dtype, contiguous) from x (see :func:`token_rows_ok`), fp32 cos/sin [B, T, D/2],
     fp32 u [D] or None."""
     B, T, H, D = x.shape
     y = torch.empty(B, T, H, D, dtype=x.dtype)
@@ -354,17 +357,11 @@ def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: 
     return dpre
 
 
-def heads_rows_ok(z: torch.Tensor) -> bool:
-    """Whether z [B, T, s] can be read in place: token rows at one stride, each row contiguous."""
-    B, T, s = z.shape
-    return z.stride(2) == 1 and z.stride(1) >= s and (B == 1 or z.stride(0) == T * z.stride(1))
-
-
 _HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend on the thread count
 
 
 def heads_fwd(z, gamma, beta, cos, sin):
-    """RoPE(z * gamma_h + beta_h) [B, T, n, s] fp32 from z [B, T, s] (see :func:`heads_rows_ok`), fp32
+    """RoPE(z * gamma_h + beta_h) [B, T, n, s] fp32 from z [B, T, s] (see :func:`token_rows_ok`), fp32
     gamma, beta [n, s] and cos, sin [B, T, P] contiguous (``_native_heads.cpp``)."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]

@@ -92,7 +92,7 @@ def lrpe_feature_map(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, u: t
         shape = (x.shape[0], x.shape[1], x.shape[-1] // 2)
         cos, sin = (t.float().expand(shape).contiguous() for t in (cos, sin))
         u = None if u is None else u.float().contiguous()
-        x = x if _native.lrpe_rows_ok(x) else x.contiguous()  # q, k views of a fused qkv: read in place
+        x = x if _native.token_rows_ok(x) else x.contiguous()  # q, k views of a fused qkv: read in place
         return _FusedLRPE.apply(x, cos, sin, u, float(scale), kernel)
     return _torch_form(x, cos, sin, u, scale, kernel)
 

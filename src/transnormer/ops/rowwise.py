@@ -149,7 +149,7 @@ def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, 
     if (z.numel() and _native.rows_usable(z.dtype, z.device) and gamma.dtype == beta.dtype == torch.float32
             and all(t.device == z.device for t in (gamma, beta, cos, sin))
             and not (cos.requires_grad or sin.requires_grad)):
-        z = z if _native.heads_rows_ok(z) else z.contiguous()
+        z = z if _native.token_rows_ok(z) else z.contiguous()
         cos, sin = (t.float().expand(B, T, P).contiguous() for t in (cos, sin))
         return _FusedHeads.apply(z, gamma.contiguous(), beta.contiguous(), cos, sin)
     return scale_offset_rope_reference(z, gamma, beta, cos, sin)
