@@ -86,6 +86,12 @@ def relu2_attention(
 _PREFIX_MATMUL_MAX_CHUNKS = 64
 
 
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Sums over dim 1 of the entries before each one (the first gets 0); concatenated, not
+    cumsum − x, so no cancellation error in long sequences."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x.cumsum(1)[:, :-1]], 1)
+
+
 def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None) -> torch.Tensor:
     """FLASH's linear cross-chunk term, [B, G, C, e], from chunked heads kg, qg [B, G, C, s] and values
     vc [B, G, C, e]; ``valid`` [B, G, C] or None (every row a real token). With ``acc`` [B, G, C, e]
@@ -97,7 +103,7 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
     is one product of the states with a [G, G] lower-triangular weight matrix while G is small:
     cumsum over the chunk dim of [B, G, s, e] runs a slow strided loop (3.4 ms for 16 chunks of a
     128 x 1024 state here, the product well under 1 ms); beyond 64 chunks the product's G² cost
-    wins and the prefix is a cumsum (concatenated, not cumsum − S: no cancellation).
+    wins and the prefix is an exclusive cumsum.
     """
     B, G, C, _ = kg.shape
     odt, sdt = vc.dtype, state_dtype_for(vc.dtype)
@@ -112,7 +118,7 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
     with torch.autocast(vc.device.type, enabled=False):
         states = states.to(sdt)
         if causal:
-            seen = torch.cat([counts.new_zeros(B, 1), counts.cumsum(1)[:, :-1]], 1)  # [B, G] tokens before
+            seen = _exclusive_cumsum(counts)  # [B, G] tokens before each chunk
         else:
             seen = counts.sum(1, keepdim=True)  # [B, 1]
         scale = (1.0 / seen.clamp_min(1) if normalizer == "visible" else
@@ -123,7 +129,7 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
             w = torch.ones(G, G, dtype=sdt, device=vc.device).tril(-1) * scale[..., None]  # [B, G, G]
             prefix = (w @ states.flatten(2)).view(states.shape)
         else:
-            prefix = torch.cat([torch.zeros_like(states[:, :1]), states.cumsum(1)[:, :-1]], 1) * scale[..., None, None]
+            prefix = _exclusive_cumsum(states) * scale[..., None, None]
     if acc is not None and (amp or odt == sdt):  # autocast casts all three to its dtype
         prefix = prefix.expand(B, G, *prefix.shape[2:])
         return torch.baddbmm(acc.flatten(0, 1), qg.flatten(0, 1), prefix.flatten(0, 1)).view(acc.shape)
