@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import simple_rms_norm
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """fp32 for half inputs (their sums of squares lose too much); fp32/fp64 stay as they are."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return x.to(state_dtype_for(x.dtype))
 
 
 class SimpleRMSNorm(nn.Module):

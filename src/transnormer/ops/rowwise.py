@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _native
+from .norm_linear import state_dtype_for
 
 
 def simple_rms_norm_reference(x: torch.Tensor, eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
     """x / (‖x‖·D^{-1/2} + ε) (outside), or x / √(mean(x²) + ε) (inside); fp32 math for half x."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = x.to(state_dtype_for(x.dtype))
     if eps_inside_sqrt:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     else:
