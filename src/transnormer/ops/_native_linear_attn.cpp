@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "_native_common.h"
+#include "_native_simd.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -205,35 +206,7 @@ static void transpose(idx R, idx C, const T* src, idx ld_s, T* dst, idx ld_d) {
 }
 
 #if defined(__AVX512F__)
-// 16 x 16 fp32 blocks transposed in registers (unpack 32-bit, unpack 64-bit, then two rounds of
-// 128-bit lane shuffles); a scalar loop takes the ragged edges. (A scalar 64 x 64 transpose of
-// a hot tile took ~1 us, 40% of a 64^3 product.)
-static inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_s);
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {  // rows 4i..4i+3 interleaved: 4-element columns per lane
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int j = 0; j < 4; ++j) {
-        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
-        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
-    }
-    for (int j = 0; j < 8; ++j) {
-        _mm512_storeu_ps(dst + j * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
-        _mm512_storeu_ps(dst + (j + 8) * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
-    }
-}
+using tn::transpose16;
 
 template <>
 void transpose<float>(idx R, idx C, const float* src, idx ld_s, float* dst, idx ld_d) {
@@ -432,7 +405,7 @@ static int backward_all(const T* q, const T* k, const T* v, const T* dout, const
 
 extern "C" {
 
-int tn_abi_version() { return 4; }
+int tn_abi_version() { return 5; }
 
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \
