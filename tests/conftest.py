@@ -17,6 +17,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def on_one_and_two_threads(run):
+    """(run() on one thread, run() on two): the kernels split heads or rows over threads and must
+    give bitwise the same result."""
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(n)
+    return one, two
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a−b| / max|b| (the spec's tolerance measure)."""
     a, b = a.detach(), b.detach()

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import on_one_and_two_threads, rel_err
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
 needs_kernel = pytest.mark.skipif(_native.load() is None, reason="fused CPU kernel unavailable")
@@ -85,14 +85,7 @@ def test_same_result_on_one_and_two_threads(native):
             lambda q, k, v, S0: norm_linear_attn(q, k, v, causal=True, initial_state=S0, output_final_state=True),
             q, k, v, S0, go, gs)
 
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(n)
+    one, two = on_one_and_two_threads(run)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
 

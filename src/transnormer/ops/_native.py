@@ -1,7 +1,8 @@
-"""Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``)
-and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM
-loss's softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``),
-the GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
+"""Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``
+for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles) and the row kernels of a training
+step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's softmax cross-entropy rows
+(``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the GLU's SiLU gate
+(``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
 
 The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native
 -fopenmp``) into one library in a cache directory and loaded with ctypes: no torch headers, so
@@ -32,11 +33,11 @@ from torch.autograd.function import once_differentiable
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
-    "_native_heads.cpp"))
+    "_native_heads.cpp", "_native_amx.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 4
+_ABI = 5
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -90,8 +91,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_fl
 # Exported functions: name -> (suffixes, argument types); every one returns an int status and
 # takes the thread count last.
 _SIGNATURES = {
-    "tn_causal_fwd": (("f32", "f64"), [_P] * 6 + [_I64] * 6),
-    "tn_causal_bwd": (("f32", "f64"), [_P] * 10 + [_I64] * 6),
+    "tn_causal_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 6),  # bf16: AMX (_native_amx.cpp)
+    "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
@@ -148,9 +149,10 @@ def set_backend(mode: str) -> None:
     """Choose the CPU backend of the fused kernels.
 
     ``"auto"`` (default) uses each fused kernel where it applies (causal ``norm_linear_attn``:
-    fp32/fp64; the row kernels: fp32/bf16) when the library builds; ``"torch"`` always runs the
-    PyTorch forms; ``"native"`` is ``"auto"`` that raises if the library is absent, and also if the
-    causal ``norm_linear_attn`` gets tensors its kernel cannot take (e.g. bf16).
+    fp32/fp64, and bf16 on a CPU with AMX when D, E and the chunk are multiples of 32; the row
+    kernels: fp32/bf16) when the library builds; ``"torch"`` always runs the PyTorch forms;
+    ``"native"`` is ``"auto"`` that raises if the library is absent, and also if the causal
+    ``norm_linear_attn`` gets tensors neither of its kernels can take.
     """
     global _mode
     if mode not in ("auto", "torch", "native"):
@@ -172,8 +174,32 @@ def usable(*tensors: torch.Tensor) -> bool:
     ok = all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors)
     ok = ok and len({t.dtype for t in tensors}) == 1
     if _mode == "native" and not ok:
-        raise RuntimeError("backend 'native' needs CPU float32/float64 tensors of one dtype")
+        raise RuntimeError("backend 'native' needs CPU float32/float64 tensors of one dtype, or bfloat16 with D, E "
+                           "and the chunk multiples of 32 on a CPU with AMX")
     return ok and load() is not None
+
+
+_amx: bool | None = None
+
+
+def amx_ready() -> bool:
+    """Whether the bf16 causal kernel can run: the library was built with AMX (``-march=native`` on
+    a CPU with AMX-BF16) and Linux grants this process the AMX tile state."""
+    global _amx
+    if _amx is None:
+        lib = load()
+        _amx = lib is not None and lib.tn_amx_ready() == 1
+    return _amx
+
+
+def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> bool:
+    """Whether causal ``norm_linear_attn`` runs on the AMX kernel: CPU bf16 q, k, v with D, E and the
+    chunk multiples of 32, under the current backend mode."""
+    if _mode == "torch" or torch.compiler.is_compiling():
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
+        return False
+    return q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0 and chunk % 32 == 0 and amx_ready()
 
 
 def _ptr(x: torch.Tensor | None):
@@ -194,15 +220,20 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
         raise RuntimeError(f"{name} failed with code {rc}")
 
 
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
 class NativeCausalLinearAttn(torch.autograd.Function):
-    """q, k: [B, T, H, D], v: [B, T, H, E], init: [B, H, D, E] or None; contiguous, one dtype, T >= 1."""
+    """q, k: [B, T, H, D], v: [B, T, H, E], contiguous, one dtype (fp32, fp64, or bf16 on the AMX
+    kernel), T >= 1; init: [B, H, D, E] or None, in the state dtype (fp32 for bf16)."""
 
     @staticmethod
     def forward(ctx, q, k, v, init, chunk: int):
         B, T, H, D = q.shape
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
-        fin = torch.empty(B, H, D, E, dtype=q.dtype)
+        fin = torch.empty(B, H, D, E, dtype=_state_dtype(q.dtype))
         _call("tn_causal_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E, chunk)
         ctx.save_for_backward(q, k, v, init)
         ctx.chunk = chunk
@@ -216,7 +247,7 @@ class NativeCausalLinearAttn(torch.autograd.Function):
         B, T, H, D = q.shape
         E = v.shape[-1]
         do = torch.zeros(B, T, H, E, dtype=q.dtype) if do is None else do.contiguous()
-        dfin = None if dfin is None else dfin.contiguous()
+        dfin = None if dfin is None else dfin.to(_state_dtype(q.dtype)).contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dinit = None if init is None else torch.empty_like(init)
         _call("tn_causal_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(init), _ptr(dfin), _ptr(dq), _ptr(dk),
@@ -227,7 +258,7 @@ class NativeCausalLinearAttn(torch.autograd.Function):
 def native_causal_linear_attn(q, k, v, init, *, chunk: int):
     """(o [B, T, H, E], final state [B, H, D, E]) from the fused kernel; T >= 1."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    init = None if init is None else init.to(q.dtype).contiguous()
+    init = None if init is None else init.to(_state_dtype(q.dtype)).contiguous()
     return NativeCausalLinearAttn.apply(q, k, v, init, chunk)
 
 

@@ -98,11 +98,15 @@ def norm_linear_attn(
         final = init if init is not None else q.new_zeros(B, H, D, E, dtype=sdt)
         return v.new_zeros(B, 0, H, E), (final if output_final_state else None)
     c = min(chunk_size, T)
-    if B > 0 and _native.usable(q, k, v) and (init is None or init.device.type == "cpu"):
-        # Fused CPU kernel (ops/_native_linear_attn.cpp): the same chunked math, tile by tile,
-        # with no layout copies; the PyTorch form below is the fallback and the GPU path.
-        o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=c)
-        return o, (final if output_final_state else None)
+    if B > 0 and (init is None or init.device.type == "cpu"):
+        # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX
+        # tiles (ops/_native_amx.cpp; it zero-pads a short last chunk, so the chunk stays whole),
+        # fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp). The PyTorch form below is the
+        # fallback and the GPU path.
+        kernel_chunk = chunk_size if _native.amx_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
+        if kernel_chunk:
+            o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=kernel_chunk)
+            return o, (final if output_final_state else None)
     G = -(-T // c)
     pad = G * c - T
     if pad:

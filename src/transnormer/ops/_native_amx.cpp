@@ -1,0 +1,386 @@
+// bf16 causal linear attention on AMX tiles (the bf16 twin of _native_linear_attn.cpp).
+//
+// Why this file exists: under bf16 autocast the chunked algorithm is a stream of 64x64x64
+// products. PyTorch runs each as a oneDNN call on [B*H*G, 64, 64] batches at ~20% of the AMX
+// rate, and the fp32 kernel would need the inputs upcast. Here every product of a chunk is a
+// handful of AMX tile instructions (a 64^3 product is 32 TDPBF16PS, ~0.2 us) on tiles packed in
+// L1, so the time goes to reading q, k, v, dO once per pass and repacking them.
+//
+// Same math and layouts as _native_linear_attn.cpp: q, k [B, T, H, D], v, o [B, T, H, E] in
+// bf16; states (init, final, their gradients) [B, H, D, E] in fp32. Numerics follow the PyTorch
+// form under autocast: every product takes bf16 operands (the fp32 state and the score tiles
+// are rounded to bf16 as operands) and accumulates in fp32; the state itself accumulates in
+// fp32 inside the tiles, and each output row is rounded to bf16 once.
+//
+// AMX basics used here. A tile is up to 16 rows of 64 bytes. TDPBF16PS C += A B takes A as 16
+// rows of 32 bf16 (row-major, the reduction along the row) and B in "VNNI" form: 16 rows, row
+// r holding the pairs (B[2r][n], B[2r+1][n]) for n = 0..15 as 32-bit words. So B operands are
+// repacked: a row-major X becomes VNNI(X) by interleaving row pairs, and VNNI(X^T) is simply
+// the 32-bit transpose of X (its bf16 pairs are already the pairs needed).
+// Requirements (checked by the caller): D, E and the chunk c multiples of 32; the last, partial
+// chunk is zero-padded. Linux must grant the process the AMX state (tn_amx_ready).
+
+#include "_native_common.h"
+#include "_native_simd.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(TN_AVX512)
+#define TN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(TN_AMX)
+namespace {
+
+typedef uint16_t bf;  // bf16 bits
+typedef uint32_t w32;  // a pair of bf16
+
+// ---------------------------------------------------------------------------------------------
+// Tiles and the product
+// ---------------------------------------------------------------------------------------------
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Eight 16 x 64-byte tiles: 0-3 accumulate a 32 x 32 fp32 block of C, 4-5 hold two 16-row A
+// panels, 6-7 two 16-column B panels. The configuration is per thread. It is a constant in
+// memory: GCC 12 treats LDTILECFG's operand as unread and drops stores to a local config.
+const TileConfig kTiles = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+void configure_tiles() { _tile_loadconfig(&kTiles); }
+
+// One operand pair of a product: A [M x K] row-major bf16 (row stride lda) and B given as
+// VNNI(B) [K/2 x N] words (row stride ldb). A may be triangular (a c x c score tile), so that
+// row block m sums over k <= m (kLowerA) or k >= m (kUpperA) only.
+enum Tri { kDense, kLowerA, kUpperA };
+struct Pair {
+    idx K;
+    const bf* A;
+    idx lda;
+    const w32* B;
+    idx ldb;
+    Tri shape;
+};
+
+void pair_step(const Pair& p, idx m0, idx n0, idx k) {
+    _tile_loadd(4, p.A + m0 * p.lda + k, p.lda * 2);
+    _tile_loadd(5, p.A + (m0 + 16) * p.lda + k, p.lda * 2);
+    _tile_loadd(6, p.B + (k / 2) * p.ldb + n0, p.ldb * 4);
+    _tile_loadd(7, p.B + (k / 2) * p.ldb + n0 + 16, p.ldb * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
+void pair_sum(const Pair& p, idx m0, idx n0) {
+    const idx k0 = p.shape == kUpperA ? m0 : 0, k1 = p.shape == kLowerA ? std::min(p.K, m0 + 32) : p.K;
+    for (idx k = k0; k < k1; k += 32) pair_step(p, m0, n0, k);
+}
+
+// Which blocks of C are needed: a c x c score tile is triangular, and blocks wholly above
+// (kLowerC) or below (kUpperC) its diagonal are skipped, left unset for the masked conversion
+// after the product to zero.
+enum Out { kAll, kLowerC, kUpperC };
+
+// C [M x N] fp32 (row stride ldc) = or += A1 B1 (+ A2 B2): the sum of two products runs in the
+// tiles, so C is stored once. M, N and each K multiples of 32.
+void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc, bool accumulate, Out out = kAll) {
+    for (idx m0 = 0; m0 < M; m0 += 32)
+        for (idx n0 = 0; n0 < N; n0 += 32) {
+            if ((out == kLowerC && n0 > m0) || (out == kUpperC && n0 < m0)) continue;
+            float* c = C + m0 * ldc + n0;
+            const idx cs = ldc * 4;
+            if (accumulate) {
+                _tile_loadd(0, c, cs);
+                _tile_loadd(1, c + 16, cs);
+                _tile_loadd(2, c + 16 * ldc, cs);
+                _tile_loadd(3, c + 16 * ldc + 16, cs);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            pair_sum(p1, m0, n0);
+            if (p2) pair_sum(*p2, m0, n0);
+            _tile_stored(0, c, cs);
+            _tile_stored(1, c + 16, cs);
+            _tile_stored(2, c + 16 * ldc, cs);
+            _tile_stored(3, c + 16 * ldc + 16, cs);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing (all widths multiples of 32 bf16 / 16 words)
+// ---------------------------------------------------------------------------------------------
+
+// dst [R x C] contiguous = the first L rows of src (row stride lds), rows L..R-1 zero.
+void pack(idx L, idx R, idx C, const bf* src, idx lds, bf* dst) {
+    for (idx r = 0; r < R; ++r)
+        for (idx j = 0; j < C; j += 32) {
+            const __m512i x = r < L ? _mm512_loadu_si512(src + r * lds + j) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + r * C + j, x);
+        }
+}
+
+// VNNI(X^T) [C/2 x R] words from X [R x C] bf16 (row stride ldx): the 32-bit transpose.
+void vnni_of_transpose(idx R, idx C, const bf* x, idx ldx, w32* dst) {
+    const idx C2 = C / 2;
+    const float* s = reinterpret_cast<const float*>(x);
+    float* d = reinterpret_cast<float*>(dst);
+    for (idx r0 = 0; r0 < R; r0 += 16)
+        for (idx c0 = 0; c0 < C2; c0 += 16) tn::transpose16(s + r0 * (ldx / 2) + c0, ldx / 2, d + c0 * R + r0, R);
+}
+
+// VNNI(X) [R/2 x C] words from X [R x C] bf16 (row stride ldx): rows 2i and 2i+1 interleaved.
+void vnni(idx R, idx C, const bf* x, idx ldx, w32* dst) {
+    alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+    for (idx r = 0; r < R; r += 2)
+        for (idx j = 0; j < C; j += 32) {
+            const __m512i a = _mm512_loadu_si512(x + r * ldx + j), b = _mm512_loadu_si512(x + (r + 1) * ldx + j);
+            w32* out = dst + (r / 2) * C + j;
+            _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi16(a, hi, b));
+        }
+}
+
+// X^T [C x R] bf16 row-major from VNNI(X^T) [C/2 x R] words: each word row splits into two rows.
+void unpair(idx C2, idx R, const w32* v, bf* dst) {
+    for (idx i = 0; i < C2; ++i)
+        for (idx j = 0; j < R; j += 16) {
+            const __m512i w = _mm512_loadu_si512(v + i * R + j);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i * R + j), _mm512_cvtepi32_epi16(w));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * i + 1) * R + j),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+        }
+}
+
+enum Mask { kNone, kLower, kUpper };  // keep j <= i / j >= i
+
+inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }  // nearest even, NaN stays NaN
+
+// dst [R x C] bf16 (row stride ldd) = src [R x C] fp32 (lds), rounded, optionally masked to a triangle.
+void to_bf16_rows(idx R, idx C, const float* src, idx lds, bf* dst, idx ldd, Mask mask = kNone) {
+    for (idx i = 0; i < R; ++i)
+        for (idx j = 0; j < C; j += 16) {
+            __mmask16 keep = 0xFFFF;
+            if (mask == kLower) keep = j > i ? 0 : (i - j >= 15 ? 0xFFFF : __mmask16((1u << (i - j + 1)) - 1));
+            else if (mask == kUpper) keep = j + 15 < i ? 0 : (i <= j ? 0xFFFF : __mmask16(0xFFFFu << (i - j)));
+            const __m512 x = _mm512_maskz_loadu_ps(keep, src + i * lds + j);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * ldd + j), to_bf16(x));
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The walk over chunks and heads (as in _native_linear_attn.cpp: chunk-major, heads split over
+// threads, nothing stored between forward and backward)
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+    idx B, T, H, D, E, c;
+};
+
+// A chunk's rows of one head: read in place when the chunk is whole, else copied with zero
+// rows below the last (the products then run on whole tiles).
+struct Rows {
+    const bf* p;
+    idx ld;
+};
+
+struct Worker {
+    const Shape& s;
+    idx lo, hi;
+    const idx c, D, E, W;  // W: the widest of c, D, E
+    // zero-padded rows of a short last chunk; VNNI operands; a transposed operand; scores; states
+    std::vector<bf> qa, ka, va, ga, ta, pa, sb;
+    std::vector<w32> t1, t2, v1, v2, sv, sv2;
+    std::vector<float> af, of;
+
+    Worker(const Shape& s_, idx lo_, idx hi_)
+        : s(s_), lo(lo_), hi(hi_), c(s_.c), D(s_.D), E(s_.E), W(std::max({s_.c, s_.D, s_.E})),
+          qa(c * D), ka(c * D), va(c * E), ga(c * E), ta(W * c), pa(c * c), sb(D * E), t1(W / 2 * c),
+          t2(W / 2 * c), v1(c / 2 * W), v2(c / 2 * W), sv(D * E / 2), sv2(D * E / 2), af(c * c), of(c * W) {
+        configure_tiles();
+    }
+    ~Worker() { _tile_release(); }
+
+    idx nchunks() const { return (s.T + c - 1) / c; }
+    idx rows(idx g) const { return std::min(c, s.T - g * c); }
+    idx offset(idx n, idx t0, idx width) const { return ((n / s.H) * s.T + t0) * s.H * width + (n % s.H) * width; }
+    Rows chunk(const bf* x, idx n, idx g, idx width, std::vector<bf>& pad) const {
+        const idx L = rows(g), ld = s.H * width;
+        if (L == c) return {x + offset(n, g * c, width), ld};
+        pack(L, c, width, x + offset(n, g * c, width), ld, pad.data());
+        return {pad.data(), width};
+    }
+    // out rows of chunk g (fp32 [c x width]) rounded into x's first L rows
+    void write(const float* o, bf* x, idx n, idx g, idx width) const {
+        to_bf16_rows(rows(g), width, o, width, x + offset(n, g * c, width), s.H * width);
+    }
+
+    std::vector<float> load_states(const float* init) const {
+        const idx DE = D * E;
+        std::vector<float> st((hi - lo) * DE, 0.0f);
+        if (init) std::copy(init + lo * DE, init + hi * DE, st.begin());
+        return st;
+    }
+    void store_states(const std::vector<float>& st, float* out) const {
+        if (out) std::copy(st.begin(), st.end(), out + lo * D * E);
+    }
+
+    void forward(const bf* q, const bf* k, const bf* v, bf* o, const float* init, float* fin) {
+        std::vector<float> states = load_states(init);
+        const idx G = nchunks();
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                float* S = states.data() + (n - lo) * D * E;
+                const Rows Q = chunk(q, n, g, D, qa), K = chunk(k, n, g, D, ka), V = chunk(v, n, g, E, va);
+                vnni_of_transpose(c, D, K.p, K.ld, t1.data());  // VNNI(K^T) [D/2 x c]
+                unpair(D / 2, c, t1.data(), ta.data());         // K^T [D x c]
+                vnni(c, E, V.p, V.ld, v1.data());               // VNNI(V) [c/2 x E]
+                to_bf16_rows(D, E, S, E, sb.data(), E);
+                vnni(D, E, sb.data(), E, sv.data());            // VNNI(S) [D/2 x E]
+                // A = Q K^T; O = A V + Q S; S += K^T V
+                gemm(c, c, {D, Q.p, Q.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kLowerC);
+                to_bf16_rows(c, c, af.data(), c, pa.data(), c, kLower);
+                const Pair QS{D, Q.p, Q.ld, sv.data(), E, kDense};
+                gemm(c, E, {c, pa.data(), c, v1.data(), E, kLowerA}, &QS, of.data(), E, false);
+                gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true);
+                write(of.data(), o, n, g, E);
+            }
+        store_states(states, fin);
+    }
+
+    void backward(const bf* q, const bf* k, const bf* v, const bf* dout, const float* init, const float* dfin, bf* dq,
+                  bf* dk, bf* dv, float* dinit) {
+        const idx G = nchunks(), DE = D * E;
+        // Chunk order: the prefix states S give dQ. S is kept transposed, [E x D], the operand
+        // dQ = dO S^T needs (S^T += V^T K).
+        {
+            std::vector<float> St((hi - lo) * DE, 0.0f);
+            if (init)
+                for (idx n = lo; n < hi; ++n)
+                    for (idx d = 0; d < D; ++d)
+                        for (idx e = 0; e < E; ++e) St[(n - lo) * DE + e * D + d] = init[n * DE + d * E + e];
+            for (idx g = 0; g < G; ++g)
+                for (idx n = lo; n < hi; ++n) {
+                    float* st = St.data() + (n - lo) * DE;
+                    const Rows K = chunk(k, n, g, D, ka), V = chunk(v, n, g, E, va), dO = chunk(dout, n, g, E, ga);
+                    vnni_of_transpose(c, E, V.p, V.ld, t1.data());  // VNNI(V^T) [E/2 x c]
+                    unpair(E / 2, c, t1.data(), ta.data());         // V^T [E x c]
+                    vnni(c, D, K.p, K.ld, v1.data());               // VNNI(K) [c/2 x D]
+                    to_bf16_rows(E, D, st, D, sb.data(), D);
+                    vnni(E, D, sb.data(), D, sv.data());            // VNNI(S^T) [E/2 x D]
+                    // dA = dO V^T; dQ = dA K + dO S^T; S^T += V^T K
+                    gemm(c, c, {E, dO.p, dO.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kLowerC);
+                    to_bf16_rows(c, c, af.data(), c, pa.data(), c, kLower);
+                    const Pair dOS{E, dO.p, dO.ld, sv.data(), D, kDense};
+                    gemm(c, D, {c, pa.data(), c, v1.data(), D, kLowerA}, &dOS, of.data(), D, false);
+                    write(of.data(), dq, n, g, D);
+                    gemm(E, D, {c, ta.data(), c, v1.data(), D, kDense}, nullptr, st, D, true);
+                }
+        }
+        // Reverse order: R = dS_final + the suffix sums of Q^T dO give dK and dV.
+        std::vector<float> Rs = load_states(dfin);
+        for (idx g = G - 1; g >= 0; --g)
+            for (idx n = lo; n < hi; ++n) {
+                float* R = Rs.data() + (n - lo) * DE;
+                const Rows Q = chunk(q, n, g, D, qa), K = chunk(k, n, g, D, ka);
+                const Rows V = chunk(v, n, g, E, va), dO = chunk(dout, n, g, E, ga);
+                vnni_of_transpose(c, E, dO.p, dO.ld, t2.data());  // VNNI(dO^T) [E/2 x c]
+                vnni_of_transpose(c, D, Q.p, Q.ld, t1.data());    // VNNI(Q^T) [D/2 x c]
+                unpair(D / 2, c, t1.data(), ta.data());           // Q^T [D x c]
+                vnni(c, D, Q.p, Q.ld, v1.data());                 // VNNI(Q) [c/2 x D]
+                vnni(c, E, dO.p, dO.ld, v2.data());               // VNNI(dO) [c/2 x E]
+                to_bf16_rows(D, E, R, E, sb.data(), E);
+                vnni_of_transpose(D, E, sb.data(), E, sv.data());  // VNNI(R^T) [E/2 x D]
+                vnni(D, E, sb.data(), E, sv2.data());              // VNNI(R) [D/2 x E]
+                // dA^T = V dO^T (upper triangular); dK = dA^T Q + V R^T
+                gemm(c, c, {E, V.p, V.ld, t2.data(), c, kDense}, nullptr, af.data(), c, false, kUpperC);
+                to_bf16_rows(c, c, af.data(), c, pa.data(), c, kUpper);
+                const Pair VR{E, V.p, V.ld, sv.data(), D, kDense};
+                gemm(c, D, {c, pa.data(), c, v1.data(), D, kUpperA}, &VR, of.data(), D, false);
+                write(of.data(), dk, n, g, D);
+                // A^T = K Q^T (upper triangular); dV = A^T dO + K R
+                gemm(c, c, {D, K.p, K.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kUpperC);
+                to_bf16_rows(c, c, af.data(), c, pa.data(), c, kUpper);
+                const Pair KR{D, K.p, K.ld, sv2.data(), E, kDense};
+                gemm(c, E, {c, pa.data(), c, v2.data(), E, kUpperA}, &KR, of.data(), E, false);
+                write(of.data(), dv, n, g, E);
+                gemm(D, E, {c, ta.data(), c, v2.data(), E, kDense}, nullptr, R, E, true);  // R += Q^T dO
+            }
+        store_states(Rs, dinit);
+    }
+};
+
+bool shape_ok(idx B, idx T, idx H, idx D, idx E, idx c) {
+    return B >= 1 && T >= 1 && H >= 1 && D >= 32 && E >= 32 && c >= 32 && D % 32 == 0 && E % 32 == 0 && c % 32 == 0;
+}
+
+bool amx_granted = false;
+
+}  // namespace
+#endif  // TN_AMX
+
+extern "C" {
+
+// 1 when this build has the AMX kernels and Linux grants the process the AMX tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 otherwise. Call before the kernels.
+int tn_amx_ready() {
+#if defined(TN_AMX)
+    if (!amx_granted) {
+        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+        amx_granted = syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+    }
+    return amx_granted ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// Status: 0 ok, 1 bad shape (D, E, c must be multiples of 32), 2 AMX unavailable.
+int tn_causal_fwd_bf16(const tn::bf16* q, const tn::bf16* k, const tn::bf16* v, tn::bf16* o, const float* init,
+                      float* fin, idx B, idx T, idx H, idx D, idx E, idx c, int nthreads) {
+#if defined(TN_AMX)
+    if (!amx_granted) return 2;
+    if (!shape_ok(B, T, H, D, E, c)) return 1;
+    const Shape s{B, T, H, D, E, c};
+    const bf *q_ = &q->bits, *k_ = &k->bits, *v_ = &v->bits;
+    bf* o_ = &o->bits;
+    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) { Worker(s, lo, hi).forward(q_, k_, v_, o_, init, fin); });
+    return 0;
+#else
+    (void)q, (void)k, (void)v, (void)o, (void)init, (void)fin, (void)B, (void)T, (void)H, (void)D, (void)E, (void)c,
+        (void)nthreads;
+    return 2;
+#endif
+}
+
+int tn_causal_bwd_bf16(const tn::bf16* q, const tn::bf16* k, const tn::bf16* v, const tn::bf16* dout,
+                      const float* init, const float* dfin, tn::bf16* dq, tn::bf16* dk, tn::bf16* dv, float* dinit,
+                      idx B, idx T, idx H, idx D, idx E, idx c, int nthreads) {
+#if defined(TN_AMX)
+    if (!amx_granted) return 2;
+    if (!shape_ok(B, T, H, D, E, c)) return 1;
+    const Shape s{B, T, H, D, E, c};
+    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {
+        Worker(s, lo, hi).backward(&q->bits, &k->bits, &v->bits, &dout->bits, init, dfin, &dq->bits, &dk->bits,
+                                   &dv->bits, dinit);
+    });
+    return 0;
+#else
+    (void)q, (void)k, (void)v, (void)dout, (void)init, (void)dfin, (void)dq, (void)dk, (void)dv, (void)dinit, (void)B,
+        (void)T, (void)H, (void)D, (void)E, (void)c, (void)nthreads;
+    return 2;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,149 @@
+"""The bf16 AMX kernel for causal norm_linear_attn (ops/_native_amx.cpp) against the fp64 reference.
+
+The oracle is the quadratic reference in fp64 on the same bf16-rounded inputs. The kernel rounds
+what the PyTorch form under autocast rounds (the state and the score tiles as bf16 operands,
+each output row once), so its error is held to that of the PyTorch bf16 form; the state and its
+gradient are sums of exact products of bf16 numbers in fp32, held to fp32 accuracy.
+"""
+
+import pytest
+import torch
+
+from conftest import on_one_and_two_threads, rel_err
+from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
+
+needs_amx = pytest.mark.skipif(not _native.amx_ready(), reason="no AMX-BF16 kernel on this machine")
+
+
+@pytest.fixture
+def mode():
+    before = _native.backend()
+    yield _native.set_backend
+    _native.set_backend(before)
+
+
+def _case(B, T, H, D, E, seed=0):
+    g = torch.Generator().manual_seed(seed + T)
+    q, k, v = (torch.randn(B, T, H, x, generator=g).mul(0.5).bfloat16() for x in (D, D, E))
+    S0 = torch.randn(B, H, D, E, generator=g)
+    go = torch.randn(B, T, H, E, generator=g).bfloat16()
+    gs = torch.randn(B, H, D, E, generator=g)
+    return q, k, v, S0, go, gs
+
+
+def _run(fn, q, k, v, S0, go, gs, dtype):
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    S0 = S0.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+    o, s = fn(q, k, v, S0)
+    loss = (o.double() * go.double()).sum() + (s.double() * gs.double()).sum()
+    return (o, s, *torch.autograd.grad(loss, (q, k, v, S0)))
+
+
+def _norm_err(a, b):
+    a, b = a.detach().double(), b.detach()
+    return float((a - b).norm() / b.norm())
+
+
+def _ours(chunk):
+    return lambda q, k, v, S0: norm_linear_attn(q, k, v, causal=True, chunk_size=chunk, initial_state=S0,
+                                                output_final_state=True)
+
+
+def _reference(q, k, v, S0):
+    return norm_linear_attn_reference(q, k, v, causal=True, initial_state=S0)
+
+
+@needs_amx
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("H,D,E,chunk", [(2, 64, 64, 64), (3, 32, 96, 32), (1, 128, 64, 128)])
+def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, E, chunk):
+    case = _case(2, T, H, D, E)
+    mode("native")
+    got = _run(_ours(chunk), *case, torch.bfloat16)
+    mode("torch")
+    torch_form = _run(_ours(chunk), *case, torch.bfloat16)
+    ref = _run(_reference, *case, torch.float64)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    for name, a, b, t in zip(("o", "state", "dq", "dk", "dv", "dS0"), got, ref, torch_form):
+        if name in ("state", "dS0"):
+            assert rel_err(a.double(), b) < 1e-5, name  # fp32 sums of exact bf16 products
+        else:
+            assert rel_err(a.double(), b) < 2e-2, name
+            err, torch_err = _norm_err(a, b), _norm_err(t, b)  # over all elements: steadier than the max
+            assert err < 1.25 * torch_err + 1e-4, (name, err, torch_err)
+
+
+@needs_amx
+def test_kernel_runs_for_bf16_and_pads_short_sequences(mode, monkeypatch):
+    """bf16 with D, E, chunk multiples of 32 takes the kernel, whole chunks even when T < chunk."""
+    calls = []
+    real = _native.native_causal_linear_attn
+    monkeypatch.setattr(_native, "native_causal_linear_attn", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    mode("auto")
+    q = torch.randn(1, 5, 2, 32).bfloat16()
+    norm_linear_attn(q, q, q, causal=True, chunk_size=64)
+    assert calls == [{"chunk": 64}]
+    for D, chunk in ((48, 64), (32, 48)):  # not multiples of 32: the PyTorch form
+        q = torch.randn(1, 70, 2, D).bfloat16()
+        o, _ = norm_linear_attn(q, q, q, causal=True, chunk_size=chunk)
+        ref, _ = norm_linear_attn_reference(q.double(), q.double(), q.double(), causal=True)
+        assert rel_err(o.double(), ref) < 2e-2
+    assert len(calls) == 1
+
+
+@needs_amx
+def test_same_result_on_one_and_two_threads(mode):
+    mode("native")
+    case = _case(2, 300, 3, 64, 32)
+    one, two = on_one_and_two_threads(lambda: _run(_ours(64), *case, torch.bfloat16))
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@needs_amx
+def test_strided_inputs_no_state_and_unused_outputs(mode):
+    mode("native")
+    x = torch.randn(2, 3, 130, 64).mul(0.5).bfloat16()  # [B, H, T, D]: permuted views below
+    q, k, v = (x.permute(0, 2, 1, 3) * s for s in (1.0, 0.5, 2.0))
+    q.requires_grad_()
+    o, fin = norm_linear_attn(q, k, v, causal=True)
+    assert fin is None
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = norm_linear_attn_reference(qd, kd, vd, causal=True)
+    assert rel_err(o.double(), ref) < 1e-2
+    (gq,) = torch.autograd.grad(o.float().sum(), q)
+    (gq_ref,) = torch.autograd.grad(ref.sum(), qd)
+    assert rel_err(gq.double(), gq_ref) < 1e-2
+
+
+@needs_amx
+def test_kernel_rejects_shapes_it_cannot_tile():
+    q = torch.zeros(1, 64, 1, 48, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="failed with code 1"):
+        _native.native_causal_linear_attn(q, q, q, None, chunk=64)
+
+
+@needs_amx
+def test_t2_model_under_autocast_takes_the_kernel_and_agrees(mode, monkeypatch):
+    """A T2 LM with 32-wide heads under bf16 autocast: the same loss and gradients as the PyTorch
+    form up to bf16 rounding, and the AMX kernel did run."""
+    from transnormer.presets import build_model
+
+    calls = []
+    real = _native.native_causal_linear_attn
+    monkeypatch.setattr(_native, "native_causal_linear_attn",
+                        lambda q, *a, **kw: calls.append(q.dtype) or real(q, *a, **kw))
+    model = build_model("t2-lm-tiny", vocab_size=300, dropout=0.0)
+    ids = torch.randint(0, 300, (2, 70))
+    out = {}
+    for m in ("torch", "auto"):
+        mode(m)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[m] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.bfloat16 in calls
+    assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
+    g, g_ref = out["auto"][1], out["torch"][1]
+    assert float((g - g_ref).norm() / g_ref.norm()) < 3e-2
