@@ -49,7 +49,7 @@ def same_shape_gemm_gflops(T: int, *, causal: bool, dtype: torch.dtype, B: int =
 
 
 def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B: int = 1, H: int = 8, D: int = 64,
-                  chunk: int = 64, repeat: int = 3) -> dict:
+                  chunk: int = 64, repeat: int = 5, min_time: float = 1.0) -> dict:
     q, k, v = (torch.randn(B, T, H, D, dtype=dtype).mul_(0.1).requires_grad_() for _ in range(3))
 
     do = torch.randn(B, T, H, D, dtype=dtype)
@@ -58,7 +58,7 @@ def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B
         o, _ = norm_linear_attn(q, k, v, causal=causal, chunk_size=chunk)
         torch.autograd.grad(o, (q, k, v), do)
 
-    t = measure(run, warmup=1, repeat=repeat)["median_s"]
+    t = measure(run, warmup=1, repeat=repeat, min_time=min_time)["median_s"]  # ms-scale: many repeats are cheap
     flops = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H)
     useful = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H, useful=True)
     fused = _native.amx_usable(q, k, v, chunk) or _native.usable(q, k, v)

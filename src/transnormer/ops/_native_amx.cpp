@@ -179,6 +179,19 @@ void to_bf16_rows(idx R, idx C, const float* src, idx lds, bf* dst, idx ldd, Mas
         }
 }
 
+// The same without a mask, for results written to the output tensors: streaming stores when
+// the rows are 64-byte aligned, so lines are not read from memory only to be overwritten (at
+// long T the op is bound by memory traffic, a third of it those reads). Needs an sfence before
+// the results are read (end of the walk).
+void stream_bf16_rows(idx R, idx C, const float* src, idx lds, bf* dst, idx ldd) {
+    if ((reinterpret_cast<uintptr_t>(dst) | uintptr_t(ldd * 2)) & 63) return to_bf16_rows(R, C, src, lds, dst, ldd);
+    for (idx i = 0; i < R; ++i)
+        for (idx j = 0; j < C; j += 32) {
+            const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i * lds + j + 16), _mm512_loadu_ps(src + i * lds + j));
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i * ldd + j), (__m512i)x);
+        }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The walk over chunks and heads (as in _native_linear_attn.cpp: chunk-major, heads split over
 // threads, nothing stored between forward and backward)
@@ -210,7 +223,10 @@ struct Worker {
           t2(W / 2 * c), v1(c / 2 * W), v2(c / 2 * W), sv(D * E / 2), sv2(D * E / 2), af(c * c), of(c * W) {
         configure_tiles();
     }
-    ~Worker() { _tile_release(); }
+    ~Worker() {
+        _mm_sfence();  // the streamed output rows
+        _tile_release();
+    }
 
     idx nchunks() const { return (s.T + c - 1) / c; }
     idx rows(idx g) const { return std::min(c, s.T - g * c); }
@@ -223,7 +239,7 @@ struct Worker {
     }
     // out rows of chunk g (fp32 [c x width]) rounded into x's first L rows
     void write(const float* o, bf* x, idx n, idx g, idx width) const {
-        to_bf16_rows(rows(g), width, o, width, x + offset(n, g * c, width), s.H * width);
+        stream_bf16_rows(rows(g), width, o, width, x + offset(n, g * c, width), s.H * width);
     }
 
     std::vector<float> load_states(const float* init) const {

@@ -62,6 +62,7 @@ template <> struct Vec<float> {
     static reg load(const float* p) { return _mm512_loadu_ps(p); }
     static reg loadm(const float* p, mask m) { return _mm512_maskz_loadu_ps(m, p); }
     static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
+    static void stream(float* p, reg r) { _mm512_stream_ps(p, r); }
     static void storem(float* p, reg r, mask m) { _mm512_mask_storeu_ps(p, m, r); }
     static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
 };
@@ -75,6 +76,7 @@ template <> struct Vec<double> {
     static reg load(const double* p) { return _mm512_loadu_pd(p); }
     static reg loadm(const double* p, mask m) { return _mm512_maskz_loadu_pd(m, p); }
     static void store(double* p, reg r) { _mm512_storeu_pd(p, r); }
+    static void stream(double* p, reg r) { _mm512_stream_pd(p, r); }
     static void storem(double* p, reg r, mask m) { _mm512_mask_storeu_pd(p, m, r); }
     static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
 };
@@ -264,8 +266,21 @@ static inline void copy_rows(idx R, idx C, const T* __restrict src, idx ld_s, T*
 }
 template <typename T>
 static void pack(idx R, idx C, const T* src, idx ld, T* dst) { copy_rows(R, C, src, ld, dst, C); }
+// unpack writes results to the output tensors: with streaming stores when the rows are whole
+// 64-byte lines, so the lines are not read from memory only to be overwritten (at long T the
+// op is bound by memory traffic). An sfence ends the walk (Worker's destructor).
 template <typename T>
-static void unpack(idx R, idx C, const T* src, T* dst, idx ld) { copy_rows(R, C, src, C, dst, ld); }
+static void unpack(idx R, idx C, const T* src, T* dst, idx ld) {
+#if defined(__AVX512F__)
+    typedef Vec<T> V;
+    if (!((reinterpret_cast<uintptr_t>(dst) | uintptr_t(ld * sizeof(T)) | uintptr_t(C * sizeof(T))) & 63)) {
+        for (idx r = 0; r < R; ++r)
+            for (idx j = 0; j < C; j += V::W) V::stream(dst + r * ld + j, V::load(src + r * C + j));
+        return;
+    }
+#endif
+    copy_rows(R, C, src, C, dst, ld);
+}
 
 // One thread's work: heads [lo, hi) of the B*H heads, walked chunk by chunk. For chunk g every
 // head's products are done before chunk g+1, so the rows read are [c, H, D] slabs, long runs of
@@ -276,6 +291,9 @@ struct Worker {
     idx lo, hi;
     Scratch<T> w;
     Worker(const Shape& s_, idx lo_, idx hi_) : s(s_), lo(lo_), hi(hi_), w(s_) {}
+#if defined(__AVX512F__)
+    ~Worker() { _mm_sfence(); }  // the streamed output rows
+#endif
 
     idx ldd() const { return s.H * s.D; }
     idx lde() const { return s.H * s.E; }
