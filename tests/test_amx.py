@@ -74,6 +74,33 @@ def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, 
 
 
 @needs_amx
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96)])
+def test_bidirectional_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, monkeypatch, T, H, D, E):
+    calls = []
+    real = _native.native_bidir_linear_attn
+    monkeypatch.setattr(_native, "native_bidir_linear_attn", lambda *a: calls.append(1) or real(*a))
+
+    def ours(q, k, v, S0):
+        return norm_linear_attn(q, k, v, causal=False, initial_state=S0, output_final_state=True)
+
+    case = _case(2, T, H, D, E)
+    mode("native")
+    got = _run(ours, *case, torch.bfloat16)
+    assert calls
+    mode("torch")
+    torch_form = _run(ours, *case, torch.bfloat16)
+    ref = _run(lambda q, k, v, S0: norm_linear_attn_reference(q, k, v, causal=False, initial_state=S0), *case,
+               torch.float64)
+    for name, a, b, t in zip(("o", "state", "dq", "dk", "dv", "dS0"), got, ref, torch_form):
+        if name in ("state", "dS0"):
+            assert rel_err(a.double(), b) < 1e-5, name
+        else:
+            assert rel_err(a.double(), b) < 2e-2, name
+            assert _norm_err(a, b) < 1.25 * _norm_err(t, b) + 1e-4, name
+
+
+@needs_amx
 def test_kernel_runs_for_bf16_and_pads_short_sequences(mode, monkeypatch):
     """bf16 with D, E, chunk multiples of 32 takes the kernel, whole chunks even when T < chunk."""
     calls = []

@@ -61,6 +61,38 @@ def test_outputs_state_and_grads_match_reference_fp64(native, T, H, D, E, chunk)
 
 
 @needs_kernel
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 16, 40), (1, 7, 130), (2, 33, 17)])
+def test_bidirectional_kernel_matches_reference_fp64(native, monkeypatch, T, H, D, E):
+    calls = []
+    real = _native.native_bidir_linear_attn
+    monkeypatch.setattr(_native, "native_bidir_linear_attn", lambda *a: calls.append(1) or real(*a))
+    q, k, v, S0, go, gs = _case(2, T, H, D, E)
+    got = _outputs_and_grads(
+        lambda q, k, v, S0: norm_linear_attn(q, k, v, causal=False, initial_state=S0, output_final_state=True),
+        q, k, v, S0, go, gs)
+    ref = _outputs_and_grads(lambda q, k, v, S0: norm_linear_attn_reference(q, k, v, causal=False, initial_state=S0),
+                             q, k, v, S0, go, gs)
+    assert calls
+    for name, a, b in zip(("o", "state", "dq", "dk", "dv", "dS0"), got, ref):
+        assert rel_err(a, b) < 1e-10, name
+
+
+@needs_kernel
+def test_bidirectional_kernel_without_state_and_fp32(native):
+    q, k, v, _, go, _ = _case(1, 300, 4, 64, 32, dtype=torch.float32)
+    o, fin = norm_linear_attn(q, k, v, causal=False)
+    assert fin is None
+    grads = torch.autograd.grad((o * go).sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, _ = norm_linear_attn_reference(qd, kd, vd, causal=False)
+    ref_grads = torch.autograd.grad((ref * go.double()).sum(), (qd, kd, vd))
+    for a, b in zip((o, *grads), (ref, *ref_grads)):
+        assert a.dtype == torch.float32
+        assert rel_err(a.double(), b) < 1e-5
+
+
+@needs_kernel
 @pytest.mark.parametrize("T", [63, 64, 65, 1000])
 def test_fp32_matches_reference(native, T):
     q, k, v, S0, go, gs = _case(1, T, 4, 64, 64, dtype=torch.float32)
@@ -104,11 +136,12 @@ def test_non_contiguous_inputs_and_unused_outputs(native):
 
 
 @needs_kernel
-def test_gradcheck_through_the_kernel(native):
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck_through_the_kernel(native, causal):
     q, k, v, S0, _, _ = _case(1, 9, 2, 3, 2)
 
     def f(q, k, v, S0):
-        return norm_linear_attn(q, k, v, causal=True, chunk_size=4, initial_state=S0, output_final_state=True)
+        return norm_linear_attn(q, k, v, causal=causal, chunk_size=4, initial_state=S0, output_final_state=True)
 
     assert torch.autograd.gradcheck(f, (q, k, v, S0))
 
@@ -122,9 +155,11 @@ def test_torch_backend_never_calls_the_kernel(monkeypatch):
             raise AssertionError("kernel called")
 
         monkeypatch.setattr(_native, "native_causal_linear_attn", boom)
+        monkeypatch.setattr(_native, "native_bidir_linear_attn", boom)
         q = torch.randn(1, 10, 1, 4, dtype=torch.float64)
-        o, _ = norm_linear_attn(q, q, q, causal=True)
-        assert rel_err(o, norm_linear_attn_reference(q, q, q, causal=True)[0]) < 1e-12
+        for causal in (True, False):
+            o, _ = norm_linear_attn(q, q, q, causal=causal)
+            assert rel_err(o, norm_linear_attn_reference(q, q, q, causal=causal)[0]) < 1e-12
     finally:
         _native.set_backend(before)
 

@@ -37,7 +37,7 @@ _SOURCES = tuple(Path(__file__).with_name(f) for f in (
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 5
+_ABI = 6
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -93,6 +93,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_fl
 _SIGNATURES = {
     "tn_causal_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 6),  # bf16: AMX (_native_amx.cpp)
     "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
+    "tn_bidir_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 5),
+    "tn_bidir_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 5),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
@@ -244,15 +246,22 @@ class NativeCausalLinearAttn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do, dfin):
         q, k, v, init = ctx.saved_tensors
-        B, T, H, D = q.shape
-        E = v.shape[-1]
-        do = torch.zeros(B, T, H, E, dtype=q.dtype) if do is None else do.contiguous()
-        dfin = None if dfin is None else dfin.to(_state_dtype(q.dtype)).contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dinit = None if init is None else torch.empty_like(init)
-        _call("tn_causal_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(init), _ptr(dfin), _ptr(dq), _ptr(dk),
-              _ptr(dv), _ptr(dinit), B, T, H, D, E, ctx.chunk)
-        return dq, dk, dv, dinit, None
+        return (*_backward_call("tn_causal_bwd", q, k, v, do, init, dfin, init, ctx.chunk), None)
+
+
+def _backward_call(name: str, q, k, v, do, state, dfin, dinit_like, *extra):
+    """(dq, dk, dv, dinit) from backward kernel ``name``, whose fifth argument is ``state`` (the
+    initial state for the causal form, the final one for the bidirectional); dinit is None when
+    ``dinit_like`` is. A gradient autograd did not materialise (None) counts as zero."""
+    B, T, H, D = q.shape
+    E = v.shape[-1]
+    do = torch.zeros(B, T, H, E, dtype=q.dtype) if do is None else do.contiguous()
+    dfin = None if dfin is None else dfin.to(_state_dtype(q.dtype)).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dinit = None if dinit_like is None else torch.empty_like(dinit_like)
+    _call(name, q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(state), _ptr(dfin), _ptr(dq), _ptr(dk), _ptr(dv),
+          _ptr(dinit), B, T, H, D, E, *extra)
+    return dq, dk, dv, dinit
 
 
 def native_causal_linear_attn(q, k, v, init, *, chunk: int):
@@ -260,6 +269,38 @@ def native_causal_linear_attn(q, k, v, init, *, chunk: int):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     init = None if init is None else init.to(_state_dtype(q.dtype)).contiguous()
     return NativeCausalLinearAttn.apply(q, k, v, init, chunk)
+
+
+class NativeBidirLinearAttn(torch.autograd.Function):
+    """Bidirectional form: q, k [B, T, H, D], v [B, T, H, E] contiguous, one dtype, T >= 1; init
+    [B, H, D, E] or None in the state dtype. The final state S is saved for the backward (it is
+    the op's output, [B, H, D, E]; nothing per row or chunk is kept)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, init):
+        B, T, H, D = q.shape
+        E = v.shape[-1]
+        o = torch.empty(B, T, H, E, dtype=q.dtype)
+        fin = torch.empty(B, H, D, E, dtype=_state_dtype(q.dtype))
+        _call("tn_bidir_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E)
+        ctx.save_for_backward(q, k, v, fin)
+        ctx.has_init = init is not None
+        ctx.set_materialize_grads(False)
+        return o, fin
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dfin):
+        q, k, v, S = ctx.saved_tensors
+        dq, dk, dv, dinit = _backward_call("tn_bidir_bwd", q, k, v, do, S, dfin, S)  # the kernel always forms dS
+        return dq, dk, dv, (dinit if ctx.has_init else None)
+
+
+def native_bidir_linear_attn(q, k, v, init):
+    """(o [B, T, H, E], final state [B, H, D, E]) of the bidirectional form from the fused kernel; T >= 1."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    init = None if init is None else init.to(_state_dtype(q.dtype)).contiguous()
+    return NativeBidirLinearAttn.apply(q, k, v, init)
 
 
 # ------------------------------------------------------------------------------------------------

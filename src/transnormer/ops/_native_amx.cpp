@@ -335,6 +335,73 @@ struct Worker {
             }
         store_states(Rs, dinit);
     }
+
+    // Per head of this thread: the VNNI form of bf16(X) (X fp32 [D x E]): of X itself
+    // ([D/2 x E]) or of X^T ([E/2 x D]).
+    std::vector<w32> vnni_states(const float* X, bool transposed) {
+        std::vector<w32> out((hi - lo) * D * E / 2);
+        for (idx n = lo; n < hi; ++n) {
+            to_bf16_rows(D, E, X + (n - lo) * D * E, E, sb.data(), E);
+            if (transposed) vnni_of_transpose(D, E, sb.data(), E, out.data() + (n - lo) * D * E / 2);
+            else vnni(D, E, sb.data(), E, out.data() + (n - lo) * D * E / 2);
+        }
+        return out;
+    }
+
+    // S [D x E] fp32 += X^T Y for a chunk's rows X [c x D], Y [c x E].
+    void add_outer(const Rows& X, const Rows& Y, float* S) {
+        vnni_of_transpose(c, D, X.p, X.ld, t1.data());
+        unpair(D / 2, c, t1.data(), ta.data());  // X^T [D x c]
+        vnni(c, E, Y.p, Y.ld, v1.data());        // VNNI(Y) [c/2 x E]
+        gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true);
+    }
+
+    // Bidirectional form, per head: S = S_0 + K^T V (all rows), O = Q S; one pass over the
+    // chunks for S, one for O.
+    void bidir_forward(const bf* q, const bf* k, const bf* v, bf* o, const float* init, float* fin) {
+        std::vector<float> states = load_states(init);
+        const idx G = nchunks(), DE = D * E;
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                add_outer(chunk(k, n, g, D, ka), chunk(v, n, g, E, va), states.data() + (n - lo) * DE);  // K^T V
+            }
+        const std::vector<w32> Sv = vnni_states(states.data(), false);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const Rows Q = chunk(q, n, g, D, qa);
+                gemm(c, E, {D, Q.p, Q.ld, Sv.data() + (n - lo) * DE / 2, E, kDense}, nullptr, of.data(), E, false);
+                write(of.data(), o, n, g, E);
+            }
+        store_states(states, fin);
+    }
+
+    // Given S (the forward's final state): dQ = dO S^T and dS = dS_final + Q^T dO in one pass
+    // (dO read once), then dK = V dS^T, dV = K dS; dS_0 = dS.
+    void bidir_backward(const bf* q, const bf* k, const bf* v, const bf* dout, const float* S, const float* dfin,
+                        bf* dq, bf* dk, bf* dv, float* dinit) {
+        std::vector<float> dS = load_states(dfin);
+        const idx G = nchunks(), DE = D * E;
+        const std::vector<float> S_ = load_states(S);
+        const std::vector<w32> St = vnni_states(S_.data(), true);  // VNNI(S^T) [E/2 x D]
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const Rows dO = chunk(dout, n, g, E, ga);
+                add_outer(chunk(q, n, g, D, qa), dO, dS.data() + (n - lo) * DE);  // Q^T dO
+                gemm(c, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, of.data(), D, false);
+                write(of.data(), dq, n, g, D);  // dQ = dO S^T
+            }
+        const std::vector<w32> dSt = vnni_states(dS.data(), true), dSv = vnni_states(dS.data(), false);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx h = (n - lo) * DE / 2;
+                const Rows V = chunk(v, n, g, E, va), K = chunk(k, n, g, D, ka);
+                gemm(c, D, {E, V.p, V.ld, dSt.data() + h, D, kDense}, nullptr, of.data(), D, false);  // dK = V dS^T
+                write(of.data(), dk, n, g, D);
+                gemm(c, E, {D, K.p, K.ld, dSv.data() + h, E, kDense}, nullptr, of.data(), E, false);  // dV = K dS
+                write(of.data(), dv, n, g, E);
+            }
+        store_states(dS, dinit);
+    }
 };
 
 bool shape_ok(idx B, idx T, idx H, idx D, idx E, idx c) {
@@ -362,41 +429,40 @@ int tn_amx_ready() {
 #endif
 }
 
-// Status: 0 ok, 1 bad shape (D, E, c must be multiples of 32), 2 AMX unavailable.
-int tn_causal_fwd_bf16(const tn::bf16* q, const tn::bf16* k, const tn::bf16* v, tn::bf16* o, const float* init,
-                      float* fin, idx B, idx T, idx H, idx D, idx E, idx c, int nthreads) {
+// The kernels' status: 0 ok, 1 bad shape (D, E, c must be multiples of 32), 2 AMX unavailable.
 #if defined(TN_AMX)
-    if (!amx_granted) return 2;
-    if (!shape_ok(B, T, H, D, E, c)) return 1;
-    const Shape s{B, T, H, D, E, c};
-    const bf *q_ = &q->bits, *k_ = &k->bits, *v_ = &v->bits;
-    bf* o_ = &o->bits;
-    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) { Worker(s, lo, hi).forward(q_, k_, v_, o_, init, fin); });
-    return 0;
+#define TN_AMX_RUN(c, CALL)                                                                             \
+    if (!amx_granted) return 2;                                                                         \
+    if (!shape_ok(B, T, H, D, E, c)) return 1;                                                          \
+    const Shape s{B, T, H, D, E, c};                                                                    \
+    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) { Worker(s, lo, hi).CALL; });              \
+    return 0
 #else
-    (void)q, (void)k, (void)v, (void)o, (void)init, (void)fin, (void)B, (void)T, (void)H, (void)D, (void)E, (void)c,
-        (void)nthreads;
-    return 2;
+#define TN_AMX_RUN(c, CALL) return 2
 #endif
+
+typedef const uint16_t* in_t;  // bf16 tensors as their bits
+typedef uint16_t* out_t;
+
+int tn_causal_fwd_bf16(in_t q, in_t k, in_t v, out_t o, const float* init, float* fin, idx B, idx T, idx H, idx D,
+                       idx E, idx c, int nthreads) {
+    TN_AMX_RUN(c, forward(q, k, v, o, init, fin));
 }
 
-int tn_causal_bwd_bf16(const tn::bf16* q, const tn::bf16* k, const tn::bf16* v, const tn::bf16* dout,
-                      const float* init, const float* dfin, tn::bf16* dq, tn::bf16* dk, tn::bf16* dv, float* dinit,
-                      idx B, idx T, idx H, idx D, idx E, idx c, int nthreads) {
-#if defined(TN_AMX)
-    if (!amx_granted) return 2;
-    if (!shape_ok(B, T, H, D, E, c)) return 1;
-    const Shape s{B, T, H, D, E, c};
-    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {
-        Worker(s, lo, hi).backward(&q->bits, &k->bits, &v->bits, &dout->bits, init, dfin, &dq->bits, &dk->bits,
-                                   &dv->bits, dinit);
-    });
-    return 0;
-#else
-    (void)q, (void)k, (void)v, (void)dout, (void)init, (void)dfin, (void)dq, (void)dk, (void)dv, (void)dinit, (void)B,
-        (void)T, (void)H, (void)D, (void)E, (void)c, (void)nthreads;
-    return 2;
-#endif
+int tn_causal_bwd_bf16(in_t q, in_t k, in_t v, in_t dout, const float* init, const float* dfin, out_t dq, out_t dk,
+                       out_t dv, float* dinit, idx B, idx T, idx H, idx D, idx E, idx c, int nthreads) {
+    TN_AMX_RUN(c, backward(q, k, v, dout, init, dfin, dq, dk, dv, dinit));
+}
+
+// Bidirectional form (walked in chunks of 64 rows).
+int tn_bidir_fwd_bf16(in_t q, in_t k, in_t v, out_t o, const float* init, float* fin, idx B, idx T, idx H, idx D,
+                      idx E, int nthreads) {
+    TN_AMX_RUN(64, bidir_forward(q, k, v, o, init, fin));
+}
+
+int tn_bidir_bwd_bf16(in_t q, in_t k, in_t v, in_t dout, const float* S, const float* dfin, out_t dq, out_t dk,
+                      out_t dv, float* dinit, idx B, idx T, idx H, idx D, idx E, int nthreads) {
+    TN_AMX_RUN(64, bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit));
 }
 
 }  // extern "C"

@@ -5,8 +5,9 @@
 // memory, and the layout copies, the masks and the prefix scan add as many passes again. Here
 // a thread walks the sequence chunk by chunk and, for each of its heads, does every product of
 // that chunk while the tiles are in L1/L2, reading q, k, v, dO in their [B, T, H, D] layout.
-// (The bidirectional form is two long GEMMs per head, which MKL already runs well; it stays in
-// PyTorch.)
+// The bidirectional form (S = S_0 + K^T V, O = Q S) is walked the same way; it is bound by
+// memory traffic, and the kernel reads each tensor once per pass and streams its outputs, where
+// PyTorch's GEMMs on the strided views also read and write the output lines.
 //
 // Built at first use by transnormer/ops/_native.py with the system C++ compiler
 // (-O3 -march=native) and loaded with ctypes; without a compiler the PyTorch path runs.
@@ -391,6 +392,60 @@ struct Worker {
             }
         store_states(Rs, dinit);
     }
+
+    // Bidirectional form, per head: S = S_0 + K^T V (all rows), O = Q S. The rows are walked in
+    // chunks of c as above (one pass for S, one for O), so each tile is read once per pass.
+    void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
+        const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
+        std::vector<T> states = load_states(init, false);
+        T *k_ = w.k.data(), *v_ = w.v.data(), *q_ = w.q.data(), *o_ = w.o2.data();
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                pack(L, D, rd(k, n, t0), ldd_, k_);
+                pack(L, E, re(v, n, t0), lde_, v_);
+                gemm<T>(D, E, L, k_, 1, D, v_, E, states.data() + (n - lo) * D * E, E, true);  // S += K^T V
+            }
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                pack(L, D, rd(q, n, t0), ldd_, q_);
+                gemm<T>(L, E, D, q_, D, 1, states.data() + (n - lo) * D * E, E, o_, E, false);  // O = Q S
+                unpack(L, E, o_, re(o, n, t0), lde_);
+            }
+        store_states(states, fin);
+    }
+
+    // Given S (the forward's final state): dQ = dO S^T and dS = dS_final + Q^T dO in one pass
+    // (dO read once), then dK = V dS^T, dV = K dS; dS_0 = dS.
+    void bidir_backward(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin, T* dq, T* dk,
+                        T* dv, T* dinit) {
+        const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks(), DE = D * E;
+        std::vector<T> dS = load_states(dfin, false), St = load_states(S, true);  // S^T: [E x D]
+        T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data(), *o_ = w.o.data(), *o2_ = w.o2.data();
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
+                pack(L, D, rd(q, n, t0), ldd_, q_);
+                pack(L, E, re(dout, n, t0), lde_, g_);
+                gemm<T>(D, E, L, q_, 1, D, g_, E, dS.data() + h, E, true);  // dS += Q^T dO
+                gemm<T>(L, D, E, g_, E, 1, St.data() + h, D, o_, D, false);  // dQ = dO S^T
+                unpack(L, D, o_, rd(dq, n, t0), ldd_);
+            }
+        std::vector<T> dSt((hi - lo) * DE);
+        for (idx n = lo; n < hi; ++n) transpose<T>(D, E, dS.data() + (n - lo) * DE, E, dSt.data() + (n - lo) * DE, D);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
+                pack(L, E, re(v, n, t0), lde_, v_);
+                gemm<T>(L, D, E, v_, E, 1, dSt.data() + h, D, o_, D, false);  // dK = V dS^T
+                unpack(L, D, o_, rd(dk, n, t0), ldd_);
+                pack(L, D, rd(k, n, t0), ldd_, k_);
+                gemm<T>(L, E, D, k_, D, 1, dS.data() + h, E, o2_, E, false);  // dV = K dS
+                unpack(L, E, o2_, re(dv, n, t0), lde_);
+            }
+        store_states(dS, dinit);
+    }
 };
 
 // Split heads over threads; each thread owns its scratch and its heads' states.
@@ -421,9 +476,29 @@ static int backward_all(const T* q, const T* k, const T* v, const T* dout, const
     return 0;
 }
 
+template <typename T>
+static int bidir_forward_all(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn, idx H,
+                             idx D, idx E, int nthreads) {
+    if (!valid(B, Tn, H, D, E, 64)) return 1;
+    const Shape s{B, Tn, H, D, E, 64};
+    parallel_heads(s, nthreads, [&](idx lo, idx hi) { Worker<T>(s, lo, hi).bidir_forward(q, k, v, o, init, fin); });
+    return 0;
+}
+
+template <typename T>
+static int bidir_backward_all(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin, T* dq,
+                              T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, int nthreads) {
+    if (!valid(B, Tn, H, D, E, 64)) return 1;
+    const Shape s{B, Tn, H, D, E, 64};
+    parallel_heads(s, nthreads, [&](idx lo, idx hi) {
+        Worker<T>(s, lo, hi).bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit);
+    });
+    return 0;
+}
+
 extern "C" {
 
-int tn_abi_version() { return 5; }
+int tn_abi_version() { return 6; }
 
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \
@@ -434,6 +509,14 @@ int tn_abi_version() { return 5; }
                                T* dq, T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, idx c,         \
                                int nthreads) {                                                                  \
         return backward_all<T>(q, k, v, dout, init, dfin, dq, dk, dv, dinit, B, Tn, H, D, E, c, nthreads);     \
+    }                                                                                                           \
+    int tn_bidir_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,    \
+                              idx H, idx D, idx E, int nthreads) {                                              \
+        return bidir_forward_all<T>(q, k, v, o, init, fin, B, Tn, H, D, E, nthreads);                           \
+    }                                                                                                           \
+    int tn_bidir_bwd_##SUFFIX(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin,      \
+                              T* dq, T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, int nthreads) { \
+        return bidir_backward_all<T>(q, k, v, dout, S, dfin, dq, dk, dv, dinit, B, Tn, H, D, E, nthreads);      \
     }
 
 TN_DEFINE(f32, float)
