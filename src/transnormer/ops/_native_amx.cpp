@@ -1,4 +1,5 @@
-// bf16 causal linear attention on AMX tiles (the bf16 twin of _native_linear_attn.cpp).
+// bf16 linear attention without denominator on AMX tiles, causal and bidirectional (the bf16
+// twin of _native_linear_attn.cpp).
 //
 // Why this file exists: under bf16 autocast the chunked algorithm is a stream of 64x64x64
 // products. PyTorch runs each as a oneDNN call on [B*H*G, 64, 64] batches at ~20% of the AMX
