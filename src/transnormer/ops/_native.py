@@ -1,8 +1,8 @@
-"""Fused CPU kernels, built at first use: causal ``norm_linear_attn`` (``_native_linear_attn.cpp``
-for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles) and the row kernels of a training
-step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's softmax cross-entropy rows
-(``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the GLU's SiLU gate
-(``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
+"""Fused CPU kernels, built at first use: ``norm_linear_attn``, causal and bidirectional
+(``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles), and the
+row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's
+softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the
+GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
 
 The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native
 -fopenmp``) into one library in a cache directory and loaded with ctypes: no torch headers, so
@@ -150,10 +150,10 @@ def load() -> ctypes.CDLL | None:
 def set_backend(mode: str) -> None:
     """Choose the CPU backend of the fused kernels.
 
-    ``"auto"`` (default) uses each fused kernel where it applies (causal ``norm_linear_attn``:
+    ``"auto"`` (default) uses each fused kernel where it applies (``norm_linear_attn``:
     fp32/fp64, and bf16 on a CPU with AMX when D, E and the chunk are multiples of 32; the row
     kernels: fp32/bf16) when the library builds; ``"torch"`` always runs the PyTorch forms;
-    ``"native"`` is ``"auto"`` that raises if the library is absent, and also if the causal
+    ``"native"`` is ``"auto"`` that raises if the library is absent, and also if
     ``norm_linear_attn`` gets tensors neither of its kernels can take.
     """
     global _mode
@@ -185,8 +185,8 @@ _amx: bool | None = None
 
 
 def amx_ready() -> bool:
-    """Whether the bf16 causal kernel can run: the library was built with AMX (``-march=native`` on
-    a CPU with AMX-BF16) and Linux grants this process the AMX tile state."""
+    """Whether the bf16 kernels can run: the library was built with AMX (``-march=native`` on a CPU
+    with AMX-BF16) and Linux grants this process the AMX tile state."""
     global _amx
     if _amx is None:
         lib = load()
@@ -195,8 +195,8 @@ def amx_ready() -> bool:
 
 
 def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> bool:
-    """Whether causal ``norm_linear_attn`` runs on the AMX kernel: CPU bf16 q, k, v with D, E and the
-    chunk multiples of 32, under the current backend mode."""
+    """Whether ``norm_linear_attn`` runs on the AMX kernel: CPU bf16 q, k, v with D, E and the chunk
+    multiples of 32, under the current backend mode (the bidirectional form walks chunks of 64)."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False
     if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
