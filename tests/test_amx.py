@@ -55,7 +55,7 @@ def _reference(q, k, v, S0):
 
 @needs_amx
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
-@pytest.mark.parametrize("H,D,E,chunk", [(2, 64, 64, 64), (3, 32, 96, 32), (1, 128, 64, 128)])
+@pytest.mark.parametrize("H,D,E,chunk", [(2, 64, 64, 64), (3, 32, 96, 32), (1, 128, 64, 128), (2, 128, 64, 32)])
 def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, E, chunk):
     case = _case(2, T, H, D, E)
     mode("native")
@@ -75,7 +75,7 @@ def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, 
 
 @needs_amx
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
-@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96)])
+@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96), (1, 128, 32)])
 def test_bidirectional_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, monkeypatch, T, H, D, E):
     calls = []
     real = _native.native_bidir_linear_attn
@@ -102,29 +102,48 @@ def test_bidirectional_kernel_matches_fp64_reference_as_well_as_the_torch_form(m
 
 @needs_amx
 def test_kernel_runs_for_bf16_and_pads_short_sequences(mode, monkeypatch):
-    """bf16 with D, E, chunk multiples of 32 takes the kernel, whole chunks even when T < chunk."""
+    """bf16 with D, E, chunk multiples of 32 takes the kernel; a short sequence is one chunk of T
+    rounded up to 32 rows (not a padded chunk_size: scratch grows with the chunk squared)."""
     calls = []
     real = _native.native_causal_linear_attn
     monkeypatch.setattr(_native, "native_causal_linear_attn", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     mode("auto")
-    q = torch.randn(1, 5, 2, 32).bfloat16()
-    norm_linear_attn(q, q, q, causal=True, chunk_size=64)
-    assert calls == [{"chunk": 64}]
+    for T, chunk, used in ((5, 64, 32), (40, 4096, 64), (300, 128, 128)):
+        q = torch.randn(1, T, 2, 32).mul(0.5).bfloat16()
+        o, _ = norm_linear_attn(q, q, q, causal=True, chunk_size=chunk)
+        assert calls.pop() == {"chunk": used}
+        ref, _ = norm_linear_attn_reference(q.double(), q.double(), q.double(), causal=True)
+        assert rel_err(o.double(), ref) < 2e-2
     for D, chunk in ((48, 64), (32, 48)):  # not multiples of 32: the PyTorch form
         q = torch.randn(1, 70, 2, D).bfloat16()
         o, _ = norm_linear_attn(q, q, q, causal=True, chunk_size=chunk)
         ref, _ = norm_linear_attn_reference(q.double(), q.double(), q.double(), causal=True)
         assert rel_err(o.double(), ref) < 2e-2
-    assert len(calls) == 1
+    assert not calls
 
 
 @needs_amx
-def test_same_result_on_one_and_two_threads(mode):
+@pytest.mark.parametrize("causal", [True, False])
+def test_same_result_on_one_and_two_threads(mode, causal):
     mode("native")
     case = _case(2, 300, 3, 64, 32)
-    one, two = on_one_and_two_threads(lambda: _run(_ours(64), *case, torch.bfloat16))
+
+    def run(q, k, v, S0):
+        return norm_linear_attn(q, k, v, causal=causal, initial_state=S0, output_final_state=True)
+
+    one, two = on_one_and_two_threads(lambda: _run(run, *case, torch.bfloat16))
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+@needs_amx
+def test_native_mode_raises_for_bf16_shapes_no_kernel_takes(mode):
+    mode("native")
+    q = torch.randn(1, 70, 2, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        norm_linear_attn(q, q, q, causal=True)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        norm_linear_attn(q, q, q, causal=False)
 
 
 @needs_amx

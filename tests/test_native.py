@@ -122,6 +122,16 @@ def test_same_result_on_one_and_two_threads(native):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(0, 5, 2, 32), (1, 5, 0, 32), (1, 5, 2, 0)])
+def test_empty_batch_heads_or_width_skip_the_kernels(dtype, shape):
+    """Zero-size dims take the PyTorch form (the kernels need B, T, H, D, E >= 1)."""
+    q = torch.zeros(shape, dtype=dtype)
+    for causal in (True, False):
+        o, s = norm_linear_attn(q, q, q, causal=causal, output_final_state=True)
+        assert o.shape == shape and s.shape == (shape[0], shape[2], shape[3], shape[3])
+
+
 @needs_kernel
 def test_non_contiguous_inputs_and_unused_outputs(native):
     x = torch.randn(2, 3, 70, 16, dtype=torch.float64)  # [B, H, T, D]: permuted views below

@@ -45,14 +45,15 @@ class ChunkedCausalLinearAttn(torch.autograd.Function):
         N, G, c, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
             q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
-            kv = torch.bmm(_t(k3), v3).view(N, G, D, -1).to(state_dtype)
+            E = v.shape[-1]  # explicit sizes, not -1: views of empty tensors (N = 0) need them
+            kv = torch.bmm(_t(k3), v3).view(N, G, D, E).to(state_dtype)
             states, final = _exclusive_scan(kv, None if init is None else init.to(state_dtype))
             o = torch.bmm(q3, states.to(q.dtype).flatten(0, 1))  # inter-chunk: Q_g S_g
             scores = torch.bmm(q3, _t(k3)).tril_()
             o.baddbmm_(scores, v3)  # + intra-chunk (Q_g K_gᵀ ⊙ M) V_g
         ctx.save_for_backward(q, k, v, init)
         ctx.state_dtype = state_dtype
-        return o.view(N, G, c, -1), final
+        return o.view(N, G, c, E), final
 
     @staticmethod
     @once_differentiable
@@ -63,9 +64,10 @@ class ChunkedCausalLinearAttn(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
             do3 = do.contiguous().flatten(0, 1)
-            kv = torch.bmm(_t(k3), v3).view(N, G, D, -1).to(sdt)
+            E = v.shape[-1]
+            kv = torch.bmm(_t(k3), v3).view(N, G, D, E).to(sdt)
             states, _ = _exclusive_scan(kv, None if init is None else init.to(sdt))
-            ds = torch.bmm(_t(q3), do3).view(N, G, D, -1).to(sdt)
+            ds = torch.bmm(_t(q3), do3).view(N, G, D, E).to(sdt)
             dfin = torch.zeros_like(states[:, 0]) if dfinal is None else dfinal.to(sdt)
             rev, ds0 = _exclusive_scan(ds, dfin, reverse=True)
             rev3, states3 = rev.to(q.dtype).flatten(0, 1), states.to(q.dtype).flatten(0, 1)
@@ -76,5 +78,4 @@ class ChunkedCausalLinearAttn(torch.autograd.Function):
             scores = torch.bmm(q3, _t(k3)).tril_()
             dv = torch.bmm(k3, rev3).baddbmm_(_t(scores), do3)
         dinit = None if init is None else ds0.to(init.dtype)
-        shape = (N, G, c, -1)
-        return dq.view(shape), dk.view(shape), dv.view(shape), dinit, None
+        return dq.view(N, G, c, D), dk.view(N, G, c, D), dv.view(N, G, c, E), dinit, None

@@ -212,14 +212,14 @@ struct Rows {
 struct Worker {
     const Shape& s;
     idx lo, hi;
-    const idx c, D, E, W;  // W: the widest of c, D, E
+    const idx c, D, E, W;  // W: the wider of D, E
     // zero-padded rows of a short last chunk; VNNI operands; a transposed operand; scores; states
     std::vector<bf> qa, ka, va, ga, ta, pa, sb;
     std::vector<w32> t1, t2, v1, v2, sv, sv2;
     std::vector<float> af, of;
 
     Worker(const Shape& s_, idx lo_, idx hi_)
-        : s(s_), lo(lo_), hi(hi_), c(s_.c), D(s_.D), E(s_.E), W(std::max({s_.c, s_.D, s_.E})),
+        : s(s_), lo(lo_), hi(hi_), c(s_.c), D(s_.D), E(s_.E), W(std::max(s_.D, s_.E)),
           qa(c * D), ka(c * D), va(c * E), ga(c * E), ta(W * c), pa(c * c), sb(D * E), t1(W / 2 * c),
           t2(W / 2 * c), v1(c / 2 * W), v2(c / 2 * W), sv(D * E / 2), sv2(D * E / 2), af(c * c), of(c * W) {
         configure_tiles();

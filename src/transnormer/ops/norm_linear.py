@@ -81,8 +81,8 @@ def norm_linear_attn(
     sdt = state_dtype_for(q.dtype)
     init = None if initial_state is None else initial_state.to(sdt)
 
-    if not causal and B > 0 and T > 0 and (init is None or init.device.type == "cpu") and (
-            _native.amx_usable(q, k, v, 64) or _native.usable(q, k, v)):
+    kernels_apply = q.numel() > 0 and v.numel() > 0 and (init is None or init.device.type == "cpu")
+    if not causal and kernels_apply and (_native.amx_usable(q, k, v, 64) or _native.usable(q, k, v)):
         # Fused CPU kernels: S, then O = Q S, chunk by chunk in place (bf16 on AMX tiles)
         o, final = _native.native_bidir_linear_attn(q, k, v, init)
         return o, (final if output_final_state else None)
@@ -103,12 +103,13 @@ def norm_linear_attn(
         final = init if init is not None else q.new_zeros(B, H, D, E, dtype=sdt)
         return v.new_zeros(B, 0, H, E), (final if output_final_state else None)
     c = min(chunk_size, T)
-    if B > 0 and (init is None or init.device.type == "cpu"):
+    if kernels_apply:
         # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX
-        # tiles (ops/_native_amx.cpp; it zero-pads a short last chunk, so the chunk stays whole),
-        # fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp). The PyTorch form below is the
-        # fallback and the GPU path.
-        kernel_chunk = chunk_size if _native.amx_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
+        # tiles (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk is a multiple
+        # of 32 rows, at most T rounded up), fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp).
+        # The PyTorch form below is the fallback and the GPU path.
+        amx_chunk = min(chunk_size, -(-T // 32) * 32)
+        kernel_chunk = amx_chunk if _native.amx_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
         if kernel_chunk:
             o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=kernel_chunk)
             return o, (final if output_final_state else None)
