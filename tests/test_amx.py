@@ -1,4 +1,5 @@
-"""The bf16 AMX kernel for causal norm_linear_attn (ops/_native_amx.cpp) against the fp64 reference.
+"""The bf16 AMX kernels for norm_linear_attn (ops/_native_amx.cpp), causal and bidirectional,
+against the fp64 reference.
 
 The oracle is the quadratic reference in fp64 on the same bf16-rounded inputs. The kernel rounds
 what the PyTorch form under autocast rounds (the state and the score tiles as bf16 operands,
