@@ -9,3 +9,29 @@ def test_ratio_verdict_says_which_side_of_the_ideal():
     assert ahead.startswith("FAIL") and "t2-lm ahead of its FLOP ratio" in ahead and "vanilla-lm runs" in ahead
     behind = ratio_verdict("x", "t2-lm", "vanilla-lm", 0.8, 1.0)
     assert behind.startswith("FAIL") and "behind" in behind
+
+
+def test_norm_attn_flops_counts_the_chunked_algorithm():
+    from transnormer.bench.ops_bench import norm_attn_flops
+
+    T, D, E, c = 256, 8, 4, 64
+    fwd_causal = 4 * T * D * E + 2 * T * c * (D + E)  # states and queries + full c x c score tiles
+    assert norm_attn_flops(T, D, E, causal=True, chunk=c, batch_heads=3) == 3.0 * fwd_causal * 3
+    assert norm_attn_flops(T, D, E, causal=False, chunk=c, batch_heads=1) == 3.0 * 4 * T * D * E
+    useful = 4 * T * D * E + T * c * (D + E)  # the kernels skip the zero half of the score tiles
+    assert norm_attn_flops(T, D, E, causal=True, chunk=c, batch_heads=1, useful=True) == 3.0 * useful
+
+
+def test_op_throughput_reports_the_backend_that_ran():
+    import torch
+
+    from transnormer.bench.ops_bench import op_throughput, same_shape_gemm_gflops
+    from transnormer.ops import _native
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for causal in (True, False):
+            r = op_throughput(96, causal=causal, dtype=dtype, H=2, repeat=1, min_time=0.0)
+            fused = _native.load() is not None and (dtype == torch.float32 or _native.amx_ready())
+            assert r["backend"] == ("native" if fused else "torch")
+            assert r["seconds"] > 0 and r["gflops"] > 0
+            assert same_shape_gemm_gflops(96, causal=causal, dtype=dtype, H=2, repeat=1, min_time=0.0) > 0

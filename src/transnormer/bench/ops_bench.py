@@ -30,7 +30,7 @@ def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_h
 
 
 def same_shape_gemm_gflops(T: int, *, causal: bool, dtype: torch.dtype, B: int = 1, H: int = 8, D: int = 64,
-                           chunk: int = 64, repeat: int = 5) -> float:
+                           chunk: int = 64, repeat: int = 5, min_time: float = 1.0) -> float:
     """GFLOP/s of the op's own dominant product, batched as the op batches it, at this T.
 
     causal: the chunk products [B·H·G, c, D] x [B·H·G, D, c]; bidirectional: Q S per head,
@@ -44,7 +44,7 @@ def same_shape_gemm_gflops(T: int, *, causal: bool, dtype: torch.dtype, B: int =
     else:
         x, y = torch.randn(B * H, T, D, dtype=dtype), torch.randn(B * H, D, D, dtype=dtype)
         flops = 2 * B * H * T * D * D
-    t = measure(lambda: torch.bmm(x, y), warmup=2, repeat=repeat)["median_s"]
+    t = measure(lambda: torch.bmm(x, y), warmup=2, repeat=repeat, min_time=min_time)["median_s"]
     return flops / t / 1e9
 
 
