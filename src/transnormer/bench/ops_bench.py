@@ -61,7 +61,7 @@ def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B
     t = measure(run, warmup=1, repeat=repeat, min_time=min_time)["median_s"]  # ms-scale: many repeats are cheap
     flops = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H)
     useful = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H, useful=True)
-    fused = _native.amx_usable(q, k, v, chunk if causal else 64) or _native.usable(q, k, v)
+    fused = (_native.amx_usable(q, k, v, chunk) or _native.usable(q, k, v)) if causal else _native.bidir_usable(q, k, v)
     backend = "native" if fused else "torch"
     return {"T": T, "causal": causal, "dtype": str(dtype).replace("torch.", ""), "seconds": t, "backend": backend,
             "gflops": flops / t / 1e9, "useful_gflops": useful / t / 1e9}

@@ -204,6 +204,14 @@ def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) ->
     return q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0 and chunk % 32 == 0 and amx_ready()
 
 
+BIDIR_CHUNK = 64  # rows per step of the bidirectional kernels' walk (kBidirChunk in both .cpp files)
+
+
+def bidir_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the bidirectional ``norm_linear_attn`` runs a fused kernel (AMX for bf16, else fp32/fp64)."""
+    return amx_usable(q, k, v, BIDIR_CHUNK) or usable(q, k, v)
+
+
 def _ptr(x: torch.Tensor | None):
     return None if x is None else ctypes.c_void_p(x.data_ptr())
 

@@ -238,15 +238,27 @@ struct Worker {
         pack(L, c, width, x + offset(n, g * c, width), ld, pad.data());
         return {pad.data(), width};
     }
+    // An fp32 state X [R x C] as B operands: VNNI(bf16(X)) [R/2 x C] and/or VNNI(bf16(X)^T) [C/2 x R].
+    void state_operands(const float* X, idx R, idx C, w32* plain, w32* transposed) {
+        to_bf16_rows(R, C, X, C, sb.data(), C);
+        if (plain) vnni(R, C, sb.data(), C, plain);
+        if (transposed) vnni_of_transpose(R, C, sb.data(), C, transposed);
+    }
     // out rows of chunk g (fp32 [c x width]) rounded into x's first L rows
     void write(const float* o, bf* x, idx n, idx g, idx width) const {
         stream_bf16_rows(rows(g), width, o, width, x + offset(n, g * c, width), s.H * width);
     }
 
-    std::vector<float> load_states(const float* init) const {
+    // states[(n - lo)] = init (optionally transposed to [E x D]) or zeros.
+    std::vector<float> load_states(const float* init, bool transposed = false) const {
         const idx DE = D * E;
         std::vector<float> st((hi - lo) * DE, 0.0f);
-        if (init) std::copy(init + lo * DE, init + hi * DE, st.begin());
+        if (init && !transposed) std::copy(init + lo * DE, init + hi * DE, st.begin());
+        if (init && transposed)
+            for (idx n = lo; n < hi; ++n)
+                for (idx r0 = 0; r0 < D; r0 += 16)
+                    for (idx c0 = 0; c0 < E; c0 += 16)
+                        tn::transpose16(init + n * DE + r0 * E + c0, E, st.data() + (n - lo) * DE + c0 * D + r0, D);
         return st;
     }
     void store_states(const std::vector<float>& st, float* out) const {
@@ -263,8 +275,7 @@ struct Worker {
                 vnni_of_transpose(c, D, K.p, K.ld, t1.data());  // VNNI(K^T) [D/2 x c]
                 unpair(D / 2, c, t1.data(), ta.data());         // K^T [D x c]
                 vnni(c, E, V.p, V.ld, v1.data());               // VNNI(V) [c/2 x E]
-                to_bf16_rows(D, E, S, E, sb.data(), E);
-                vnni(D, E, sb.data(), E, sv.data());            // VNNI(S) [D/2 x E]
+                state_operands(S, D, E, sv.data(), nullptr);   // VNNI(S) [D/2 x E]
                 // A = Q K^T; O = A V + Q S; S += K^T V
                 gemm(c, c, {D, Q.p, Q.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kLowerC);
                 to_bf16_rows(c, c, af.data(), c, pa.data(), c, kLower);
@@ -282,11 +293,7 @@ struct Worker {
         // Chunk order: the prefix states S give dQ. S is kept transposed, [E x D], the operand
         // dQ = dO S^T needs (S^T += V^T K).
         {
-            std::vector<float> St((hi - lo) * DE, 0.0f);
-            if (init)
-                for (idx n = lo; n < hi; ++n)
-                    for (idx d = 0; d < D; ++d)
-                        for (idx e = 0; e < E; ++e) St[(n - lo) * DE + e * D + d] = init[n * DE + d * E + e];
+            std::vector<float> St = load_states(init, true);
             for (idx g = 0; g < G; ++g)
                 for (idx n = lo; n < hi; ++n) {
                     float* st = St.data() + (n - lo) * DE;
@@ -294,8 +301,7 @@ struct Worker {
                     vnni_of_transpose(c, E, V.p, V.ld, t1.data());  // VNNI(V^T) [E/2 x c]
                     unpair(E / 2, c, t1.data(), ta.data());         // V^T [E x c]
                     vnni(c, D, K.p, K.ld, v1.data());               // VNNI(K) [c/2 x D]
-                    to_bf16_rows(E, D, st, D, sb.data(), D);
-                    vnni(E, D, sb.data(), D, sv.data());            // VNNI(S^T) [E/2 x D]
+                    state_operands(st, E, D, sv.data(), nullptr);   // VNNI(S^T) [E/2 x D]
                     // dA = dO V^T; dQ = dA K + dO S^T; S^T += V^T K
                     gemm(c, c, {E, dO.p, dO.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kLowerC);
                     to_bf16_rows(c, c, af.data(), c, pa.data(), c, kLower);
@@ -317,9 +323,7 @@ struct Worker {
                 unpair(D / 2, c, t1.data(), ta.data());           // Q^T [D x c]
                 vnni(c, D, Q.p, Q.ld, v1.data());                 // VNNI(Q) [c/2 x D]
                 vnni(c, E, dO.p, dO.ld, v2.data());               // VNNI(dO) [c/2 x E]
-                to_bf16_rows(D, E, R, E, sb.data(), E);
-                vnni_of_transpose(D, E, sb.data(), E, sv.data());  // VNNI(R^T) [E/2 x D]
-                vnni(D, E, sb.data(), E, sv2.data());              // VNNI(R) [D/2 x E]
+                state_operands(R, D, E, sv2.data(), sv.data());   // VNNI(R) [D/2 x E], VNNI(R^T) [E/2 x D]
                 // dA^T = V dO^T (upper triangular); dK = dA^T Q + V R^T
                 gemm(c, c, {E, V.p, V.ld, t2.data(), c, kDense}, nullptr, af.data(), c, false, kUpperC);
                 to_bf16_rows(c, c, af.data(), c, pa.data(), c, kUpper);
@@ -337,14 +341,13 @@ struct Worker {
         store_states(Rs, dinit);
     }
 
-    // Per head of this thread: the VNNI form of bf16(X) (X fp32 [D x E]): of X itself
-    // ([D/2 x E]) or of X^T ([E/2 x D]).
+    // Per head of this thread (X: the thread's first head, fp32 [D x E] each): the VNNI form of
+    // bf16(X), of X itself ([D/2 x E]) or of X^T ([E/2 x D]).
     std::vector<w32> vnni_states(const float* X, bool transposed) {
         std::vector<w32> out((hi - lo) * D * E / 2);
         for (idx n = lo; n < hi; ++n) {
-            to_bf16_rows(D, E, X + (n - lo) * D * E, E, sb.data(), E);
-            if (transposed) vnni_of_transpose(D, E, sb.data(), E, out.data() + (n - lo) * D * E / 2);
-            else vnni(D, E, sb.data(), E, out.data() + (n - lo) * D * E / 2);
+            w32* o = out.data() + (n - lo) * D * E / 2;
+            state_operands(X + (n - lo) * D * E, D, E, transposed ? nullptr : o, transposed ? o : nullptr);
         }
         return out;
     }
@@ -382,8 +385,7 @@ struct Worker {
                         bf* dq, bf* dk, bf* dv, float* dinit) {
         std::vector<float> dS = load_states(dfin);
         const idx G = nchunks(), DE = D * E;
-        const std::vector<float> S_ = load_states(S);
-        const std::vector<w32> St = vnni_states(S_.data(), true);  // VNNI(S^T) [E/2 x D]
+        const std::vector<w32> St = vnni_states(S + lo * DE, true);  // VNNI(S^T) [E/2 x D]
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const Rows dO = chunk(dout, n, g, E, ga);
@@ -410,6 +412,8 @@ bool shape_ok(idx B, idx T, idx H, idx D, idx E, idx c) {
 }
 
 bool amx_granted = false;
+
+constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any size gives the same sums)
 
 }  // namespace
 #endif  // TN_AMX
@@ -455,15 +459,15 @@ int tn_causal_bwd_bf16(in_t q, in_t k, in_t v, in_t dout, const float* init, con
     TN_AMX_RUN(c, backward(q, k, v, dout, init, dfin, dq, dk, dv, dinit));
 }
 
-// Bidirectional form (walked in chunks of 64 rows).
+// Bidirectional form (walked in chunks of kBidirChunk rows).
 int tn_bidir_fwd_bf16(in_t q, in_t k, in_t v, out_t o, const float* init, float* fin, idx B, idx T, idx H, idx D,
                       idx E, int nthreads) {
-    TN_AMX_RUN(64, bidir_forward(q, k, v, o, init, fin));
+    TN_AMX_RUN(kBidirChunk, bidir_forward(q, k, v, o, init, fin));
 }
 
 int tn_bidir_bwd_bf16(in_t q, in_t k, in_t v, in_t dout, const float* S, const float* dfin, out_t dq, out_t dk,
                       out_t dv, float* dinit, idx B, idx T, idx H, idx D, idx E, int nthreads) {
-    TN_AMX_RUN(64, bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit));
+    TN_AMX_RUN(kBidirChunk, bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit));
 }
 
 }  // extern "C"

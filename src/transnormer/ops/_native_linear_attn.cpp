@@ -448,53 +448,22 @@ struct Worker {
     }
 };
 
-// Split heads over threads; each thread owns its scratch and its heads' states.
-template <typename F>
-static void parallel_heads(const Shape& s, int nthreads, F body) {
-    tn::parallel_ranges(s.B * s.H, nthreads, body);
-}
-
 static bool valid(idx B, idx T, idx H, idx D, idx E, idx c) { return B >= 1 && T >= 1 && H >= 1 && D >= 1 && E >= 1 && c >= 1; }
 
-template <typename T>
-static int forward_all(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn, idx H, idx D,
-                       idx E, idx c, int nthreads) {
+// Check the shape, then run call(worker) with the heads split over threads; each thread owns its
+// scratch and its heads' states.
+template <typename T, typename F>
+static int run_heads(idx B, idx Tn, idx H, idx D, idx E, idx c, int nthreads, F call) {
     if (!valid(B, Tn, H, D, E, c)) return 1;
     const Shape s{B, Tn, H, D, E, c};
-    parallel_heads(s, nthreads, [&](idx lo, idx hi) { Worker<T>(s, lo, hi).forward(q, k, v, o, init, fin); });
-    return 0;
-}
-
-template <typename T>
-static int backward_all(const T* q, const T* k, const T* v, const T* dout, const T* init, const T* dfin, T* dq, T* dk,
-                        T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, idx c, int nthreads) {
-    if (!valid(B, Tn, H, D, E, c)) return 1;
-    const Shape s{B, Tn, H, D, E, c};
-    parallel_heads(s, nthreads, [&](idx lo, idx hi) {
-        Worker<T>(s, lo, hi).backward(q, k, v, dout, init, dfin, dq, dk, dv, dinit);
+    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {
+        Worker<T> w(s, lo, hi);
+        call(w);
     });
     return 0;
 }
 
-template <typename T>
-static int bidir_forward_all(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn, idx H,
-                             idx D, idx E, int nthreads) {
-    if (!valid(B, Tn, H, D, E, 64)) return 1;
-    const Shape s{B, Tn, H, D, E, 64};
-    parallel_heads(s, nthreads, [&](idx lo, idx hi) { Worker<T>(s, lo, hi).bidir_forward(q, k, v, o, init, fin); });
-    return 0;
-}
-
-template <typename T>
-static int bidir_backward_all(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin, T* dq,
-                              T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, int nthreads) {
-    if (!valid(B, Tn, H, D, E, 64)) return 1;
-    const Shape s{B, Tn, H, D, E, 64};
-    parallel_heads(s, nthreads, [&](idx lo, idx hi) {
-        Worker<T>(s, lo, hi).bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit);
-    });
-    return 0;
-}
+constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any size gives the same sums)
 
 extern "C" {
 
@@ -503,20 +472,24 @@ int tn_abi_version() { return 6; }
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \
                                idx H, idx D, idx E, idx c, int nthreads) {                                      \
-        return forward_all<T>(q, k, v, o, init, fin, B, Tn, H, D, E, c, nthreads);                              \
+        return run_heads<T>(B, Tn, H, D, E, c, nthreads,                                                        \
+                            [&](Worker<T>& w) { w.forward(q, k, v, o, init, fin); });                           \
     }                                                                                                           \
     int tn_causal_bwd_##SUFFIX(const T* q, const T* k, const T* v, const T* dout, const T* init, const T* dfin,  \
                                T* dq, T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, idx c,         \
                                int nthreads) {                                                                  \
-        return backward_all<T>(q, k, v, dout, init, dfin, dq, dk, dv, dinit, B, Tn, H, D, E, c, nthreads);     \
+        return run_heads<T>(B, Tn, H, D, E, c, nthreads,                                                        \
+                            [&](Worker<T>& w) { w.backward(q, k, v, dout, init, dfin, dq, dk, dv, dinit); });   \
     }                                                                                                           \
     int tn_bidir_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,    \
                               idx H, idx D, idx E, int nthreads) {                                              \
-        return bidir_forward_all<T>(q, k, v, o, init, fin, B, Tn, H, D, E, nthreads);                           \
+        return run_heads<T>(B, Tn, H, D, E, kBidirChunk, nthreads,                                              \
+                            [&](Worker<T>& w) { w.bidir_forward(q, k, v, o, init, fin); });                     \
     }                                                                                                           \
     int tn_bidir_bwd_##SUFFIX(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin,      \
                               T* dq, T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, int nthreads) { \
-        return bidir_backward_all<T>(q, k, v, dout, S, dfin, dq, dk, dv, dinit, B, Tn, H, D, E, nthreads);      \
+        return run_heads<T>(B, Tn, H, D, E, kBidirChunk, nthreads,                                              \
+                            [&](Worker<T>& w) { w.bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit); }); \
     }
 
 TN_DEFINE(f32, float)

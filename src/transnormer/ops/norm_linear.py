@@ -82,14 +82,15 @@ def norm_linear_attn(
     init = None if initial_state is None else initial_state.to(sdt)
 
     kernels_apply = q.numel() > 0 and v.numel() > 0 and (init is None or init.device.type == "cpu")
-    if not causal and kernels_apply and (_native.amx_usable(q, k, v, 64) or _native.usable(q, k, v)):
+    if not causal and kernels_apply and _native.bidir_usable(q, k, v):
         # Fused CPU kernels: S, then O = Q S, chunk by chunk in place (bf16 on AMX tiles)
         o, final = _native.native_bidir_linear_attn(q, k, v, init)
         return o, (final if output_final_state else None)
     if not causal:
-        # The fallback and GPU path: two GEMMs per head on [B, H, T, D] views. Half-precision operands are made contiguous
-        # first: oneDNN's bf16 GEMMs on the strided views ran 4.7x slower (T=4096, fwd+bwd);
-        # fp32 is fastest on the views (MKL takes the strides; a copy costs more than it saves).
+        # The fallback and GPU path: two GEMMs per head on [B, H, T, D] views. Half-precision
+        # operands are made contiguous first: oneDNN's bf16 GEMMs on the strided views ran 4.7x
+        # slower (T=4096, fwd+bwd); fp32 is fastest on the views (MKL takes the strides; a copy
+        # costs more than it saves).
         qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
         if q.dtype in (torch.float16, torch.bfloat16):
             qh, kh, vh = qh.contiguous(), kh.contiguous(), vh.contiguous()
