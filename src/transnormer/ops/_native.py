@@ -33,11 +33,11 @@ from torch.autograd.function import once_differentiable
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
-    "_native_heads.cpp", "_native_amx.cpp"))
-_HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h"))
+    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp"))
+_HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 6
+_ABI = 7
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -95,6 +95,8 @@ _SIGNATURES = {
     "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
     "tn_bidir_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 5),
     "tn_bidir_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 5),
+    "tn_softmax_fwd": (("bf16",), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # AMX
+    "tn_softmax_bwd": (("bf16",), [_P] * 3 + [_I64] * 3 + [_P] * 6 + [_I64] * 6 + [_I32, _F32]),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
@@ -309,6 +311,63 @@ def native_bidir_linear_attn(q, k, v, init):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     init = None if init is None else init.to(_state_dtype(q.dtype)).contiguous()
     return NativeBidirLinearAttn.apply(q, k, v, init)
+
+
+# ------------------------------------------------------------------------------------------------
+# Softmax attention on AMX tiles (_native_softmax_amx.cpp): vanilla attention and DiagAttention blocks
+# ------------------------------------------------------------------------------------------------
+SOFTMAX_WINDOW_STEP = 64  # a window (DiagAttention's block) must be a multiple of this (kK in the .cpp)
+
+
+def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
+    """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs on the AMX kernel: CPU
+    bf16, D and E multiples of 32, no empty dim, ``window`` 0 (all keys) or a multiple of 64, the
+    library built with AMX, backend mode not "torch", not being traced."""
+    if _mode == "torch" or torch.compiler.is_compiling():
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
+        return False
+    if q.shape[-1] % 32 or v.shape[-1] % 32 or window % SOFTMAX_WINDOW_STEP or 0 in q.shape or 0 in v.shape:
+        return False
+    return amx_ready()
+
+
+class NativeSoftmaxAttn(torch.autograd.Function):
+    """q, k [B, T, H, D], v [B, T, H, E] bf16 with token rows readable in place (:func:`token_rows_ok`).
+    Saves q, k, v, o and the per-query log-sum-exp lse [B, H, T] (fp32) for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, window: int):
+        B, T, H, D = q.shape
+        E = v.shape[-1]
+        o = torch.empty(B, T, H, E, dtype=q.dtype)
+        lse = torch.empty(B, H, T, dtype=torch.float32)
+        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), q.stride(1), k.stride(1), v.stride(1), _ptr(o),
+              _ptr(lse), B, T, H, D, E, window, int(causal), scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (window, int(causal), scale)
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        B, T, H, D = q.shape
+        E = v.shape[-1]
+        do = do.contiguous()
+        dq, dk, dv = torch.empty(B, T, H, D, dtype=q.dtype), torch.empty(B, T, H, D, dtype=q.dtype), torch.empty_like(o)
+        _call("tn_softmax_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), q.stride(1), k.stride(1), v.stride(1), _ptr(o),
+              _ptr(do), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv), B, T, H, D, E, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor:
+    """softmax(scale q kᵀ + mask) v: o [B, T, H, E] from the AMX kernel (check :func:`softmax_usable`).
+
+    Query i sees all keys (``window`` 0) or those of its block of ``window`` tokens, and only
+    keys j <= i when ``causal``."""
+    q, k, v = (x if token_rows_ok(x) else x.contiguous() for x in (q, k, v))
+    return NativeSoftmaxAttn.apply(q, k, v, causal, float(scale), window)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,339 @@
+// bf16 softmax attention on AMX tiles, forward and backward, in the FlashAttention-2 scheme:
+// the quadratic baseline's attention (vanilla-lm) and DiagAttention's blocks.
+//
+// Why this file exists: under bf16 autocast PyTorch's CPU SDPA kernel runs the forward at about
+// a third of the AMX rate but its backward at a tenth (16k tokens, 8 heads of 64: 0.38 s forward,
+// 2.2 s backward), so the softmax baseline spent ~75% of a bf16 training step there and was
+// measured against the linear models at a fraction of the speed its FLOPs allow.
+//
+// Layouts: q, k [B, T, H, D], v [B, T, H, E] bf16, each token's [H, D] row contiguous and the
+// tokens at a row stride (ldq, ldk, ldv elements; the batch stride T times it), so views of a
+// fused q/k/v projection are read in place; o, dO, dq, dk, dv contiguous [B, T, H, D|E];
+// lse [B, H, T] fp32, the log-sum-exp of each query's scaled scores, saved by the forward.
+// Keys of query i: all (window w = 0) or those of i's block [floor(i/w) w, floor(i/w) w + w)
+// (w > 0, a multiple of 64), and only j <= i when causal.
+//
+// Numerics (as FlashAttention-2 on GPUs): S = scale Q K^T in fp32 from bf16 operands; P =
+// exp(S - running max) in fp32, its row sums in fp32, P rounded to bf16 as the operand of P V;
+// O accumulated in fp32, divided by the row sum and rounded once. The backward recomputes P
+// from lse (bitwise the forward's S), delta = rowsum(dO * O), dS = P (dP - delta) in fp32, and
+// rounds P and dS to bf16 as operands; dQ, dK, dV accumulate in fp32 and are rounded once.
+//
+// The walk: heads are split over threads; each head's rows are first packed (zero-padded to a
+// multiple of 64) into the operand layouts, so every product below is whole tiles in L1/L2.
+// Forward: query blocks of 32 rows, keys in steps of 64 (online softmax). Backward: key blocks
+// of 64 outer (dK^T, dV^T accumulate in fp32 tiles' memory), query blocks of 32 inner, dQ
+// accumulated in an fp32 copy of the head.
+
+#include "_native_amx.h"
+
+#if defined(TN_AMX)
+#include <limits>
+
+namespace {
+using namespace tn_amx;
+
+constexpr idx kQ = 32;   // queries per block in the forward (two 16-lane vectors)
+constexpr idx kQb = 64;  // queries per block in the backward: dK and dV then sum 64 queries per product
+constexpr idx kK = 64;   // keys per step (and the window granularity)
+
+struct Shape {
+    idx B, T, H, D, E, w;
+    bool causal;
+    float scale;
+    idx ldq, ldk, ldv;
+};
+
+// Queries lie along the vector lanes: every score block is computed transposed, S^T = K Q^T
+// [keys x queries], so the softmax's per-query max, sum, lse and delta are lane-wise vector
+// operations (no horizontal reductions or scalar work per query), and the causal mask is a
+// lane mask per key.
+typedef uint64_t Lanes;  // one bit per query of a block
+
+inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64))
+    from = std::max<idx>(from, 0), to = std::min<idx>(to, 64);
+    if (from >= to) return 0;
+    return (to == 64 ? ~Lanes(0) : (Lanes(1) << to) - 1) & ~((Lanes(1) << from) - 1);
+}
+inline __mmask16 half(Lanes v, int h) { return __mmask16(v >> (16 * h)); }
+
+// 2^x, x finite (a scaled score minus its row max or lse): 2^x = 2^n 2^f, |f| <= 1/2, 2^f by its
+// degree-5 Taylor polynomial (relative error < 4e-6: the bf16 operands P, dS round at 4e-3),
+// scalef underflowing to 0 cleanly; masked lanes 0.
+inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+// One VNNI word row from two rows a, b of a transposed block of nh 16-lane vectors: the pairs
+// (a[n], b[n]) for every query lane n.
+inline void store_pairs(w32* dst, const __m512* a, const __m512* b, int nh) {
+    alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    for (int h = 0; h < nh; h += 2) {
+        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(a[h + 1], a[h]), y = (__m512i)_mm512_cvtne2ps_pbh(b[h + 1], b[h]);
+        _mm512_storeu_si512(dst + 16 * h, _mm512_permutex2var_epi16(x, _mm512_load_si512(lo_idx), y));
+        _mm512_storeu_si512(dst + 16 * h + 16, _mm512_permutex2var_epi16(x, _mm512_load_si512(hi_idx), y));
+    }
+}
+// one row of a transposed block as bf16 (nh 16-lane vectors)
+inline void store_row(bf* dst, const __m512* a, int nh) {
+    for (int h = 0; h < nh; h += 2) _mm512_storeu_si512(dst + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(a[h + 1], a[h]));
+}
+
+struct Worker {
+    const Shape& s;
+    const idx T, D, E, Tp;  // Tp: T rounded up to kK
+    const float log2e = 1.44269504088896341f;
+    std::vector<bf> qp, kp, vp, gp, kt, vt, pt, dt;
+    std::vector<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
+    std::vector<float> st, dpt, acc, dqt, dkb, dvb, tb, lse_d;
+
+    Worker(const Shape& s_, bool backward)
+        : s(s_), T(s_.T), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), qp(Tp * D), kp(Tp * D), vp(Tp * E),
+          qtv(Tp * D / 2), tmp(std::max(D, E) / 2 * kK), st(kK * kQb), tb(kQb * std::max(D, E)) {
+        if (backward) {
+            gp.resize(Tp * E), kt.resize(Tp * D), pt.resize(kK * kQb), dt.resize(kK * kQb);
+            qv.resize(Tp * D / 2), gv.resize(Tp * E / 2), gtv.resize(Tp * E / 2), dsv.resize(kK / 2 * kQb);
+            dpt.resize(kK * kQb), dqt.resize(Tp * D), dkb.resize(kK * D), dvb.resize(kK * E), lse_d.resize(2 * Tp);
+        } else {
+            vt.resize(Tp * E), acc.resize(E * kQ), pv.resize(kK / 2 * kQ);
+        }
+        configure_tiles();
+    }
+    ~Worker() {
+        _mm_sfence();  // the streamed output rows
+        _tile_release();
+    }
+
+    // element offset of token t of head n = b H + h in a [B, T, H, width] tensor with row stride ld
+    idx at(idx n, idx t, idx width, idx ld) const { return (n / s.H) * T * ld + t * ld + (n % s.H) * width; }
+    idx block_of(idx i) const { return s.w ? i / s.w * s.w : 0; }
+    idx block_end(idx i) const { return s.w ? std::min(T, i / s.w * s.w + s.w) : T; }
+
+    // The query lanes of block i0 (nq queries, in key j's window) that see key j.
+    Lanes visible(idx i0, idx j) const {
+        if (j >= T) return 0;
+        return lane_range(s.causal ? j - i0 : 0, T - i0);
+    }
+    // Whether every query of block i0 sees every key of step j0 (no mask needed).
+    bool all_visible(idx i0, idx nq, idx j0) const {
+        return j0 + kK <= T && i0 + nq <= T && (!s.causal || j0 + kK - 1 <= i0);
+    }
+
+    // Operands that span the sequence are stored in blocks of the rows one product reads
+    // ([Tp/blk][C/2][blk] words, [Tp/blk][C][blk] bf16), not as one [C x Tp] matrix: a tile
+    // load reads 16 rows, and rows Tp apart (a multiple of 4 KB) would all fall in one L1 set.
+    void blocked_vnni_of_transpose(idx C, const bf* x, idx blk, w32* dst) const {  // VNNI(X^T) per block
+        for (idx b = 0; b < Tp; b += blk) vnni_of_transpose(blk, C, x + b * C, C, dst + b * C / 2);
+    }
+    void blocked_transpose(idx C, const bf* x, idx blk, bf* dst) {  // X^T per block
+        for (idx b = 0; b < Tp; b += blk) {
+            vnni_of_transpose(blk, C, x + b * C, C, tmp.data());
+            unpair(C / 2, blk, tmp.data(), dst + b * C);
+        }
+    }
+
+    // q, k, v rows of head n, zero-padded to Tp, and VNNI(Q^T) in blocks of nq queries
+    void load_qkv(const bf* q, const bf* k, const bf* v, idx n, idx nq) {
+        pack(T, Tp, D, q + at(n, 0, D, s.ldq), s.ldq, qp.data());
+        pack(T, Tp, D, k + at(n, 0, D, s.ldk), s.ldk, kp.data());
+        pack(T, Tp, E, v + at(n, 0, E, s.ldv), s.ldv, vp.data());
+        blocked_vnni_of_transpose(D, qp.data(), nq, qtv.data());
+    }
+    // S^T [kK x nq] = K Q^T of key step j0 and query block i0, into st
+    void scores(idx i0, idx nq, idx j0) {
+        gemm(kK, nq, {D, kp.data() + j0 * D, D, qtv.data() + i0 * D / 2, nq, kDense}, nullptr, st.data(), nq, false);
+    }
+    // rows [r0, r0 + L) of a [B, T, H, width] output from an fp32 block X^T [width x nq]
+    void write_transposed(const float* xt, idx width, idx nq, bf* out, idx n, idx r0, idx L) {
+        for (idx a = 0; a < width; a += 16)
+            for (idx b = 0; b < nq; b += 16) tn::transpose16(xt + a * nq + b, nq, tb.data() + b * width + a, width);
+        stream_bf16_rows(L, width, tb.data(), width, out + at(n, r0, width, s.H * width), s.H * width);
+    }
+
+    // ---- forward: O^T = V^T P^T accumulated over key steps with the online softmax ----------
+
+    void forward(const bf* q, const bf* k, const bf* v, bf* o, float* lse, idx n) {
+        load_qkv(q, k, v, n, kQ);
+        blocked_transpose(E, vp.data(), kK, vt.data());  // V^T per key step
+        const float inf = std::numeric_limits<float>::infinity();
+        const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
+        for (idx i0 = 0; i0 < T; i0 += kQ) {
+            __m512 m[2] = {_mm512_set1_ps(-inf), _mm512_set1_ps(-inf)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            std::fill(acc.begin(), acc.end(), 0.0f);  // O^T [E x kQ]
+            const idx kend = s.causal ? std::min(block_end(i0), std::min(T, i0 + kQ)) : block_end(i0);
+            for (idx j0 = block_of(i0); j0 < kend; j0 += kK) {
+                scores(i0, kQ, j0);
+                const bool full = all_visible(i0, kQ, j0);
+                __m512 mx[2] = {m[0], m[1]};  // the running max of the raw scores over visible keys
+                for (idx r = 0; r < kK; ++r) {
+                    const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
+                    for (int h = 0; h < 2; ++h)
+                        mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
+                }
+                __m512 shift[2], sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int h = 0; h < 2; ++h) {
+                    // a lane with no visible key yet keeps m = -inf: shift 0, alpha 1, p 0
+                    const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
+                    shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
+                    const __m512 alpha = _mm512_mask_blend_ps(seen, one, exp2_masked(seen, _mm512_fmsub_ps(m[h], c, shift[h])));
+                    m[h] = mx[h];
+                    l[h] = _mm512_mul_ps(l[h], alpha);
+                    if (_mm512_cmp_ps_mask(alpha, one, _CMP_NEQ_OQ))  // the max moved: rescale O^T
+                        for (idx e = 0; e < E; ++e) {
+                            float* a = acc.data() + e * kQ + 16 * h;
+                            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
+                        }
+                }
+                for (idx r = 0; r < kK; r += 2) {  // VNNI(P^T), p = 2^(c s - c m) on visible lanes
+                    __m512 p[2][2];
+                    for (int u = 0; u < 2; ++u) {
+                        const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r + u);
+                        for (int h = 0; h < 2; ++h) {
+                            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h), c, shift[h]);
+                            p[u][h] = exp2_masked(half(vis, h), x);
+                            sum[h] = _mm512_add_ps(sum[h], p[u][h]);
+                        }
+                    }
+                    store_pairs(pv.data() + (r / 2) * kQ, p[0], p[1], 2);
+                }
+                l[0] = _mm512_add_ps(l[0], sum[0]);
+                l[1] = _mm512_add_ps(l[1], sum[1]);
+                gemm(E, kQ, {kK, vt.data() + j0 * E, kK, pv.data(), kQ, kDense}, nullptr, acc.data(), kQ, true);
+            }
+            // O = (O^T / l)^T; lse = scale m + ln l
+            alignas(64) float ls[kQ], ms[kQ];
+            for (int h = 0; h < 2; ++h) {
+                const __m512 inv = _mm512_div_ps(one, l[h]);
+                for (idx e = 0; e < E; ++e) {
+                    float* a = acc.data() + e * kQ + 16 * h;
+                    _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), inv));
+                }
+                _mm512_store_ps(ls + 16 * h, l[h]);
+                _mm512_store_ps(ms + 16 * h, _mm512_mul_ps(m[h], _mm512_set1_ps(s.scale)));
+            }
+            const idx L = std::min(kQ, T - i0);
+            for (idx r = 0; r < L; ++r) lse[n * T + i0 + r] = ms[r] + std::log(ls[r]);
+            write_transposed(acc.data(), E, kQ, o, n, i0, L);
+        }
+    }
+
+    // ---- backward: key steps outer (dK, dV), query blocks of kQb inner (dQ^T accumulated) ----
+
+    void backward(const bf* q, const bf* k, const bf* v, const bf* o, const bf* dout, const float* lse, bf* dq,
+                  bf* dk, bf* dv, idx n) {
+        load_qkv(q, k, v, n, kQb);
+        const idx ldo = s.H * E;
+        pack(T, Tp, E, dout + at(n, 0, E, ldo), ldo, gp.data());
+        blocked_vnni_of_transpose(E, gp.data(), kQb, gtv.data());  // VNNI(dO^T): dP^T = V dO^T
+        vnni(Tp, D, qp.data(), D, qv.data());                      // VNNI(Q): dK = dS^T Q
+        vnni(Tp, E, gp.data(), E, gv.data());                      // VNNI(dO): dV = P^T dO
+        blocked_transpose(D, kp.data(), kK, kt.data());            // K^T per key step: dQ^T = K^T dS^T
+        float* lse2 = lse_d.data();  // lse log2(e), per query
+        float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
+        std::fill(lse_d.begin(), lse_d.end(), 0.0f);
+        for (idx t = 0; t < T; ++t) {
+            const tn::bf16* orow = reinterpret_cast<const tn::bf16*>(o + at(n, t, E, ldo));
+            const tn::bf16* grow = reinterpret_cast<const tn::bf16*>(gp.data() + t * E);
+            __m512 d = _mm512_setzero_ps();
+            for (idx e = 0; e < E; e += 16) d = _mm512_fmadd_ps(tn::load16(orow + e, 0xFFFF), tn::load16(grow + e, 0xFFFF), d);
+            lse2[t] = lse[n * T + t] * log2e;
+            delta[t] = _mm512_reduce_add_ps(d);
+        }
+        std::fill(dqt.begin(), dqt.end(), 0.0f);  // dQ^T per query block [Tp/kQb][D][kQb]
+        const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
+        for (idx j0 = 0; j0 < T; j0 += kK) {
+            std::fill(dkb.begin(), dkb.end(), 0.0f);
+            std::fill(dvb.begin(), dvb.end(), 0.0f);
+            const idx qend = block_end(j0);
+            for (idx i0 = s.causal ? j0 : block_of(j0); i0 < qend; i0 += kQb) {
+                scores(i0, kQb, j0);
+                gemm(kK, kQb, {E, vp.data() + j0 * E, E, gtv.data() + i0 * E / 2, kQb, kDense}, nullptr, dpt.data(),
+                     kQb, false);  // dP^T
+                const bool full = all_visible(i0, kQb, j0);
+                __m512 ls[4], dl[4];
+                for (int h = 0; h < 4; ++h) {
+                    ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
+                    dl[h] = _mm512_loadu_ps(delta + i0 + 16 * h);
+                }
+                for (idx r = 0; r < kK; r += 2) {  // P^T, dS^T rows and VNNI(dS^T)
+                    __m512 ds[2][4];
+                    for (int u = 0; u < 2; ++u) {
+                        const idx row = r + u;
+                        const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + row);
+                        __m512 p[4];
+                        for (int h = 0; h < 4; ++h) {
+                            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + row * kQb + 16 * h), c, ls[h]);
+                            p[h] = exp2_masked(half(vis, h), x);
+                            const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(dpt.data() + row * kQb + 16 * h), dl[h]);
+                            ds[u][h] = _mm512_mul_ps(_mm512_mul_ps(p[h], d), scale);
+                        }
+                        store_row(pt.data() + row * kQb, p, 4);
+                        store_row(dt.data() + row * kQb, ds[u], 4);
+                    }
+                    store_pairs(dsv.data() + (r / 2) * kQb, ds[0], ds[1], 4);
+                }
+                gemm(kK, E, {kQb, pt.data(), kQb, gv.data() + (i0 / 2) * E, E, kDense}, nullptr, dvb.data(), E, true);
+                gemm(kK, D, {kQb, dt.data(), kQb, qv.data() + (i0 / 2) * D, D, kDense}, nullptr, dkb.data(), D, true);
+                gemm(D, kQb, {kK, kt.data() + j0 * D, kK, dsv.data(), kQb, kDense}, nullptr, dqt.data() + i0 * D, kQb,
+                     true);
+            }
+            const idx L = std::min(kK, T - j0);
+            stream_bf16_rows(L, D, dkb.data(), D, dk + at(n, j0, D, s.H * D), s.H * D);
+            stream_bf16_rows(L, E, dvb.data(), E, dv + at(n, j0, E, s.H * E), s.H * E);
+        }
+        for (idx i0 = 0; i0 < T; i0 += kQb)
+            write_transposed(dqt.data() + i0 * D, D, kQb, dq, n, i0, std::min(kQb, T - i0));
+    }
+};
+
+bool shape_ok(const Shape& s) {
+    return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 32 && s.E >= 32 && s.D % 32 == 0 && s.E % 32 == 0 && s.w >= 0 &&
+           s.w % kK == 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
+}
+
+}  // namespace
+#endif  // TN_AMX
+
+extern "C" {
+
+typedef const uint16_t* in_t;  // bf16 tensors as their bits
+typedef uint16_t* out_t;
+
+// Status: 0 ok, 1 bad shape (D, E multiples of 32, w a multiple of 64), 2 AMX unavailable.
+#if defined(TN_AMX)
+#define TN_SOFTMAX_RUN(BWD, CALL)                                                                      \
+    if (tn_amx_ready() != 1) return 2;                                                                 \
+    const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \
+    if (!shape_ok(s)) return 1;                                                                        \
+    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {                                         \
+        Worker wk(s, BWD);                                                                             \
+        for (idx n = lo; n < hi; ++n) wk.CALL;                                                         \
+    });                                                                                                \
+    return 0
+#else
+#define TN_SOFTMAX_RUN(BWD, CALL) return 2
+#endif
+
+int tn_softmax_fwd_bf16(in_t q, in_t k, in_t v, idx ldq, idx ldk, idx ldv, out_t o, float* lse, idx B, idx T, idx H,
+                        idx D, idx E, idx w, int causal, float scale, int nthreads) {
+    TN_SOFTMAX_RUN(false, forward(q, k, v, o, lse, n));
+}
+
+int tn_softmax_bwd_bf16(in_t q, in_t k, in_t v, idx ldq, idx ldk, idx ldv, in_t o, in_t dout, const float* lse,
+                        out_t dq, out_t dk, out_t dv, idx B, idx T, idx H, idx D, idx E, idx w, int causal,
+                        float scale, int nthreads) {
+    TN_SOFTMAX_RUN(true, backward(q, k, v, o, dout, lse, dq, dk, dv, n));
+}
+
+}  // extern "C"
