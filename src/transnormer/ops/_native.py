@@ -316,12 +316,12 @@ def native_bidir_linear_attn(q, k, v, init):
 # ------------------------------------------------------------------------------------------------
 # Softmax attention on AMX tiles (_native_softmax_amx.cpp): vanilla attention and DiagAttention blocks
 # ------------------------------------------------------------------------------------------------
-SOFTMAX_WINDOW_STEP = 64  # a window (DiagAttention's block) must be a multiple of this (kK in the .cpp)
+SOFTMAX_WINDOW_STEP = 32  # a window (DiagAttention's block) must be a multiple of this (kQ in the .cpp)
 
 
 def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
     """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs on the AMX kernel: CPU
-    bf16, D and E multiples of 32, no empty dim, ``window`` 0 (all keys) or a multiple of 64, the
+    bf16, D and E multiples of 32, no empty dim, ``window`` 0 (all keys) or a multiple of 32, the
     library built with AMX, backend mode not "torch", not being traced."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False

@@ -11,7 +11,7 @@
 // fused q/k/v projection are read in place; o, dO, dq, dk, dv contiguous [B, T, H, D|E];
 // lse [B, H, T] fp32, the log-sum-exp of each query's scaled scores, saved by the forward.
 // Keys of query i: all (window w = 0) or those of i's block [floor(i/w) w, floor(i/w) w + w)
-// (w > 0, a multiple of 64), and only j <= i when causal.
+// (w > 0, a multiple of 32), and only j <= i when causal.
 //
 // Numerics (as FlashAttention-2 on GPUs): S = scale Q K^T in fp32 from bf16 operands; P =
 // exp(S - running max) in fp32, its row sums in fp32, P rounded to bf16 as the operand of P V;
@@ -21,9 +21,11 @@
 //
 // The walk: heads are split over threads; each head's rows are first packed (zero-padded to a
 // multiple of 64) into the operand layouts, so every product below is whole tiles in L1/L2.
-// Forward: query blocks of 32 rows, keys in steps of 64 (online softmax). Backward: key blocks
-// of 64 outer (dK^T, dV^T accumulate in fp32 tiles' memory), query blocks of 32 inner, dQ
-// accumulated in an fp32 copy of the head.
+// Scores are computed transposed (keys x queries, queries along the vector lanes; see below).
+// Forward: query blocks of 32, keys in steps of 64 with the online softmax, O^T = V^T P^T
+// accumulated in fp32. Backward: key steps of 64 outer (dK, dV accumulate in fp32), query
+// blocks of 64 inner, dQ^T accumulated in an fp32 copy of the head. Nothing per score is
+// stored: the forward keeps lse, the backward recomputes P.
 
 #include "_native_amx.h"
 
@@ -35,7 +37,9 @@ using namespace tn_amx;
 
 constexpr idx kQ = 32;   // queries per block in the forward (two 16-lane vectors)
 constexpr idx kQb = 64;  // queries per block in the backward: dK and dV then sum 64 queries per product
-constexpr idx kK = 64;   // keys per step (and the window granularity)
+constexpr idx kK = 64;   // keys per step
+constexpr idx kGroupQ = 8;  // forward: query blocks that take each key step in turn
+constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
 
 struct Shape {
     idx B, T, H, D, E, w;
@@ -96,7 +100,7 @@ struct Worker {
     const float log2e = 1.44269504088896341f;
     std::vector<bf> qp, kp, vp, gp, kt, vt, pt, dt;
     std::vector<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
-    std::vector<float> st, dpt, acc, dqt, dkb, dvb, tb, lse_d;
+    std::vector<float> st, dpt, acc, ml, dqt, dkv, tb, lse_d;
 
     Worker(const Shape& s_, bool backward)
         : s(s_), T(s_.T), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), qp(Tp * D), kp(Tp * D), vp(Tp * E),
@@ -104,9 +108,9 @@ struct Worker {
         if (backward) {
             gp.resize(Tp * E), kt.resize(Tp * D), pt.resize(kK * kQb), dt.resize(kK * kQb);
             qv.resize(Tp * D / 2), gv.resize(Tp * E / 2), gtv.resize(Tp * E / 2), dsv.resize(kK / 2 * kQb);
-            dpt.resize(kK * kQb), dqt.resize(Tp * D), dkb.resize(kK * D), dvb.resize(kK * E), lse_d.resize(2 * Tp);
+            dpt.resize(kK * kQb), dqt.resize(Tp * D), dkv.resize(kGroupK * kK * (D + E)), lse_d.resize(2 * Tp);
         } else {
-            vt.resize(Tp * E), acc.resize(E * kQ), pv.resize(kK / 2 * kQ);
+            vt.resize(Tp * E), acc.resize(kGroupQ * E * kQ), ml.resize(2 * kGroupQ * kQ), pv.resize(kK / 2 * kQ);
         }
         configure_tiles();
     }
@@ -120,14 +124,16 @@ struct Worker {
     idx block_of(idx i) const { return s.w ? i / s.w * s.w : 0; }
     idx block_end(idx i) const { return s.w ? std::min(T, i / s.w * s.w + s.w) : T; }
 
-    // The query lanes of block i0 (nq queries, in key j's window) that see key j.
+    // The query lanes of block i0 that see key j: those in j's window, and after j when causal.
     Lanes visible(idx i0, idx j) const {
         if (j >= T) return 0;
-        return lane_range(s.causal ? j - i0 : 0, T - i0);
+        return lane_range((s.causal ? j : block_of(j)) - i0, block_end(j) - i0);
     }
-    // Whether every query of block i0 sees every key of step j0 (no mask needed).
+    // Whether every query of block i0 (nq queries) sees every key of step j0 (no mask needed).
     bool all_visible(idx i0, idx nq, idx j0) const {
-        return j0 + kK <= T && i0 + nq <= T && (!s.causal || j0 + kK - 1 <= i0);
+        const idx w0 = block_of(i0);
+        const bool one_window = s.w == 0 || (block_of(j0) == w0 && block_of(j0 + kK - 1) == w0 && block_of(i0 + nq - 1) == w0);
+        return one_window && j0 + kK <= T && i0 + nq <= T && (!s.causal || j0 + kK - 1 <= i0);
     }
 
     // Operands that span the sequence are stored in blocks of the rows one product reads
@@ -162,73 +168,121 @@ struct Worker {
     }
 
     // ---- forward: O^T = V^T P^T accumulated over key steps with the online softmax ----------
+    // kGroupQ query blocks take each key step in turn, so a step's K and V^T rows are read from
+    // memory once per 256 queries (per 32 they streamed from L3 at 16k tokens).
+
+    idx fwd_start(idx i0) const { return block_of(i0) / kK * kK; }  // keys before the window: masked
+    idx fwd_end(idx i0) const { return s.causal ? std::min(block_end(i0), std::min(T, i0 + kQ)) : block_end(i0); }
+
+    // One key step of query block i0: its running max m, sum l (kQ floats each) and O^T (acc).
+    void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
+        const float inf = std::numeric_limits<float>::infinity();
+        const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
+        scores(i0, kQ, j0);
+        const bool full = all_visible(i0, kQ, j0);
+        __m512 mx[2] = {_mm512_loadu_ps(m), _mm512_loadu_ps(m + 16)};  // the max of the raw scores seen
+        for (idx r = 0; r < kK; ++r) {
+            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
+            for (int h = 0; h < 2; ++h)
+                mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
+        }
+        __m512 shift[2], sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int h = 0; h < 2; ++h) {
+            // a lane with no visible key yet keeps m = -inf: shift 0, alpha 1, p 0
+            const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
+            shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
+            const __m512 m_old = _mm512_loadu_ps(m + 16 * h);
+            const __m512 alpha = _mm512_mask_blend_ps(seen, one, exp2_masked(seen, _mm512_fmsub_ps(m_old, c, shift[h])));
+            _mm512_storeu_ps(m + 16 * h, mx[h]);
+            _mm512_storeu_ps(l + 16 * h, _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha));
+            if (_mm512_cmp_ps_mask(alpha, one, _CMP_NEQ_OQ))  // the max moved: rescale O^T
+                for (idx e = 0; e < E; ++e) {
+                    float* a = acc + e * kQ + 16 * h;
+                    _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
+                }
+        }
+        for (idx r = 0; r < kK; r += 2) {  // VNNI(P^T), p = 2^(c s - c m) on visible lanes
+            __m512 p[2][2];
+            for (int u = 0; u < 2; ++u) {
+                const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r + u);
+                for (int h = 0; h < 2; ++h) {
+                    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h), c, shift[h]);
+                    p[u][h] = exp2_masked(half(vis, h), x);
+                    sum[h] = _mm512_add_ps(sum[h], p[u][h]);
+                }
+            }
+            store_pairs(pv.data() + (r / 2) * kQ, p[0], p[1], 2);
+        }
+        for (int h = 0; h < 2; ++h) _mm512_storeu_ps(l + 16 * h, _mm512_add_ps(_mm512_loadu_ps(l + 16 * h), sum[h]));
+        gemm(E, kQ, {kK, vt.data() + j0 * E, kK, pv.data(), kQ, kDense}, nullptr, acc, kQ, true);
+    }
 
     void forward(const bf* q, const bf* k, const bf* v, bf* o, float* lse, idx n) {
         load_qkv(q, k, v, n, kQ);
         blocked_transpose(E, vp.data(), kK, vt.data());  // V^T per key step
-        const float inf = std::numeric_limits<float>::infinity();
-        const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
-        for (idx i0 = 0; i0 < T; i0 += kQ) {
-            __m512 m[2] = {_mm512_set1_ps(-inf), _mm512_set1_ps(-inf)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            std::fill(acc.begin(), acc.end(), 0.0f);  // O^T [E x kQ]
-            const idx kend = s.causal ? std::min(block_end(i0), std::min(T, i0 + kQ)) : block_end(i0);
-            for (idx j0 = block_of(i0); j0 < kend; j0 += kK) {
-                scores(i0, kQ, j0);
-                const bool full = all_visible(i0, kQ, j0);
-                __m512 mx[2] = {m[0], m[1]};  // the running max of the raw scores over visible keys
-                for (idx r = 0; r < kK; ++r) {
-                    const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
-                    for (int h = 0; h < 2; ++h)
-                        mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
+        for (idx g0 = 0; g0 < T; g0 += kQ * kGroupQ) {
+            const idx nb = std::min(kGroupQ, (T - g0 + kQ - 1) / kQ);
+            std::fill(ml.begin(), ml.end(), -std::numeric_limits<float>::infinity());  // m of each block
+            std::fill(ml.begin() + kGroupQ * kQ, ml.end(), 0.0f);                         // l
+            std::fill(acc.begin(), acc.end(), 0.0f);  // O^T [E x kQ] per block
+            const idx last = g0 + (nb - 1) * kQ;
+            for (idx j0 = fwd_start(g0); j0 < fwd_end(last); j0 += kK)
+                for (idx b = 0; b < nb; ++b) {
+                    const idx i0 = g0 + b * kQ;
+                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0))
+                        fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * E * kQ);
                 }
-                __m512 shift[2], sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (idx b = 0; b < nb; ++b) {  // O = (O^T / l)^T; lse = scale m + ln l
+                const idx i0 = g0 + b * kQ, L = std::min(kQ, T - i0);
+                const float* m = ml.data() + b * kQ;
+                const float* l = ml.data() + (kGroupQ + b) * kQ;
+                float* a = acc.data() + b * E * kQ;
                 for (int h = 0; h < 2; ++h) {
-                    // a lane with no visible key yet keeps m = -inf: shift 0, alpha 1, p 0
-                    const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
-                    shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
-                    const __m512 alpha = _mm512_mask_blend_ps(seen, one, exp2_masked(seen, _mm512_fmsub_ps(m[h], c, shift[h])));
-                    m[h] = mx[h];
-                    l[h] = _mm512_mul_ps(l[h], alpha);
-                    if (_mm512_cmp_ps_mask(alpha, one, _CMP_NEQ_OQ))  // the max moved: rescale O^T
-                        for (idx e = 0; e < E; ++e) {
-                            float* a = acc.data() + e * kQ + 16 * h;
-                            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
-                        }
+                    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + 16 * h));
+                    for (idx e = 0; e < E; ++e)
+                        _mm512_storeu_ps(a + e * kQ + 16 * h, _mm512_mul_ps(_mm512_loadu_ps(a + e * kQ + 16 * h), inv));
                 }
-                for (idx r = 0; r < kK; r += 2) {  // VNNI(P^T), p = 2^(c s - c m) on visible lanes
-                    __m512 p[2][2];
-                    for (int u = 0; u < 2; ++u) {
-                        const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r + u);
-                        for (int h = 0; h < 2; ++h) {
-                            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h), c, shift[h]);
-                            p[u][h] = exp2_masked(half(vis, h), x);
-                            sum[h] = _mm512_add_ps(sum[h], p[u][h]);
-                        }
-                    }
-                    store_pairs(pv.data() + (r / 2) * kQ, p[0], p[1], 2);
-                }
-                l[0] = _mm512_add_ps(l[0], sum[0]);
-                l[1] = _mm512_add_ps(l[1], sum[1]);
-                gemm(E, kQ, {kK, vt.data() + j0 * E, kK, pv.data(), kQ, kDense}, nullptr, acc.data(), kQ, true);
+                for (idx r = 0; r < L; ++r) lse[n * T + i0 + r] = s.scale * m[r] + std::log(l[r]);
+                write_transposed(a, E, kQ, o, n, i0, L);
             }
-            // O = (O^T / l)^T; lse = scale m + ln l
-            alignas(64) float ls[kQ], ms[kQ];
-            for (int h = 0; h < 2; ++h) {
-                const __m512 inv = _mm512_div_ps(one, l[h]);
-                for (idx e = 0; e < E; ++e) {
-                    float* a = acc.data() + e * kQ + 16 * h;
-                    _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), inv));
-                }
-                _mm512_store_ps(ls + 16 * h, l[h]);
-                _mm512_store_ps(ms + 16 * h, _mm512_mul_ps(m[h], _mm512_set1_ps(s.scale)));
-            }
-            const idx L = std::min(kQ, T - i0);
-            for (idx r = 0; r < L; ++r) lse[n * T + i0 + r] = ms[r] + std::log(ls[r]);
-            write_transposed(acc.data(), E, kQ, o, n, i0, L);
         }
     }
 
-    // ---- backward: key steps outer (dK, dV), query blocks of kQb inner (dQ^T accumulated) ----
+    // ---- backward: key steps outer (dK, dV), query blocks inner (dQ^T accumulated) -----------
+    // kGroupK key steps take each query block in turn, so the query-side operands (Q, dO in two
+    // layouts each, dQ^T in fp32) are read once per 256 keys rather than once per 64.
+
+    idx bwd_start(idx j0) const { return (s.causal ? j0 : block_of(j0)) / kQb * kQb; }  // others masked
+    idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
+
+    // Key step j0 (its dK, dV accumulators dkb, dvb) and query block i0 (lse log2 e, delta in ls, dl).
+    void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb) {
+        const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
+        scores(i0, kQb, j0);
+        gemm(kK, kQb, {E, vp.data() + j0 * E, E, gtv.data() + i0 * E / 2, kQb, kDense}, nullptr, dpt.data(), kQb,
+             false);  // dP^T
+        const bool full = all_visible(i0, kQb, j0);
+        for (idx r = 0; r < kK; r += 2) {  // P^T, dS^T rows and VNNI(dS^T)
+            __m512 ds[2][4];
+            for (int u = 0; u < 2; ++u) {
+                const idx row = r + u;
+                const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + row);
+                __m512 p[4];
+                for (int h = 0; h < 4; ++h) {
+                    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + row * kQb + 16 * h), c, ls[h]);
+                    p[h] = exp2_masked(half(vis, h), x);
+                    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(dpt.data() + row * kQb + 16 * h), dl[h]);
+                    ds[u][h] = _mm512_mul_ps(_mm512_mul_ps(p[h], d), scale);
+                }
+                store_row(pt.data() + row * kQb, p, 4);
+                store_row(dt.data() + row * kQb, ds[u], 4);
+            }
+            store_pairs(dsv.data() + (r / 2) * kQb, ds[0], ds[1], 4);
+        }
+        gemm(kK, E, {kQb, pt.data(), kQb, gv.data() + (i0 / 2) * E, E, kDense}, nullptr, dvb, E, true);
+        gemm(kK, D, {kQb, dt.data(), kQb, qv.data() + (i0 / 2) * D, D, kDense}, nullptr, dkb, D, true);
+        gemm(D, kQb, {kK, kt.data() + j0 * D, kK, dsv.data(), kQb, kDense}, nullptr, dqt.data() + i0 * D, kQb, true);
+    }
 
     void backward(const bf* q, const bf* k, const bf* v, const bf* o, const bf* dout, const float* lse, bf* dq,
                   bf* dk, bf* dv, idx n) {
@@ -239,7 +293,7 @@ struct Worker {
         vnni(Tp, D, qp.data(), D, qv.data());                      // VNNI(Q): dK = dS^T Q
         vnni(Tp, E, gp.data(), E, gv.data());                      // VNNI(dO): dV = P^T dO
         blocked_transpose(D, kp.data(), kK, kt.data());            // K^T per key step: dQ^T = K^T dS^T
-        float* lse2 = lse_d.data();  // lse log2(e), per query
+        float* lse2 = lse_d.data();        // lse log2(e), per query
         float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
         std::fill(lse_d.begin(), lse_d.end(), 0.0f);
         for (idx t = 0; t < T; ++t) {
@@ -251,46 +305,27 @@ struct Worker {
             delta[t] = _mm512_reduce_add_ps(d);
         }
         std::fill(dqt.begin(), dqt.end(), 0.0f);  // dQ^T per query block [Tp/kQb][D][kQb]
-        const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
-        for (idx j0 = 0; j0 < T; j0 += kK) {
-            std::fill(dkb.begin(), dkb.end(), 0.0f);
-            std::fill(dvb.begin(), dvb.end(), 0.0f);
-            const idx qend = block_end(j0);
-            for (idx i0 = s.causal ? j0 : block_of(j0); i0 < qend; i0 += kQb) {
-                scores(i0, kQb, j0);
-                gemm(kK, kQb, {E, vp.data() + j0 * E, E, gtv.data() + i0 * E / 2, kQb, kDense}, nullptr, dpt.data(),
-                     kQb, false);  // dP^T
-                const bool full = all_visible(i0, kQb, j0);
+        for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
+            const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
+            std::fill(dkv.begin(), dkv.end(), 0.0f);
+            const idx last = g0 + (nk - 1) * kK;
+            for (idx i0 = bwd_start(g0); i0 < bwd_end(last); i0 += kQb) {
                 __m512 ls[4], dl[4];
                 for (int h = 0; h < 4; ++h) {
                     ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
                     dl[h] = _mm512_loadu_ps(delta + i0 + 16 * h);
                 }
-                for (idx r = 0; r < kK; r += 2) {  // P^T, dS^T rows and VNNI(dS^T)
-                    __m512 ds[2][4];
-                    for (int u = 0; u < 2; ++u) {
-                        const idx row = r + u;
-                        const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + row);
-                        __m512 p[4];
-                        for (int h = 0; h < 4; ++h) {
-                            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + row * kQb + 16 * h), c, ls[h]);
-                            p[h] = exp2_masked(half(vis, h), x);
-                            const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(dpt.data() + row * kQb + 16 * h), dl[h]);
-                            ds[u][h] = _mm512_mul_ps(_mm512_mul_ps(p[h], d), scale);
-                        }
-                        store_row(pt.data() + row * kQb, p, 4);
-                        store_row(dt.data() + row * kQb, ds[u], 4);
-                    }
-                    store_pairs(dsv.data() + (r / 2) * kQb, ds[0], ds[1], 4);
+                for (idx c = 0; c < nk; ++c) {
+                    const idx j0 = g0 + c * kK;
+                    if (i0 >= bwd_start(j0) && i0 < bwd_end(j0))
+                        bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
                 }
-                gemm(kK, E, {kQb, pt.data(), kQb, gv.data() + (i0 / 2) * E, E, kDense}, nullptr, dvb.data(), E, true);
-                gemm(kK, D, {kQb, dt.data(), kQb, qv.data() + (i0 / 2) * D, D, kDense}, nullptr, dkb.data(), D, true);
-                gemm(D, kQb, {kK, kt.data() + j0 * D, kK, dsv.data(), kQb, kDense}, nullptr, dqt.data() + i0 * D, kQb,
-                     true);
             }
-            const idx L = std::min(kK, T - j0);
-            stream_bf16_rows(L, D, dkb.data(), D, dk + at(n, j0, D, s.H * D), s.H * D);
-            stream_bf16_rows(L, E, dvb.data(), E, dv + at(n, j0, E, s.H * E), s.H * E);
+            for (idx c = 0; c < nk; ++c) {
+                const idx j0 = g0 + c * kK, L = std::min(kK, T - j0);
+                stream_bf16_rows(L, D, dkv.data() + c * kK * D, D, dk + at(n, j0, D, s.H * D), s.H * D);
+                stream_bf16_rows(L, E, dkv.data() + (kGroupK * D + c * E) * kK, E, dv + at(n, j0, E, s.H * E), s.H * E);
+            }
         }
         for (idx i0 = 0; i0 < T; i0 += kQb)
             write_transposed(dqt.data() + i0 * D, D, kQb, dq, n, i0, std::min(kQb, T - i0));
@@ -299,7 +334,7 @@ struct Worker {
 
 bool shape_ok(const Shape& s) {
     return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 32 && s.E >= 32 && s.D % 32 == 0 && s.E % 32 == 0 && s.w >= 0 &&
-           s.w % kK == 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
+           s.w % kQ == 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
 }
 
 }  // namespace
@@ -310,7 +345,7 @@ extern "C" {
 typedef const uint16_t* in_t;  // bf16 tensors as their bits
 typedef uint16_t* out_t;
 
-// Status: 0 ok, 1 bad shape (D, E multiples of 32, w a multiple of 64), 2 AMX unavailable.
+// Status: 0 ok, 1 bad shape (D, E and w multiples of 32), 2 AMX unavailable.
 #if defined(TN_AMX)
 #define TN_SOFTMAX_RUN(BWD, CALL)                                                                      \
     if (tn_amx_ready() != 1) return 2;                                                                 \

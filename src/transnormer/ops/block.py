@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _native
 from ._checks import check_key_padding_mask, check_positive_int, check_qkv
 
 KERNELS = ("softmax", "relu")
@@ -53,6 +54,10 @@ def block_attn(
     if scale is None:
         scale = D ** -0.5
     w = min(block_size, T) if T > 0 else block_size
+    if kernel == "softmax" and mask is None and dropout_p == 0.0 and scale > 0:
+        window = 0 if w >= T else w  # one block: every key of the sequence
+        if _native.softmax_usable(q, k, v, window):  # bf16 on AMX (_native_softmax_amx.cpp)
+            return _native.native_softmax_attn(q, k, v, causal=causal, scale=scale, window=window)
     nb = -(-T // w)
     pad = nb * w - T
     if pad:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _native
 from ._checks import check_key_padding_mask, check_qkv
 
 
@@ -37,11 +38,16 @@ def softmax_attn(
 
     ``scale`` defaults to D^{-1/2}. With a mask, padded queries output 0. Returns [B, T, H, E].
     Memory: the SDPA kernels never build the T×T matrix without a mask; with a mask a [B, 1, T, T]
-    bool mask is built (8k tokens: 64 MB).
+    bool mask is built (8k tokens: 64 MB). On a CPU with AMX, bf16 inputs without a mask or
+    dropout (D, E multiples of 32, scale > 0) run the fused kernel of ``_native_softmax_amx.cpp``
+    instead of SDPA (its CPU backward is slow in bf16).
     """
     check_qkv(q, k, v)
     B, T = q.shape[:2]
     mask = check_key_padding_mask(key_padding_mask, B, T)
+    kernel_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if mask is None and dropout_p == 0.0 and kernel_scale > 0 and _native.softmax_usable(q, k, v):
+        return _native.native_softmax_attn(q, k, v, causal=causal, scale=kernel_scale)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     if mask is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, dropout_p=dropout_p, scale=scale)

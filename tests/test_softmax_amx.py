@@ -1,0 +1,202 @@
+"""The bf16 softmax-attention kernel on AMX tiles (ops/_native_softmax_amx.cpp) against the fp64
+dense reference: vanilla attention (``softmax_attn``) and DiagAttention's blocks (``block_attn``).
+
+The oracle is the dense quadratic formula in fp64 on the same bf16-rounded inputs. The kernel
+rounds as FlashAttention-2 does (bf16 operands P and dS, fp32 accumulation and softmax, one
+rounding per output), so each output's error is held to that of the explicit PyTorch form under
+autocast (bf16 products, fp32 softmax), and to 5e-3 overall (about one bf16 rounding). PyTorch's
+CPU SDPA backward runs its products in fp32 and is more accurate than either, and ~5x slower.
+"""
+
+import pytest
+import torch
+
+from conftest import on_one_and_two_threads, rel_err
+from transnormer.ops import _native, block_attn, block_attn_reference
+from transnormer.ops.reference_baselines import softmax_attn_reference
+from transnormer.ops.softmax import softmax_attn
+
+needs_amx = pytest.mark.skipif(not _native.amx_ready(), reason="no AMX-BF16 kernel on this machine")
+
+
+@pytest.fixture
+def mode():
+    before = _native.backend()
+    yield _native.set_backend
+    _native.set_backend(before)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The windows the kernel was called with."""
+    calls = []
+    real = _native.native_softmax_attn
+    monkeypatch.setattr(_native, "native_softmax_attn",
+                        lambda *a, **kw: calls.append(kw.get("window", 0)) or real(*a, **kw))
+    return calls
+
+
+def _case(B, T, H, D, E, seed=0):
+    g = torch.Generator().manual_seed(seed + T)
+    q, k, v = (torch.randn(B, T, H, x, generator=g).bfloat16() for x in (D, D, E))
+    go = torch.randn(B, T, H, E, generator=g).bfloat16()
+    return q, k, v, go
+
+
+def _run(fn, q, k, v, go, dtype):
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    o = fn(q, k, v)
+    return (o, *torch.autograd.grad((o.double() * go.double()).sum(), (q, k, v)))
+
+
+def _norm_err(a, b):
+    a, b = a.detach().double(), b.detach()
+    if b.norm() == 0:
+        return float(a.norm())
+    return float((a - b).norm() / b.norm())
+
+
+def _autocast_form(q, k, v, *, causal, window=0):
+    """softmax(q kᵀ / √D) v as PyTorch runs it under bf16 autocast: bf16 products, fp32 softmax."""
+    T = q.shape[1]
+    i = torch.arange(T)
+    allowed = i[None, :] <= i[:, None] if causal else torch.ones(T, T, dtype=torch.bool)
+    if window:
+        allowed = allowed & (i[None, :] // window == i[:, None] // window)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * q.shape[-1] ** -0.5
+    p = torch.softmax(s.float().masked_fill(~allowed, float("-inf")), -1).to(q.dtype)
+    return torch.einsum("bhij,bjhe->bihe", p, v)
+
+
+def _check(got, ref, torch_form):
+    for name, a, b, t in zip(("o", "dq", "dk", "dv"), got, ref, torch_form):
+        assert a.dtype == torch.bfloat16, name
+        err, torch_err = _norm_err(a, b), _norm_err(t, b)  # over all elements: steadier than the max
+        assert err < 1.25 * torch_err + 1e-4 and err < 5e-3, (name, err, torch_err)
+        if b.abs().max() > 0:
+            assert rel_err(a.double(), b) < 2e-2, name
+
+
+@needs_amx
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96), (1, 128, 32)])
+def test_vanilla_attention_matches_fp64_reference_as_well_as_the_autocast_form(mode, kernel_calls, T, causal, H, D, E):
+    case = _case(2, T, H, D, E)
+
+    def fn(q, k, v):
+        return softmax_attn(q, k, v, causal=causal)
+
+    mode("auto")
+    got = _run(fn, *case, torch.bfloat16)
+    assert kernel_calls == [0]
+    torch_form = _run(lambda q, k, v: _autocast_form(q, k, v, causal=causal), *case, torch.bfloat16)
+    ref = _run(lambda q, k, v: softmax_attn_reference(q, k, v, causal=causal), *case, torch.float64)
+    _check(got, ref, torch_form)
+
+
+@needs_amx
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 301])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block", [32, 64, 96, 128])
+def test_block_attention_matches_fp64_reference_as_well_as_the_torch_form(mode, kernel_calls, T, causal, block):
+    case = _case(2, T, 2, 64, 64)
+
+    def fn(q, k, v):
+        return block_attn(q, k, v, block_size=block, causal=causal)
+
+    mode("auto")
+    got = _run(fn, *case, torch.bfloat16)
+    assert kernel_calls == [block if T > block else 0]  # one block: every key, the plain kernel
+    mode("torch")
+    torch_form = _run(fn, *case, torch.bfloat16)
+    ref = _run(lambda q, k, v: block_attn_reference(q, k, v, block_size=block, causal=causal), *case, torch.float64)
+    _check(got, ref, torch_form)
+
+
+@needs_amx
+def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls):
+    mode("auto")
+    q = torch.randn(2, 100, 2, 64).bfloat16()
+    mask = torch.ones(2, 100, dtype=torch.bool)
+    mask[1, 90:] = False
+    softmax_attn(q, q, q, causal=True, key_padding_mask=mask)
+    softmax_attn(q, q, q, causal=True, dropout_p=0.1)
+    softmax_attn(q, q, q, causal=True, scale=-1.0)  # the kernel's running max assumes scale > 0
+    softmax_attn(q.float(), q.float(), q.float(), causal=True)
+    softmax_attn(q[..., :48], q[..., :48], q[..., :48], causal=True)  # D not a multiple of 32
+    block_attn(q, q, q, block_size=48, causal=True)  # window not a multiple of 32
+    block_attn(q, q, q, block_size=64, causal=True, key_padding_mask=mask)
+    block_attn(q, q, q, block_size=64, causal=True, kernel="relu")
+    assert kernel_calls == []
+    mode("torch")
+    softmax_attn(q, q, q, causal=True)
+    assert kernel_calls == []
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [0, 64])
+def test_same_result_on_one_and_two_threads(window):
+    q, k, v, go = _case(2, 200, 3, 64, 32)
+
+    def run():
+        return _run(lambda q, k, v: _native.native_softmax_attn(q, k, v, causal=True, scale=0.125, window=window),
+                    q, k, v, go, torch.bfloat16)
+
+    one, two = on_one_and_two_threads(run)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@needs_amx
+def test_views_of_a_fused_projection_are_read_in_place():
+    qkv = torch.randn(2, 130, 3, 2, 64).bfloat16()  # [B, T, 3, H, D] as a fused q/k/v projection gives
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous() and _native.token_rows_ok(q)
+    strided = _native.native_softmax_attn(q, k, v, causal=True, scale=0.125)
+    packed = _native.native_softmax_attn(q.contiguous(), k.contiguous(), v.contiguous(), causal=True, scale=0.125)
+    assert torch.equal(strided, packed)
+
+
+@needs_amx
+def test_kernel_rejects_shapes_it_cannot_tile():
+    q = torch.zeros(1, 64, 1, 48, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="failed with code 1"):
+        _native.native_softmax_attn(q, q, q, causal=True, scale=0.1)
+    q = torch.zeros(1, 200, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="failed with code 1"):
+        _native.native_softmax_attn(q, q, q, causal=True, scale=0.1, window=80)
+
+
+@needs_amx
+def test_large_scores_do_not_overflow():
+    """Scores far beyond exp's range (the online max keeps every exponent <= 0)."""
+    q, k, v, go = _case(1, 150, 2, 64, 64)
+    q, k = q * 30, k * 30
+    got = _run(lambda q, k, v: softmax_attn(q, k, v, causal=True), q, k, v, go, torch.bfloat16)
+    ref = _run(lambda q, k, v: softmax_attn_reference(q, k, v, causal=True), q, k, v, go, torch.float64)
+    assert all(torch.isfinite(t).all() for t in got)
+    assert rel_err(got[0].double(), ref[0]) < 2e-2
+
+
+@needs_amx
+@pytest.mark.parametrize("preset", ["vanilla-lm-tiny", "t2-lm-tiny"])
+def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, preset):
+    """vanilla-lm (softmax attention) and t2-lm (DiagAttention blocks) under bf16 autocast: the same
+    loss and gradients as the PyTorch forms up to bf16 rounding, and the kernel did run."""
+    from transnormer.presets import build_model
+
+    model = build_model(preset, vocab_size=300, dropout=0.0, attention_dropout=0.0)
+    ids = torch.randint(0, 300, (2, 140))
+    out = {}
+    for m in ("torch", "auto"):
+        mode(m)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[m] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert kernel_calls
+    assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
+    g, g_ref = out["auto"][1], out["torch"][1]
+    assert float((g - g_ref).norm() / g_ref.norm()) < 3e-2
