@@ -55,11 +55,11 @@ struct Pair {
 
 inline void pair_step(const Pair& p, idx m0, idx n0, idx k) {
     _tile_loadd(4, p.A + m0 * p.lda + k, p.lda * 2);
-    _tile_loadd(5, p.A + (m0 + 16) * p.lda + k, p.lda * 2);
     _tile_loadd(6, p.B + (k / 2) * p.ldb + n0, p.ldb * 4);
-    _tile_loadd(7, p.B + (k / 2) * p.ldb + n0 + 16, p.ldb * 4);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, p.B + (k / 2) * p.ldb + n0 + 16, p.ldb * 4);
     _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, p.A + (m0 + 16) * p.lda + k, p.lda * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
 }
