@@ -9,7 +9,9 @@ Models (``build_peer_model``; the harness name is ``peer:NAME``, see ``bench/tra
     performer-pytorch    performer_pytorch.PerformerLM, causal, sized like ``performer-lm`` (d, depth,
                          heads, dim_head, vocab); projections fixed (``fix_projection_matrices_()``)
     sdpa                 not a peer model: our ``vanilla-lm`` preset *is* the SDPA softmax baseline
-                         (peers.md §3.1); asking for it raises with that hint
+                         (peers.md §3.1; on CPU in bf16 it runs our AMX softmax kernel instead,
+                         timed against SDPA by benchmarks/softmax_attn.py); asking for it raises
+                         with that hint
 
 Every model has ``is_peer = True``, ``forward(ids [B, T], mask=None) -> logits [B, T, V]``, a
 ``config`` namespace (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``max_seq_len``),

@@ -1,5 +1,6 @@
 """Fused CPU kernels, built at first use: ``norm_linear_attn``, causal and bidirectional
-(``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles), and the
+(``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles), softmax
+attention in bf16 on AMX tiles for ``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp``), and the
 row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's
 softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the
 GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
