@@ -1,7 +1,7 @@
 """Fused CPU kernels, built at first use: ``norm_linear_attn``, causal and bidirectional
 (``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles), softmax
-attention in bf16 on AMX tiles for ``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp``), and the
-row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's
+attention for ``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp`` for bf16 on AMX
+tiles, ``_native_softmax.cpp`` for fp32), and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's
 softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the
 GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
 
@@ -34,8 +34,9 @@ from torch.autograd.function import once_differentiable
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
-    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp"))
-_HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h"))
+    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp"))
+_HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h",
+                                                      "_native_gemm.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
 _ABI = 7
@@ -96,8 +97,8 @@ _SIGNATURES = {
     "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
     "tn_bidir_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 5),
     "tn_bidir_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 5),
-    "tn_softmax_fwd": (("bf16",), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # AMX
-    "tn_softmax_bwd": (("bf16",), [_P] * 3 + [_I64] * 3 + [_P] * 6 + [_I64] * 6 + [_I32, _F32]),
+    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # AMX
+    "tn_softmax_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 6 + [_I64] * 6 + [_I32, _F32]),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
@@ -315,26 +316,40 @@ def native_bidir_linear_attn(q, k, v, init):
 
 
 # ------------------------------------------------------------------------------------------------
-# Softmax attention on AMX tiles (_native_softmax_amx.cpp): vanilla attention and DiagAttention blocks
+# Softmax attention (vanilla attention and DiagAttention blocks): bf16 on AMX tiles
+# (_native_softmax_amx.cpp), fp32 on AVX-512 (_native_softmax.cpp)
 # ------------------------------------------------------------------------------------------------
-SOFTMAX_WINDOW_STEP = 32  # a window (DiagAttention's block) must be a multiple of this (kQ in the .cpp)
+_softmax_f32: bool | None = None
+
+
+def _softmax_f32_ready() -> bool:
+    global _softmax_f32
+    if _softmax_f32 is None:
+        lib = load()
+        _softmax_f32 = lib is not None and lib.tn_softmax_f32_ready() == 1
+    return _softmax_f32
 
 
 def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
-    """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs on the AMX kernel: CPU
-    bf16, D and E multiples of 32, no empty dim, ``window`` 0 (all keys) or a multiple of 32, the
-    library built with AMX, backend mode not "torch", not being traced."""
+    """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs a fused CPU kernel: bf16 on
+    AMX tiles (D, E and ``window`` multiples of 32) or fp32 on AVX-512 (D, E multiples of 16,
+    ``window`` of 64); ``window`` 0 means all keys. Also: no empty dim, backend mode not "torch",
+    not being traced."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False
-    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
+    if not all(t.device.type == "cpu" and t.dtype == q.dtype for t in (q, k, v)) or 0 in q.shape or 0 in v.shape:
         return False
-    if q.shape[-1] % 32 or v.shape[-1] % 32 or window % SOFTMAX_WINDOW_STEP or 0 in q.shape or 0 in v.shape:
-        return False
-    return amx_ready()
+    D, E = q.shape[-1], v.shape[-1]
+    if q.dtype == torch.bfloat16:
+        return D % 32 == 0 and E % 32 == 0 and window % 32 == 0 and amx_ready()
+    if q.dtype == torch.float32:
+        return D % 16 == 0 and E % 16 == 0 and window % 64 == 0 and _softmax_f32_ready()
+    return False
 
 
 class NativeSoftmaxAttn(torch.autograd.Function):
-    """q, k [B, T, H, D], v [B, T, H, E] bf16 with token rows readable in place (:func:`token_rows_ok`).
+    """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the AMX kernel, fp32: the AVX-512 one) with
+    token rows readable in place (:func:`token_rows_ok`).
     Saves q, k, v, o and the per-query log-sum-exp lse [B, H, T] (fp32) for the backward."""
 
     @staticmethod
@@ -363,7 +378,7 @@ class NativeSoftmaxAttn(torch.autograd.Function):
 
 
 def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor:
-    """softmax(scale q kᵀ + mask) v: o [B, T, H, E] from the AMX kernel (check :func:`softmax_usable`).
+    """softmax(scale q kᵀ + mask) v: o [B, T, H, E] from a fused kernel (check :func:`softmax_usable`).
 
     Query i sees all keys (``window`` 0) or those of its block of ``window`` tokens, and only
     keys j <= i when ``causal``."""

@@ -48,6 +48,30 @@ inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// Query lanes of the softmax-attention kernels (queries along the vector lanes, one bit each).
+typedef uint64_t Lanes;  // one bit per query of a block
+
+inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64))
+    from = std::max<idx>(from, 0), to = std::min<idx>(to, 64);
+    if (from >= to) return 0;
+    return (to == 64 ? ~Lanes(0) : (Lanes(1) << to) - 1) & ~((Lanes(1) << from) - 1);
+}
+inline __mmask16 half(Lanes v, int h) { return __mmask16(v >> (16 * h)); }
+
+// 2^x, x finite (a scaled score minus its row max or lse): 2^x = 2^n 2^f, |f| <= 1/2, 2^f by its
+// Taylor polynomial of degree Deg, scalef underflowing to 0 cleanly; masked lanes 0. Relative
+// error: < 4e-6 at degree 5 (the bf16 kernel: its operands P, dS round at 4e-3), < 1e-8 at 7.
+template <int Deg = 5>
+inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
+    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
+                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(c[Deg]);
+    for (int k = Deg - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
 }  // namespace tn
 #endif
 

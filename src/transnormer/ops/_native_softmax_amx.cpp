@@ -34,6 +34,8 @@
 
 namespace {
 using namespace tn_amx;
+using tn::Lanes, tn::lane_range, tn::half;
+constexpr auto exp2_masked = tn::exp2_masked<5>;
 
 constexpr idx kQ = 32;   // queries per block in the forward (two 16-lane vectors)
 constexpr idx kQb = 64;  // queries per block in the backward: dK and dV then sum 64 queries per product
@@ -51,30 +53,7 @@ struct Shape {
 // Queries lie along the vector lanes: every score block is computed transposed, S^T = K Q^T
 // [keys x queries], so the softmax's per-query max, sum, lse and delta are lane-wise vector
 // operations (no horizontal reductions or scalar work per query), and the causal mask is a
-// lane mask per key.
-typedef uint64_t Lanes;  // one bit per query of a block
-
-inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64))
-    from = std::max<idx>(from, 0), to = std::min<idx>(to, 64);
-    if (from >= to) return 0;
-    return (to == 64 ? ~Lanes(0) : (Lanes(1) << to) - 1) & ~((Lanes(1) << from) - 1);
-}
-inline __mmask16 half(Lanes v, int h) { return __mmask16(v >> (16 * h)); }
-
-// 2^x, x finite (a scaled score minus its row max or lse): 2^x = 2^n 2^f, |f| <= 1/2, 2^f by its
-// degree-5 Taylor polynomial (relative error < 4e-6: the bf16 operands P, dS round at 4e-3),
-// scalef underflowing to 0 cleanly; masked lanes 0.
-inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
-}
+// lane mask per key (the helpers are in _native_simd.h).
 
 // One VNNI word row from two rows a, b of a transposed block of nh 16-lane vectors: the pairs
 // (a[n], b[n]) for every query lane n.

@@ -1,8 +1,9 @@
-"""The bf16 softmax-attention kernel on AMX tiles (ops/_native_softmax_amx.cpp) against the fp64
-dense reference: vanilla attention (``softmax_attn``) and DiagAttention's blocks (``block_attn``).
+"""The softmax-attention kernels (bf16 on AMX tiles: ops/_native_softmax_amx.cpp; fp32 on AVX-512:
+ops/_native_softmax.cpp) against the fp64 dense references: vanilla attention (``softmax_attn``)
+and DiagAttention's blocks (``block_attn``).
 
-The oracle is the dense quadratic formula in fp64 on the same bf16-rounded inputs. The kernel
-rounds as FlashAttention-2 does (bf16 operands P and dS, fp32 accumulation and softmax, one
+The oracle is the dense quadratic formula in fp64 on the same inputs. The fp32 kernel is held
+to fp32 accuracy. The bf16 kernel rounds as FlashAttention-2 does (bf16 operands P and dS, fp32 accumulation and softmax, one
 rounding per output), so each output's error is held to that of the explicit PyTorch form under
 autocast (bf16 products, fp32 softmax), and to 5e-3 overall (about one bf16 rounding). PyTorch's
 CPU SDPA backward runs its products in fp32 and is more accurate than either, and ~5x slower.
@@ -17,6 +18,8 @@ from transnormer.ops.reference_baselines import softmax_attn_reference
 from transnormer.ops.softmax import softmax_attn
 
 needs_amx = pytest.mark.skipif(not _native.amx_ready(), reason="no AMX-BF16 kernel on this machine")
+needs_f32 = pytest.mark.skipif(not (_native.load() and _native._softmax_f32_ready()),
+                               reason="no fp32 softmax kernel (needs AVX-512 and a C++ compiler)")
 
 
 @pytest.fixture
@@ -123,7 +126,8 @@ def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls)
     softmax_attn(q, q, q, causal=True, key_padding_mask=mask)
     softmax_attn(q, q, q, causal=True, dropout_p=0.1)
     softmax_attn(q, q, q, causal=True, scale=-1.0)  # the kernel's running max assumes scale > 0
-    softmax_attn(q.float(), q.float(), q.float(), causal=True)
+    softmax_attn(q.double(), q.double(), q.double(), causal=True)
+    block_attn(q.float(), q.float(), q.float(), block_size=32, causal=True)  # fp32 windows: multiples of 64
     softmax_attn(q[..., :48], q[..., :48], q[..., :48], causal=True)  # D not a multiple of 32
     block_attn(q, q, q, block_size=48, causal=True)  # window not a multiple of 32
     block_attn(q, q, q, block_size=64, causal=True, key_padding_mask=mask)
@@ -200,3 +204,86 @@ def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, pre
     assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
     g, g_ref = out["auto"][1], out["torch"][1]
     assert float((g - g_ref).norm() / g_ref.norm()) < 3e-2
+
+
+def _f32_check(got, ref, sdpa):
+    for name, a, b, t in zip(("o", "dq", "dk", "dv"), got, ref, sdpa):
+        assert a.dtype == torch.float32, name
+        if b.abs().max() == 0:  # T = 1, causal: dq = dk = 0 up to rounding
+            assert a.abs().max() < 1e-5, name
+            continue
+        err, sdpa_err = _norm_err(a, b), _norm_err(t, b)
+        assert err < 2e-6 and err < 4 * sdpa_err + 1e-7, (name, err, sdpa_err)
+
+
+@needs_f32
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96), (1, 128, 16), (2, 48, 32)])
+def test_fp32_kernel_matches_fp64_reference(mode, kernel_calls, T, causal, H, D, E):
+    q, k, v, go = (x.float() for x in _case(2, T, H, D, E))
+
+    def fn(q, k, v):
+        return softmax_attn(q, k, v, causal=causal)
+
+    mode("auto")
+    got = _run(fn, q, k, v, go, torch.float32)
+    assert kernel_calls == [0]
+    mode("torch")
+    sdpa = _run(fn, q, k, v, go, torch.float32)
+    ref = _run(lambda q, k, v: softmax_attn_reference(q, k, v, causal=causal), q, k, v, go, torch.float64)
+    _f32_check(got, ref, sdpa)
+
+
+@needs_f32
+@pytest.mark.parametrize("T", [63, 65, 200, 301])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block", [64, 128])
+def test_fp32_block_attention_matches_fp64_reference(mode, kernel_calls, T, causal, block):
+    q, k, v, go = (x.float() for x in _case(2, T, 2, 64, 64))
+
+    def fn(q, k, v):
+        return block_attn(q, k, v, block_size=block, causal=causal)
+
+    mode("auto")
+    got = _run(fn, q, k, v, go, torch.float32)
+    assert kernel_calls == [block if T > block else 0]
+    mode("torch")
+    torch_form = _run(fn, q, k, v, go, torch.float32)
+    ref = _run(lambda q, k, v: block_attn_reference(q, k, v, block_size=block, causal=causal), q, k, v, go,
+               torch.float64)
+    _f32_check(got, ref, torch_form)
+
+
+@needs_f32
+@pytest.mark.parametrize("window", [0, 64])
+def test_fp32_same_result_on_one_and_two_threads(window):
+    q, k, v, go = (x.float() for x in _case(2, 200, 3, 64, 32))
+
+    def run():
+        return _run(lambda q, k, v: _native.native_softmax_attn(q, k, v, causal=True, scale=0.125, window=window),
+                    q, k, v, go, torch.float32)
+
+    one, two = on_one_and_two_threads(run)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@needs_f32
+def test_fp32_vanilla_model_agrees_with_sdpa(mode, kernel_calls):
+    """vanilla-lm-tiny in fp32: loss and every gradient as with SDPA, to fp32 rounding."""
+    from transnormer.presets import build_model
+
+    model = build_model("vanilla-lm-tiny", vocab_size=300, dropout=0.0, attention_dropout=0.0)
+    ids = torch.randint(0, 300, (2, 140))
+    out = {}
+    for m in ("torch", "auto"):
+        mode(m)
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[m] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert kernel_calls
+    assert abs(out["auto"][0] - out["torch"][0]) < 1e-5 * abs(out["torch"][0])
+    g, g_ref = out["auto"][1], out["torch"][1]
+    assert float((g - g_ref).norm() / g_ref.norm()) < 1e-5

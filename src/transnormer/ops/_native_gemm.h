@@ -1,0 +1,169 @@
+// The small fp32/fp64 GEMM of the fused kernels (_native_linear_attn.cpp: linear attention;
+// _native_softmax.cpp: fp32 softmax attention): C[M x N] (= or +=) A B on tiles that stay in
+// L1/L2, with a register-blocked AVX-512 micro-kernel and a portable fallback.
+#pragma once
+
+#include <algorithm>
+
+#include "_native_common.h"
+#include "_native_simd.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Small GEMM: C[M x N] (= or +=) A B with A(m, k) = a[m * ars + k * acs] (so a transposed A is
+// just other strides), B row-major (ldb), C row-major (ldc). Operands are tiles of at most a few
+// hundred rows; the register-blocked micro-kernel keeps a 6 x 64 (fp32) block of C in registers
+// and streams B rows, which stay in L1.
+// ---------------------------------------------------------------------------------------------
+
+// Triangular shortcuts for the c x c score tiles of the causal form (they are zero above the
+// diagonal, so half their products need not run):
+//   kFull      plain product
+//   kOutLower  only C(i, j) with j <= i is needed (columns past the row block are skipped;
+//              the caller masks the upper triangle afterwards)
+//   kALower    A is lower-triangular: row i sums over k <= i only
+//   kAUpper    A is upper-triangular: row i sums over k >= i only
+enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
+
+#if defined(__AVX512F__)
+template <typename T> struct Vec;
+
+template <> struct Vec<float> {
+    typedef __m512 reg;
+    typedef __mmask16 mask;
+    static constexpr int W = 16;
+    static reg zero() { return _mm512_setzero_ps(); }
+    static reg bcast(float x) { return _mm512_set1_ps(x); }
+    static reg load(const float* p) { return _mm512_loadu_ps(p); }
+    static reg loadm(const float* p, mask m) { return _mm512_maskz_loadu_ps(m, p); }
+    static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
+    static void stream(float* p, reg r) { _mm512_stream_ps(p, r); }
+    static void storem(float* p, reg r, mask m) { _mm512_mask_storeu_ps(p, m, r); }
+    static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+template <> struct Vec<double> {
+    typedef __m512d reg;
+    typedef __mmask8 mask;
+    static constexpr int W = 8;
+    static reg zero() { return _mm512_setzero_pd(); }
+    static reg bcast(double x) { return _mm512_set1_pd(x); }
+    static reg load(const double* p) { return _mm512_loadu_pd(p); }
+    static reg loadm(const double* p, mask m) { return _mm512_maskz_loadu_pd(m, p); }
+    static void store(double* p, reg r) { _mm512_storeu_pd(p, r); }
+    static void stream(double* p, reg r) { _mm512_stream_pd(p, r); }
+    static void storem(double* p, reg r, mask m) { _mm512_mask_storeu_pd(p, m, r); }
+    static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
+};
+
+constexpr int kMR = 6;  // rows of C per micro-kernel call: 6 x 4 accumulators + 4 B + 1 A = 29 regs
+constexpr int kNV = 4;  // vectors of C per row
+
+template <typename T, int MR, int NV>
+static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T* __restrict b, idx ldb,
+                         T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last) {
+    typedef Vec<T> V;
+    typename V::reg r[MR][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j)
+            r[i][j] = !accumulate ? V::zero()
+                      : (j == NV - 1 ? V::loadm(c + i * ldc + j * V::W, last) : V::load(c + i * ldc + j * V::W));
+    for (idx kk = 0; kk < K; ++kk) {
+        typename V::reg bv[NV];
+        const T* brow = b + kk * ldb;
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) bv[j] = j == NV - 1 ? V::loadm(brow + j * V::W, last) : V::load(brow + j * V::W);
+        const T* acol = a + kk * acs;
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            typename V::reg av = V::bcast(acol[i * ars]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; ++j) r[i][j] = V::fma(av, bv[j], r[i][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) {
+            if (j == NV - 1) V::storem(c + i * ldc + j * V::W, r[i][j], last);
+            else V::store(c + i * ldc + j * V::W, r[i][j]);
+        }
+}
+
+template <typename T, int MR>
+static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                            bool accumulate, typename Vec<T>::mask last) {
+    switch (nv) {
+        case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+    }
+}
+
+template <typename T>
+static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                         bool accumulate) {
+    typedef Vec<T> V;
+    const int nv = (int)((nn + V::W - 1) / V::W);
+    const int tail = (int)(nn - (idx)(nv - 1) * V::W);
+    const typename V::mask last = (typename V::mask)((tail == V::W) ? ((1u << V::W) - 1) : ((1u << tail) - 1));
+    switch (mr) {
+        case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 4: micro_nv<T, 4>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 3: micro_nv<T, 3>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 2: micro_nv<T, 2>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        default: micro_nv<T, 1>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+    }
+}
+
+template <typename T>
+static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                 bool accumulate, Tri tri = kFull) {
+    static_assert(kMR == 6, "block() dispatches row counts 1..6");
+    const idx panel = kNV * Vec<T>::W;
+    for (idx n0 = 0; n0 < N; n0 += panel) {
+        for (idx m0 = 0; m0 < M; m0 += kMR) {
+            const idx mr = std::min<idx>(kMR, M - m0);
+            idx nn = std::min(panel, N - n0), k0 = 0, k1 = K;
+            if (tri == kOutLower) {
+                if (n0 >= m0 + mr) continue;
+                nn = std::min(nn, m0 + mr - n0);
+            } else if (tri == kALower) {
+                k1 = std::min(K, m0 + mr);
+            } else if (tri == kAUpper) {
+                k0 = std::min(K, m0);
+            }
+            T* cb = c + m0 * ldc + n0;
+            if (k1 <= k0) {
+                if (!accumulate)
+                    for (idx i = 0; i < mr; ++i) std::fill(cb + i * ldc, cb + i * ldc + nn, T(0));
+                continue;
+            }
+            block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate);
+        }
+    }
+}
+#else
+// Portable fallback (no AVX-512): plain loops the compiler vectorises along n.
+
+template <typename T>
+static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
+                 bool accumulate, Tri = kFull) {  // full products: the masked tiles are zero anyway
+    for (idx m = 0; m < M; ++m) {
+        T* crow = c + m * ldc;
+        if (!accumulate) std::fill(crow, crow + N, T(0));
+        for (idx kk = 0; kk < K; ++kk) {
+            const T av = a[m * ars + kk * acs];
+            const T* brow = b + kk * ldb;
+            for (idx n = 0; n < N; ++n) crow[n] += av * brow[n];
+        }
+    }
+}
+#endif

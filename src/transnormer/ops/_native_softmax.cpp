@@ -1,0 +1,307 @@
+// fp32 softmax attention on AVX-512, forward and backward (the fp32 twin of
+// _native_softmax_amx.cpp: same walk, same layouts, the products on the fp32 micro-kernel of
+// _native_gemm.h instead of AMX tiles).
+//
+// Why this file exists: PyTorch's CPU SDPA kernel reaches about two thirds of the fp32 GEMM
+// rate over forward + backward (its backward is the slower half), and the softmax baseline
+// spends most of a long-sequence training step there.
+//
+// Layouts as in _native_softmax_amx.cpp: q, k [B, T, H, D], v [B, T, H, E] fp32 with token rows
+// at strides ldq, ldk, ldv; o, dO, dq, dk, dv contiguous; lse [B, H, T]. Keys of query i: all
+// (w = 0) or those of i's window of w tokens (w a multiple of 64), only j <= i when causal.
+//
+// Numerics: all in fp32 (products accumulate in fp32, exp by a degree-7 polynomial, < 1e-8
+// relative). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
+// vector lanes), so the softmax is lane-wise; P^T and dS^T then enter the products directly as
+// strided operands (P = (P^T)^T), with no repacking.
+// The walk: heads split over threads; per head the rows are packed zero-padded to a multiple
+// of 64 (Q^T and dO^T in blocks of 64 queries, the B operands of the score products).
+// Forward: groups of query blocks take each key step in turn (online softmax, O accumulated
+// in fp32 rows). Backward: groups of key steps take each query block in turn (dK, dV
+// accumulate per key step, dQ in an fp32 copy of the head).
+
+#include "_native_common.h"
+#include "_native_gemm.h"
+#include "_native_simd.h"
+
+#if defined(TN_AVX512)
+#include <limits>
+
+namespace {
+using tn::half;
+using tn::Lanes;
+using tn::lane_range;
+constexpr auto exp2_masked = tn::exp2_masked<7>;
+
+constexpr idx kQ = 64;      // queries per block (four 16-lane vectors)
+constexpr idx kK = 64;      // keys per step (and the window granularity)
+constexpr idx kGroupQ = 4;  // forward: query blocks that take each key step in turn
+constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
+
+struct Shape {
+    idx B, T, H, D, E, w;
+    bool causal;
+    float scale;
+    idx ldq, ldk, ldv;
+};
+
+struct Worker {
+    const Shape& s;
+    const idx T, D, E, Tp;  // Tp: T rounded up to 64
+    const float log2e = 1.44269504088896341f;
+    std::vector<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, lse_d;
+
+    Worker(const Shape& s_, bool backward)
+        : s(s_), T(s_.T), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),
+          st(kK * kQ) {
+        if (backward) {
+            qp.resize(Tp * D), gp.resize(Tp * E), gt.resize(Tp * E), dpt.resize(kK * kQ), dqf.resize(Tp * D);
+            dkv.resize(kGroupK * kK * (D + E)), lse_d.resize(2 * Tp);
+        } else {
+            qp.resize(Tp * D), acc.resize(kGroupQ * kQ * E), ml.resize(2 * kGroupQ * kQ);
+        }
+    }
+    ~Worker() { _mm_sfence(); }  // the streamed output rows
+
+    idx at(idx n, idx t, idx width, idx ld) const { return (n / s.H) * T * ld + t * ld + (n % s.H) * width; }
+    idx block_of(idx i) const { return s.w ? i / s.w * s.w : 0; }
+    idx block_end(idx i) const { return s.w ? std::min(T, i / s.w * s.w + s.w) : T; }
+    Lanes visible(idx i0, idx j) const {  // query lanes of block i0 that see key j
+        if (j >= T) return 0;
+        return lane_range((s.causal ? j : block_of(j)) - i0, block_end(j) - i0);
+    }
+    bool all_visible(idx i0, idx j0) const {
+        const idx w0 = block_of(i0);
+        const bool one_window = s.w == 0 || (block_of(j0) == w0 && block_of(j0 + kK - 1) == w0 && block_of(i0 + kQ - 1) == w0);
+        return one_window && j0 + kK <= T && i0 + kQ <= T && (!s.causal || j0 + kK - 1 <= i0);
+    }
+
+    // rows [0, T) of x (row stride ld, width C) into dst [Tp x C], zero rows below
+    void pack(const float* x, idx ld, idx C, float* dst) const {
+        for (idx t = 0; t < T; ++t) std::copy(x + t * ld, x + t * ld + C, dst + t * C);
+        std::fill(dst + T * C, dst + Tp * C, 0.0f);
+    }
+    // X^T per block of kQ rows: [Tp/kQ][C][kQ] from X [Tp x C]
+    void blocked_transpose(const float* x, idx C, float* dst) const {
+        for (idx b = 0; b < Tp; b += kQ)
+            for (idx r0 = 0; r0 < kQ; r0 += 16)
+                for (idx c0 = 0; c0 < C; c0 += 16) tn::transpose16(x + (b + r0) * C + c0, C, dst + b * C + c0 * kQ + r0, kQ);
+    }
+    void load_qkv(const float* q, const float* k, const float* v, idx n) {
+        pack(q + at(n, 0, D, s.ldq), s.ldq, D, qp.data());
+        pack(k + at(n, 0, D, s.ldk), s.ldk, D, kp.data());
+        pack(v + at(n, 0, E, s.ldv), s.ldv, E, vp.data());
+        blocked_transpose(qp.data(), D, qt.data());
+    }
+    void scores(idx i0, idx j0) {  // S^T [kK x kQ] = K Q^T
+        gemm<float>(kK, kQ, D, kp.data() + j0 * D, D, 1, qt.data() + i0 * D, kQ, st.data(), kQ, false);
+    }
+    // rows of an fp32 [L x C] block (ld C) streamed to out rows at stride ld_out
+    static void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
+        const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 63) == 0 && C % 16 == 0;
+        for (idx r = 0; r < L; ++r)
+            for (idx e = 0; e < C; e += 16) {
+                const __m512 y = _mm512_loadu_ps(x + r * C + e);
+                if (aligned) _mm512_stream_ps(out + r * ld_out + e, y);
+                else _mm512_mask_storeu_ps(out + r * ld_out + e, tn::tail_mask(C - e), y);
+            }
+    }
+    // each row r of X [kQ x C] times the lane-r value of the four vectors f
+    static void scale_rows(float* x, idx C, const __m512* f) {
+        alignas(64) float fs[kQ];
+        for (int h = 0; h < 4; ++h) _mm512_store_ps(fs + 16 * h, f[h]);
+        for (idx r = 0; r < kQ; ++r) {
+            const __m512 a = _mm512_set1_ps(fs[r]);
+            for (idx e = 0; e < C; e += 16) {
+                const __mmask16 m = tn::tail_mask(C - e);
+                _mm512_mask_storeu_ps(x + r * C + e, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + r * C + e), a));
+            }
+        }
+    }
+
+    // ---- forward -------------------------------------------------------------------------
+
+    idx fwd_start(idx i0) const { return block_of(i0) / kK * kK; }
+    idx fwd_end(idx i0) const { return s.causal ? std::min(block_end(i0), std::min(T, i0 + kQ)) : block_end(i0); }
+
+    // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
+    void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
+        const float inf = std::numeric_limits<float>::infinity();
+        const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
+        scores(i0, j0);
+        const bool full = all_visible(i0, j0);
+        __m512 mx[4], shift[4], sum[4], alpha[4];
+        for (int h = 0; h < 4; ++h) mx[h] = _mm512_loadu_ps(m + 16 * h);
+        for (idx r = 0; r < kK; ++r) {
+            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
+            for (int h = 0; h < 4; ++h)
+                mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
+        }
+        bool moved = false;
+        for (int h = 0; h < 4; ++h) {
+            const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
+            shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
+            alpha[h] = _mm512_mask_blend_ps(seen, one, exp2_masked(seen, _mm512_fmsub_ps(_mm512_loadu_ps(m + 16 * h), c, shift[h])));
+            moved |= _mm512_cmp_ps_mask(alpha[h], one, _CMP_NEQ_OQ) != 0;
+            _mm512_storeu_ps(m + 16 * h, mx[h]);
+            sum[h] = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha[h]);
+        }
+        if (moved) scale_rows(acc, E, alpha);  // the max moved: rescale O
+        for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^(c s - c m) on visible lanes
+            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
+            for (int h = 0; h < 4; ++h) {
+                float* x = st.data() + r * kQ + 16 * h;
+                const __m512 p = exp2_masked(half(vis, h), _mm512_fmsub_ps(_mm512_loadu_ps(x), c, shift[h]));
+                _mm512_storeu_ps(x, p);
+                sum[h] = _mm512_add_ps(sum[h], p);
+            }
+        }
+        for (int h = 0; h < 4; ++h) _mm512_storeu_ps(l + 16 * h, sum[h]);
+        // O += P V with P = (P^T)^T read strided
+        gemm<float>(kQ, E, kK, st.data(), 1, kQ, vp.data() + j0 * E, E, acc, E, true);
+    }
+
+    void forward(const float* q, const float* k, const float* v, float* o, float* lse, idx n) {
+        load_qkv(q, k, v, n);
+        for (idx g0 = 0; g0 < T; g0 += kQ * kGroupQ) {
+            const idx nb = std::min(kGroupQ, (T - g0 + kQ - 1) / kQ);
+            std::fill(ml.begin(), ml.begin() + kGroupQ * kQ, -std::numeric_limits<float>::infinity());
+            std::fill(ml.begin() + kGroupQ * kQ, ml.end(), 0.0f);
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            const idx last = g0 + (nb - 1) * kQ;
+            for (idx j0 = fwd_start(g0); j0 < fwd_end(last); j0 += kK)
+                for (idx b = 0; b < nb; ++b) {
+                    const idx i0 = g0 + b * kQ;
+                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0))
+                        fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * kQ * E);
+                }
+            for (idx b = 0; b < nb; ++b) {  // O /= l; lse = scale m + ln l
+                const idx i0 = g0 + b * kQ, L = std::min(kQ, T - i0);
+                const float* m = ml.data() + b * kQ;
+                const float* l = ml.data() + (kGroupQ + b) * kQ;
+                __m512 inv[4];
+                for (int h = 0; h < 4; ++h) inv[h] = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + 16 * h));
+                scale_rows(acc.data() + b * kQ * E, E, inv);
+                for (idx r = 0; r < L; ++r) lse[n * T + i0 + r] = s.scale * m[r] + std::log(l[r]);
+                write_rows(acc.data() + b * kQ * E, L, E, o + at(n, i0, E, s.H * E), s.H * E);
+            }
+        }
+    }
+
+    // ---- backward ------------------------------------------------------------------------
+
+    idx bwd_start(idx j0) const { return (s.causal ? j0 : block_of(j0)) / kQ * kQ; }
+    idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
+
+    void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb) {
+        const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
+        scores(i0, j0);
+        gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
+        const bool full = all_visible(i0, j0);
+        for (idx r = 0; r < kK; ++r) {  // P^T and dS^T in place
+            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
+            for (int h = 0; h < 4; ++h) {
+                float* x = st.data() + r * kQ + 16 * h;
+                float* d = dpt.data() + r * kQ + 16 * h;
+                const __m512 p = exp2_masked(half(vis, h), _mm512_fmsub_ps(_mm512_loadu_ps(x), c, ls[h]));
+                _mm512_storeu_ps(x, p);
+                _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d), dl[h])), scale));
+            }
+        }
+        gemm<float>(kK, E, kQ, st.data(), kQ, 1, gp.data() + i0 * E, E, dvb, E, true);   // dV += P^T dO
+        gemm<float>(kK, D, kQ, dpt.data(), kQ, 1, qp.data() + i0 * D, D, dkb, D, true);  // dK += dS^T Q
+        gemm<float>(kQ, D, kK, dpt.data(), 1, kQ, kp.data() + j0 * D, D, dqf.data() + i0 * D, D, true);  // dQ += dS K
+    }
+
+    void backward(const float* q, const float* k, const float* v, const float* o, const float* dout, const float* lse,
+                  float* dq, float* dk, float* dv, idx n) {
+        load_qkv(q, k, v, n);
+        const idx ldo = s.H * E;
+        pack(dout + at(n, 0, E, ldo), ldo, E, gp.data());
+        blocked_transpose(gp.data(), E, gt.data());  // dO^T per query block: dP^T = V dO^T
+        float* lse2 = lse_d.data();
+        float* delta = lse_d.data() + Tp;
+        std::fill(lse_d.begin(), lse_d.end(), 0.0f);
+        for (idx t = 0; t < T; ++t) {
+            const float* orow = o + at(n, t, E, ldo);
+            const float* grow = gp.data() + t * E;
+            __m512 d = _mm512_setzero_ps();
+            for (idx e = 0; e < E; e += 16) {
+                const __mmask16 m = tn::tail_mask(E - e);
+                d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, orow + e), _mm512_maskz_loadu_ps(m, grow + e), d);
+            }
+            lse2[t] = lse[n * T + t] * log2e;
+            delta[t] = _mm512_reduce_add_ps(d);
+        }
+        std::fill(dqf.begin(), dqf.end(), 0.0f);
+        for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
+            const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
+            std::fill(dkv.begin(), dkv.end(), 0.0f);
+            const idx last = g0 + (nk - 1) * kK;
+            for (idx i0 = bwd_start(g0); i0 < bwd_end(last); i0 += kQ) {
+                __m512 ls[4], dl[4];
+                for (int h = 0; h < 4; ++h) {
+                    ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
+                    dl[h] = _mm512_loadu_ps(delta + i0 + 16 * h);
+                }
+                for (idx c = 0; c < nk; ++c) {
+                    const idx j0 = g0 + c * kK;
+                    if (i0 >= bwd_start(j0) && i0 < bwd_end(j0))
+                        bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
+                }
+            }
+            for (idx c = 0; c < nk; ++c) {
+                const idx j0 = g0 + c * kK, L = std::min(kK, T - j0);
+                write_rows(dkv.data() + c * kK * D, L, D, dk + at(n, j0, D, s.H * D), s.H * D);
+                write_rows(dkv.data() + (kGroupK * D + c * E) * kK, L, E, dv + at(n, j0, E, s.H * E), s.H * E);
+            }
+        }
+        write_rows(dqf.data(), T, D, dq + at(n, 0, D, s.H * D), s.H * D);
+    }
+};
+
+bool shape_ok(const Shape& s) {
+    return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 16 && s.E >= 16 && s.D % 16 == 0 && s.E % 16 == 0 &&
+           s.w >= 0 && s.w % kK == 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
+}
+
+}  // namespace
+#endif  // TN_AVX512
+
+extern "C" {
+
+// 1 when this build has the fp32 softmax kernel (AVX-512), else 0.
+int tn_softmax_f32_ready() {
+#if defined(TN_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Status: 0 ok, 1 bad shape (D, E multiples of 16, w of 64), 2 built without AVX-512.
+#if defined(TN_AVX512)
+#define TN_SOFTMAX_F32_RUN(BWD, CALL)                                                                  \
+    const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \
+    if (!shape_ok(s)) return 1;                                                                        \
+    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {                                         \
+        Worker wk(s, BWD);                                                                             \
+        for (idx n = lo; n < hi; ++n) wk.CALL;                                                         \
+    });                                                                                                \
+    return 0
+#else
+#define TN_SOFTMAX_F32_RUN(BWD, CALL) return 2
+#endif
+
+int tn_softmax_fwd_f32(const float* q, const float* k, const float* v, idx ldq, idx ldk, idx ldv, float* o, float* lse,
+                       idx B, idx T, idx H, idx D, idx E, idx w, int causal, float scale, int nthreads) {
+    TN_SOFTMAX_F32_RUN(false, forward(q, k, v, o, lse, n));
+}
+
+int tn_softmax_bwd_f32(const float* q, const float* k, const float* v, idx ldq, idx ldk, idx ldv, const float* o,
+                       const float* dout, const float* lse, float* dq, float* dk, float* dv, idx B, idx T, idx H,
+                       idx D, idx E, idx w, int causal, float scale, int nthreads) {
+    TN_SOFTMAX_F32_RUN(true, backward(q, k, v, o, dout, lse, dq, dk, dv, n));
+}
+
+}  // extern "C"
