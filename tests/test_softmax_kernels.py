@@ -287,3 +287,28 @@ def test_fp32_vanilla_model_agrees_with_sdpa(mode, kernel_calls):
     assert abs(out["auto"][0] - out["torch"][0]) < 1e-5 * abs(out["torch"][0])
     g, g_ref = out["auto"][1], out["torch"][1]
     assert float((g - g_ref).norm() / g_ref.norm()) < 1e-5
+
+
+@needs_f32
+def test_fp32_kernel_stays_accurate_over_many_key_steps():
+    """A long row of keys (64 key steps): the online softmax's rescaling must not compound rounding."""
+    q, k, v, go = (x.float() for x in _case(1, 4096, 1, 64, 64))
+    got = _run(lambda q, k, v: softmax_attn(q, k, v, causal=True), q, k, v, go, torch.float32)
+    ref = _run(lambda q, k, v: softmax_attn_reference(q, k, v, causal=True), q, k, v, go, torch.float64)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
+        assert _norm_err(a, b) < 2e-6, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_views_and_autocast(dtype):
+    """A length-1 view whose token stride PyTorch leaves arbitrary; and fp32 inputs under CPU autocast
+    come out in the autocast dtype, as SDPA's do."""
+    if not _native.softmax_usable(*(torch.zeros(1, 1, 1, 64, dtype=dtype),) * 3):
+        pytest.skip("no softmax kernel for this dtype here")
+    x = torch.randn(2, 3, 1, 64).to(dtype).transpose(1, 2)  # [B, 1, H, D], stride(1) = 64
+    o = softmax_attn(x, x, x, causal=True)
+    assert torch.equal(o, x)  # one key: the output is its value
+    q = torch.randn(2, 70, 2, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert softmax_attn(q, q, q, causal=True).dtype == torch.bfloat16
+        assert block_attn(q, q, q, block_size=64, causal=True).dtype == torch.bfloat16

@@ -347,6 +347,11 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     return False
 
 
+def _row_stride(x: torch.Tensor) -> int:
+    """The token row stride the kernels read x [B, T, H, W] with (a length-1 dim's stride is arbitrary)."""
+    return x.stride(1) if x.shape[1] > 1 else x.shape[2] * x.shape[3]
+
+
 class NativeSoftmaxAttn(torch.autograd.Function):
     """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the AMX kernel, fp32: the AVX-512 one) with
     token rows readable in place (:func:`token_rows_ok`).
@@ -358,8 +363,8 @@ class NativeSoftmaxAttn(torch.autograd.Function):
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
         lse = torch.empty(B, H, T, dtype=torch.float32)
-        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), q.stride(1), k.stride(1), v.stride(1), _ptr(o),
-              _ptr(lse), B, T, H, D, E, window, int(causal), scale)
+        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(_row_stride, (q, k, v)), _ptr(o), _ptr(lse),
+              B, T, H, D, E, window, int(causal), scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (window, int(causal), scale)
         return o
@@ -372,9 +377,19 @@ class NativeSoftmaxAttn(torch.autograd.Function):
         E = v.shape[-1]
         do = do.contiguous()
         dq, dk, dv = torch.empty(B, T, H, D, dtype=q.dtype), torch.empty(B, T, H, D, dtype=q.dtype), torch.empty_like(o)
-        _call("tn_softmax_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), q.stride(1), k.stride(1), v.stride(1), _ptr(o),
-              _ptr(do), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv), B, T, H, D, E, *ctx.args)
+        _call("tn_softmax_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(_row_stride, (q, k, v)), _ptr(o), _ptr(do),
+              _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv), B, T, H, D, E, *ctx.args)
         return dq, dk, dv, None, None, None
+
+
+def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as CPU autocast feeds its lower-precision ops (SDPA, matmul): CPU fp32 tensors
+    cast to the autocast dtype while CPU autocast is on, so that a kernel called instead of such an
+    op sees (and returns) the same dtype; unchanged otherwise."""
+    if not torch.is_autocast_enabled("cpu"):
+        return xs
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(x.to(dtype) if x.device.type == "cpu" and x.dtype == torch.float32 else x for x in xs)
 
 
 def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor:

@@ -72,6 +72,17 @@ inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
+// The online softmax's rescale factor where a lane's running max rose from m_old to m_new (raw
+// scores; shift = fl(m_new c), the exponent offset of this step's p): 2^(fl(m_old c) - shift),
+// the same rounding the earlier steps' p were taken with, so that it is exactly 1 where the max
+// did not move (rather than 2^(rounding error), compounding over the steps); 0 from m_old = -inf.
+// moved: the lanes where the max rose.
+inline __m512 online_rescale(__m512 m_old, __m512 m_new, __m512 shift, __m512 c, __mmask16& moved) {
+    moved = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_mul_ps(m_old, c), shift), _mm512_set1_ps(-1000.0f));
+    return _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), exp2_masked<7>(moved, x));
+}
+
 }  // namespace tn
 #endif
 

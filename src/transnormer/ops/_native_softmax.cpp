@@ -141,12 +141,13 @@ struct Worker {
         for (int h = 0; h < 4; ++h) {
             const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
             shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
-            alpha[h] = _mm512_mask_blend_ps(seen, one, exp2_masked(seen, _mm512_fmsub_ps(_mm512_loadu_ps(m + 16 * h), c, shift[h])));
-            moved |= _mm512_cmp_ps_mask(alpha[h], one, _CMP_NEQ_OQ) != 0;
+            __mmask16 rose;
+            alpha[h] = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], shift[h], c, rose);
+            moved |= rose != 0;
             _mm512_storeu_ps(m + 16 * h, mx[h]);
             sum[h] = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha[h]);
         }
-        if (moved) scale_rows(acc, E, alpha);  // the max moved: rescale O
+        if (moved) scale_rows(acc, E, alpha);  // the max rose: rescale O
         for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^(c s - c m) on visible lanes
             const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
             for (int h = 0; h < 4; ++h) {
@@ -262,7 +263,7 @@ struct Worker {
 
 bool shape_ok(const Shape& s) {
     return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 16 && s.E >= 16 && s.D % 16 == 0 && s.E % 16 == 0 &&
-           s.w >= 0 && s.w % kK == 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
+           s.w >= 0 && s.w % kK == 0 && s.scale > 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
 }
 
 }  // namespace
@@ -279,7 +280,7 @@ int tn_softmax_f32_ready() {
 #endif
 }
 
-// Status: 0 ok, 1 bad shape (D, E multiples of 16, w of 64), 2 built without AVX-512.
+// Status: 0 ok, 1 bad shape (D, E multiples of 16, w of 64, scale > 0), 2 built without AVX-512.
 #if defined(TN_AVX512)
 #define TN_SOFTMAX_F32_RUN(BWD, CALL)                                                                  \
     const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \

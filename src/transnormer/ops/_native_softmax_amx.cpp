@@ -170,11 +170,11 @@ struct Worker {
             // a lane with no visible key yet keeps m = -inf: shift 0, alpha 1, p 0
             const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
             shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
-            const __m512 m_old = _mm512_loadu_ps(m + 16 * h);
-            const __m512 alpha = _mm512_mask_blend_ps(seen, one, exp2_masked(seen, _mm512_fmsub_ps(m_old, c, shift[h])));
+            __mmask16 moved;
+            const __m512 alpha = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], shift[h], c, moved);
             _mm512_storeu_ps(m + 16 * h, mx[h]);
             _mm512_storeu_ps(l + 16 * h, _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha));
-            if (_mm512_cmp_ps_mask(alpha, one, _CMP_NEQ_OQ))  // the max moved: rescale O^T
+            if (moved)  // the max rose: rescale O^T
                 for (idx e = 0; e < E; ++e) {
                     float* a = acc + e * kQ + 16 * h;
                     _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
@@ -313,7 +313,7 @@ struct Worker {
 
 bool shape_ok(const Shape& s) {
     return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 32 && s.E >= 32 && s.D % 32 == 0 && s.E % 32 == 0 && s.w >= 0 &&
-           s.w % kQ == 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
+           s.w % kQ == 0 && s.scale > 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
 }
 
 }  // namespace
@@ -324,7 +324,7 @@ extern "C" {
 typedef const uint16_t* in_t;  // bf16 tensors as their bits
 typedef uint16_t* out_t;
 
-// Status: 0 ok, 1 bad shape (D, E and w multiples of 32), 2 AMX unavailable.
+// Status: 0 ok, 1 bad shape (D, E and w multiples of 32, scale > 0), 2 AMX unavailable.
 #if defined(TN_AMX)
 #define TN_SOFTMAX_RUN(BWD, CALL)                                                                      \
     if (tn_amx_ready() != 1) return 2;                                                                 \

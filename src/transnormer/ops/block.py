@@ -56,8 +56,9 @@ def block_attn(
     w = min(block_size, T) if T > 0 else block_size
     if kernel == "softmax" and mask is None and dropout_p == 0.0 and scale > 0:
         window = 0 if w >= T else w  # one block: every key of the sequence
-        if _native.softmax_usable(q, k, v, window):  # bf16 on AMX (_native_softmax_amx.cpp)
-            return _native.native_softmax_attn(q, k, v, causal=causal, scale=scale, window=window)
+        qa, ka, va = _native.autocast_inputs(q, k, v)
+        if _native.softmax_usable(qa, ka, va, window):  # the fused kernels (bf16 on AMX, fp32)
+            return _native.native_softmax_attn(qa, ka, va, causal=causal, scale=scale, window=window)
     nb = -(-T // w)
     pad = nb * w - T
     if pad:
