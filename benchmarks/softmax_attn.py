@@ -1,14 +1,14 @@
-"""bf16 softmax attention on AMX tiles against PyTorch's SDPA and the explicit autocast form, fwd+bwd.
+"""Our softmax-attention kernels against PyTorch's SDPA (and the explicit autocast form), fwd+bwd.
 
-    python benchmarks/softmax_attn.py [--lengths 512 2048 8192 16384] [--tokens 16384]
+    python benchmarks/softmax_attn.py [--lengths 512 2048 8192 16384] [--tokens 16384] [--dtypes bf16 fp32]
 
 Vanilla attention (causal, 8 heads of 64, batch = tokens / T, the vanilla-lm training shapes)
-three ways in one run: ``softmax_attn`` (our kernel, ``_native_softmax_amx.cpp``), PyTorch's
-``scaled_dot_product_attention`` (its CPU flash-attention kernel) and the explicit form under
-autocast (bf16 products, fp32 softmax; up to 2k). Then DiagAttention's blocks (64 tokens,
-causal): ``block_attn`` on the kernel against its PyTorch form. Prints times, the speed-ups and
-GFLOP/s (causal forward 2·B·H·T²·D, fwd+bwd three times that) as a fraction of the 2048³ bf16
-GEMM measured in the same run.
+in one run per dtype: ``softmax_attn`` (our kernel: ``_native_softmax_amx.cpp`` in bf16,
+``_native_softmax.cpp`` in fp32), PyTorch's ``scaled_dot_product_attention`` (its CPU
+flash-attention kernel) and, in bf16 up to 2k, the explicit form under autocast (bf16 products,
+fp32 softmax). Then DiagAttention's blocks (64 tokens, causal): ``block_attn`` on the kernel
+against its PyTorch form. Prints times, the speed-ups and GFLOP/s (causal forward 2·B·H·T²·D,
+fwd+bwd three times that) as a fraction of the 2048³ GEMM of the dtype measured in the same run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from transnormer.bench import gemm_gflops, measure
 from transnormer.ops import _native, block_attn, set_kernel_backend
 from transnormer.ops.softmax import softmax_attn
 from transnormer.runtime import tune_allocator
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def explicit(q, k, v):
@@ -56,21 +58,31 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per call (batch = tokens / T)")
     ap.add_argument("--min-time", type=float, default=2.0, help="seconds each op is repeated for")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     args = ap.parse_args()
     tune_allocator()
-    if not _native.amx_ready():
-        raise SystemExit("no AMX kernel on this machine (needs an AMX-BF16 CPU and a C++ compiler)")
-    gemm = gemm_gflops(dtype=torch.bfloat16)
-    print(f"bf16 GEMM (2048^3): {gemm:.0f} GFLOP/s; {torch.get_num_threads()} threads\n")
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        probe = torch.zeros(1, 1, 1, 64, dtype=dtype)
+        if not _native.softmax_usable(probe, probe, probe):
+            print(f"{dname}: no softmax kernel on this machine (bf16 needs AMX; both need a C++ compiler)")
+            continue
+        vanilla_rows(dname, dtype, args)
+    blocks_rows(args)
+
+
+def vanilla_rows(dname: str, dtype: torch.dtype, args) -> None:
+    gemm = gemm_gflops(dtype=dtype)
+    print(f"\n{dname}, vanilla attention; GEMM (2048^3): {gemm:.0f} GFLOP/s; {torch.get_num_threads()} threads\n")
     print("| T | batch | ours ms | SDPA ms | explicit ms | ours / SDPA | ours GFLOP/s | of GEMM |")
     print("|---|---|---|---|---|---|---|---|")
     H, D = 8, 64
     for T in args.lengths:
         B = max(1, args.tokens // T)
-        q, k, v, go = (torch.randn(B, T, H, D).bfloat16().requires_grad_() for _ in range(4))
+        q, k, v, go = (torch.randn(B, T, H, D, dtype=dtype).requires_grad_() for _ in range(4))
         time = {}
         for name, fn in (("ours", ours), ("sdpa", sdpa), ("explicit", explicit)):
-            if name == "explicit" and T > 2048:
+            if name == "explicit" and (T > 2048 or dtype != torch.bfloat16):
                 continue  # [B, H, T, T] scores and their gradients: several GB from 8k on
             time[name] = time_fwd_bwd(fn, q, k, v, go, args.min_time)
         flops = 3 * 2 * B * H * T * T * D
@@ -79,7 +91,12 @@ def main() -> None:
               f"{time['sdpa'] / time['ours']:.2f}x | {flops / time['ours'] / 1e9:.0f} | "
               f"{flops / time['ours'] / 1e9 / gemm:.0%} |", flush=True)
 
-    print("\nDiagAttention blocks (64 tokens, causal), block_attn fwd+bwd:\n")
+
+def blocks_rows(args) -> None:
+    if not _native.amx_ready():
+        return
+    H, D = 8, 64
+    print("\nbf16, DiagAttention blocks (64 tokens, causal), block_attn fwd+bwd:\n")
     print("| T | batch | kernel ms | PyTorch form ms | speed-up |")
     print("|---|---|---|---|---|")
     for T in args.lengths:
