@@ -1,9 +1,10 @@
 """Fused CPU kernels, built at first use: ``norm_linear_attn``, causal and bidirectional
 (``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles), softmax
 attention for ``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp`` for bf16 on AMX
-tiles, ``_native_softmax.cpp`` for fp32), and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``), the LM loss's
-softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the
-GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
+tiles, ``_native_softmax.cpp`` for fp32), and the row kernels of a training step: the LRPE
+feature map (``_native_lrpe.cpp``), the LM loss's softmax cross-entropy rows
+(``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the GLU's SiLU gate
+(``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
 
 The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native
 -fopenmp``) into one library in a cache directory and loaded with ctypes: no torch headers, so
@@ -97,7 +98,7 @@ _SIGNATURES = {
     "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
     "tn_bidir_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 5),
     "tn_bidir_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 5),
-    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # AMX
+    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # bf16: AMX
     "tn_softmax_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 6 + [_I64] * 6 + [_I32, _F32]),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
