@@ -156,8 +156,9 @@ def set_backend(mode: str) -> None:
     """Choose the CPU backend of the fused kernels.
 
     ``"auto"`` (default) uses each fused kernel where it applies (``norm_linear_attn``:
-    fp32/fp64, and bf16 on a CPU with AMX when D, E and the chunk are multiples of 32; the row
-    kernels: fp32/bf16) when the library builds; ``"torch"`` always runs the PyTorch forms;
+    fp32/fp64, and bf16 on a CPU with AMX when D, E and the chunk are multiples of 32; softmax
+    attention: see :func:`softmax_usable`; the row kernels: fp32/bf16) when the library builds;
+    ``"torch"`` always runs the PyTorch forms;
     ``"native"`` is ``"auto"`` that raises if the library is absent, and also if
     ``norm_linear_attn`` gets tensors neither of its kernels can take.
     """
