@@ -74,9 +74,9 @@ inline void pair_sum(const Pair& p, idx m0, idx n0) {
 // after the product to zero.
 enum Out { kAll, kLowerC, kUpperC };
 
-// C [M x N] fp32 (row stride ldc) = or += A1 B1 (+ A2 B2): the sum of two products runs in the
-// tiles, so C is stored once. M, N and each K multiples of 32.
-inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc, bool accumulate, Out out = kAll) {
+// C [M x N] fp32 (row stride ldc) = or += the sum of np products A_i B_i: the sum runs in the
+// tiles, so C is loaded and stored once. M, N and each K multiples of 32.
+inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll) {
     for (idx m0 = 0; m0 < M; m0 += 32)
         for (idx n0 = 0; n0 < N; n0 += 32) {
             if ((out == kLowerC && n0 > m0) || (out == kUpperC && n0 < m0)) continue;
@@ -93,13 +93,18 @@ inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc
                 _tile_zero(2);
                 _tile_zero(3);
             }
-            pair_sum(p1, m0, n0);
-            if (p2) pair_sum(*p2, m0, n0);
+            for (int i = 0; i < np; ++i) pair_sum(ps[i], m0, n0);
             _tile_stored(0, c, cs);
             _tile_stored(1, c + 16, cs);
             _tile_stored(2, c + 16 * ldc, cs);
             _tile_stored(3, c + 16 * ldc + 16, cs);
         }
+}
+
+// C = or += A1 B1 (+ A2 B2)
+inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc, bool accumulate, Out out = kAll) {
+    const Pair ps[2] = {p1, p2 ? *p2 : p1};
+    gemm_sum(M, N, ps, p2 ? 2 : 1, C, ldc, accumulate, out);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ struct Worker {
           qtv(Tp * D / 2), tmp(std::max(D, E) / 2 * kK), st(kK * kQb), tb(kQb * std::max(D, E)) {
         if (backward) {
             gp.resize(Tp * E), kt.resize(Tp * D), pt.resize(kK * kQb), dt.resize(kK * kQb);
-            qv.resize(Tp * D / 2), gv.resize(Tp * E / 2), gtv.resize(Tp * E / 2), dsv.resize(kK / 2 * kQb);
+            qv.resize(Tp * D / 2), gv.resize(Tp * E / 2), gtv.resize(Tp * E / 2), dsv.resize(kGroupK * kK / 2 * kQb);
             dpt.resize(kK * kQb), dqt.resize(Tp * D), dkv.resize(kGroupK * kK * (D + E)), lse_d.resize(2 * Tp);
         } else {
             vt.resize(Tp * E), acc.resize(kGroupQ * E * kQ), ml.resize(2 * kGroupQ * kQ), pv.resize(kK / 2 * kQ);
@@ -235,7 +235,8 @@ struct Worker {
     idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
 
     // Key step j0 (its dK, dV accumulators dkb, dvb) and query block i0 (lse log2 e, delta in ls, dl).
-    void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb) {
+    // VNNI(dS^T) of the step goes to dsv_out; the caller sums dQ^T over the group's steps.
+    void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb, w32* dsv_out) {
         const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
         scores(i0, kQb, j0);
         gemm(kK, kQb, {E, vp.data() + j0 * E, E, gtv.data() + i0 * E / 2, kQb, kDense}, nullptr, dpt.data(), kQb,
@@ -256,11 +257,10 @@ struct Worker {
                 store_row(pt.data() + row * kQb, p, 4);
                 store_row(dt.data() + row * kQb, ds[u], 4);
             }
-            store_pairs(dsv.data() + (r / 2) * kQb, ds[0], ds[1], 4);
+            store_pairs(dsv_out + (r / 2) * kQb, ds[0], ds[1], 4);
         }
         gemm(kK, E, {kQb, pt.data(), kQb, gv.data() + (i0 / 2) * E, E, kDense}, nullptr, dvb, E, true);
         gemm(kK, D, {kQb, dt.data(), kQb, qv.data() + (i0 / 2) * D, D, kDense}, nullptr, dkb, D, true);
-        gemm(D, kQb, {kK, kt.data() + j0 * D, kK, dsv.data(), kQb, kDense}, nullptr, dqt.data() + i0 * D, kQb, true);
     }
 
     void backward(const bf* q, const bf* k, const bf* v, const bf* o, const bf* dout, const float* lse, bf* dq,
@@ -294,11 +294,16 @@ struct Worker {
                     ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
                     dl[h] = _mm512_loadu_ps(delta + i0 + 16 * h);
                 }
+                Pair dq[kGroupK];  // dQ^T += K_j^T dS_j^T over the group's steps, in one pass of the tiles
+                int np = 0;
                 for (idx c = 0; c < nk; ++c) {
                     const idx j0 = g0 + c * kK;
-                    if (i0 >= bwd_start(j0) && i0 < bwd_end(j0))
-                        bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
+                    if (i0 < bwd_start(j0) || i0 >= bwd_end(j0)) continue;
+                    w32* ds = dsv.data() + c * kK / 2 * kQb;
+                    bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK, ds);
+                    dq[np++] = {kK, kt.data() + j0 * D, kK, ds, kQb, kDense};
                 }
+                if (np) gemm_sum(D, kQb, dq, np, dqt.data() + i0 * D, kQb, true);
             }
             for (idx c = 0; c < nk; ++c) {
                 const idx j0 = g0 + c * kK, L = std::min(kK, T - j0);
