@@ -23,36 +23,27 @@
 #include "_native_common.h"
 #include "_native_gemm.h"
 #include "_native_simd.h"
+#include "_native_softmax_walk.h"
 
 #if defined(TN_AVX512)
 #include <limits>
 
 namespace {
+using namespace tn_softmax;
 using tn::half;
-using tn::Lanes;
-using tn::lane_range;
 constexpr auto exp2_masked = tn::exp2_masked<7>;
 
-constexpr idx kQ = 64;      // queries per block (four 16-lane vectors)
-constexpr idx kK = 64;      // keys per step (and the window granularity)
+constexpr idx kQ = 64;      // queries per block (four 16-lane vectors; the window granularity)
 constexpr idx kGroupQ = 4;  // forward: query blocks that take each key step in turn
 constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
 
-struct Shape {
-    idx B, T, H, D, E, w;
-    bool causal;
-    float scale;
-    idx ldq, ldk, ldv;
-};
-
-struct Worker {
-    const Shape& s;
-    const idx T, D, E, Tp;  // Tp: T rounded up to 64
+struct Worker : Walk {
+    const idx D, E, Tp;  // Tp: T rounded up to 64
     const float log2e = 1.44269504088896341f;
     std::vector<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, lse_d;
 
     Worker(const Shape& s_, bool backward)
-        : s(s_), T(s_.T), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),
+        : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),
           st(kK * kQ) {
         if (backward) {
             qp.resize(Tp * D), gp.resize(Tp * E), gt.resize(Tp * E), dpt.resize(kK * kQ), dqf.resize(Tp * D);
@@ -62,19 +53,6 @@ struct Worker {
         }
     }
     ~Worker() { _mm_sfence(); }  // the streamed output rows
-
-    idx at(idx n, idx t, idx width, idx ld) const { return (n / s.H) * T * ld + t * ld + (n % s.H) * width; }
-    idx block_of(idx i) const { return s.w ? i / s.w * s.w : 0; }
-    idx block_end(idx i) const { return s.w ? std::min(T, i / s.w * s.w + s.w) : T; }
-    Lanes visible(idx i0, idx j) const {  // query lanes of block i0 that see key j
-        if (j >= T) return 0;
-        return lane_range((s.causal ? j : block_of(j)) - i0, block_end(j) - i0);
-    }
-    bool all_visible(idx i0, idx j0) const {
-        const idx w0 = block_of(i0);
-        const bool one_window = s.w == 0 || (block_of(j0) == w0 && block_of(j0 + kK - 1) == w0 && block_of(i0 + kQ - 1) == w0);
-        return one_window && j0 + kK <= T && i0 + kQ <= T && (!s.causal || j0 + kK - 1 <= i0);
-    }
 
     // rows [0, T) of x (row stride ld, width C) into dst [Tp x C], zero rows below
     void pack(const float* x, idx ld, idx C, float* dst) const {
@@ -121,15 +99,12 @@ struct Worker {
 
     // ---- forward -------------------------------------------------------------------------
 
-    idx fwd_start(idx i0) const { return block_of(i0) / kK * kK; }
-    idx fwd_end(idx i0) const { return s.causal ? std::min(block_end(i0), std::min(T, i0 + kQ)) : block_end(i0); }
-
     // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
         const float inf = std::numeric_limits<float>::infinity();
         const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
         scores(i0, j0);
-        const bool full = all_visible(i0, j0);
+        const bool full = all_visible(i0, kQ, j0);
         __m512 mx[4], shift[4], sum[4], alpha[4];
         for (int h = 0; h < 4; ++h) mx[h] = _mm512_loadu_ps(m + 16 * h);
         for (idx r = 0; r < kK; ++r) {
@@ -170,10 +145,10 @@ struct Worker {
             std::fill(ml.begin() + kGroupQ * kQ, ml.end(), 0.0f);
             std::fill(acc.begin(), acc.end(), 0.0f);
             const idx last = g0 + (nb - 1) * kQ;
-            for (idx j0 = fwd_start(g0); j0 < fwd_end(last); j0 += kK)
+            for (idx j0 = fwd_start(g0); j0 < fwd_end(last, kQ); j0 += kK)
                 for (idx b = 0; b < nb; ++b) {
                     const idx i0 = g0 + b * kQ;
-                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0))
+                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0, kQ))
                         fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * kQ * E);
                 }
             for (idx b = 0; b < nb; ++b) {  // O /= l; lse = scale m + ln l
@@ -191,14 +166,11 @@ struct Worker {
 
     // ---- backward ------------------------------------------------------------------------
 
-    idx bwd_start(idx j0) const { return (s.causal ? j0 : block_of(j0)) / kQ * kQ; }
-    idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
-
     void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb) {
         const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
         scores(i0, j0);
         gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
-        const bool full = all_visible(i0, j0);
+        const bool full = all_visible(i0, kQ, j0);
         for (idx r = 0; r < kK; ++r) {  // P^T and dS^T in place
             const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
             for (int h = 0; h < 4; ++h) {
@@ -224,22 +196,15 @@ struct Worker {
         float* delta = lse_d.data() + Tp;
         std::fill(lse_d.begin(), lse_d.end(), 0.0f);
         for (idx t = 0; t < T; ++t) {
-            const float* orow = o + at(n, t, E, ldo);
-            const float* grow = gp.data() + t * E;
-            __m512 d = _mm512_setzero_ps();
-            for (idx e = 0; e < E; e += 16) {
-                const __mmask16 m = tn::tail_mask(E - e);
-                d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, orow + e), _mm512_maskz_loadu_ps(m, grow + e), d);
-            }
             lse2[t] = lse[n * T + t] * log2e;
-            delta[t] = _mm512_reduce_add_ps(d);
+            delta[t] = row_dot(o + at(n, t, E, ldo), gp.data() + t * E, E);
         }
         std::fill(dqf.begin(), dqf.end(), 0.0f);
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
             const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
             std::fill(dkv.begin(), dkv.end(), 0.0f);
             const idx last = g0 + (nk - 1) * kK;
-            for (idx i0 = bwd_start(g0); i0 < bwd_end(last); i0 += kQ) {
+            for (idx i0 = bwd_start(g0, kQ); i0 < bwd_end(last); i0 += kQ) {
                 __m512 ls[4], dl[4];
                 for (int h = 0; h < 4; ++h) {
                     ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
@@ -247,7 +212,7 @@ struct Worker {
                 }
                 for (idx c = 0; c < nk; ++c) {
                     const idx j0 = g0 + c * kK;
-                    if (i0 >= bwd_start(j0) && i0 < bwd_end(j0))
+                    if (i0 >= bwd_start(j0, kQ) && i0 < bwd_end(j0))
                         bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
                 }
             }
@@ -260,11 +225,6 @@ struct Worker {
         write_rows(dqf.data(), T, D, dq + at(n, 0, D, s.H * D), s.H * D);
     }
 };
-
-bool shape_ok(const Shape& s) {
-    return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 16 && s.E >= 16 && s.D % 16 == 0 && s.E % 16 == 0 &&
-           s.w >= 0 && s.w % kK == 0 && s.scale > 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
-}
 
 }  // namespace
 #endif  // TN_AVX512
@@ -284,11 +244,8 @@ int tn_softmax_f32_ready() {
 #if defined(TN_AVX512)
 #define TN_SOFTMAX_F32_RUN(BWD, CALL)                                                                  \
     const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \
-    if (!shape_ok(s)) return 1;                                                                        \
-    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {                                         \
-        Worker wk(s, BWD);                                                                             \
-        for (idx n = lo; n < hi; ++n) wk.CALL;                                                         \
-    });                                                                                                \
+    if (!shape_ok(s, 16, kQ)) return 1;                                                                \
+    run_heads<Worker>(s, BWD, nthreads, [&](Worker& wk, idx n) { wk.CALL; });                          \
     return 0
 #else
 #define TN_SOFTMAX_F32_RUN(BWD, CALL) return 2

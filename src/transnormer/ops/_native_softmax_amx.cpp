@@ -28,27 +28,21 @@
 // stored: the forward keeps lse, the backward recomputes P.
 
 #include "_native_amx.h"
+#include "_native_softmax_walk.h"
 
 #if defined(TN_AMX)
 #include <limits>
 
 namespace {
 using namespace tn_amx;
-using tn::Lanes, tn::lane_range, tn::half;
+using namespace tn_softmax;
+using tn::half;
 constexpr auto exp2_masked = tn::exp2_masked<5>;
 
 constexpr idx kQ = 32;   // queries per block in the forward (two 16-lane vectors)
 constexpr idx kQb = 64;  // queries per block in the backward: dK and dV then sum 64 queries per product
-constexpr idx kK = 64;   // keys per step
 constexpr idx kGroupQ = 8;  // forward: query blocks that take each key step in turn
 constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
-
-struct Shape {
-    idx B, T, H, D, E, w;
-    bool causal;
-    float scale;
-    idx ldq, ldk, ldv;
-};
 
 // Queries lie along the vector lanes: every score block is computed transposed, S^T = K Q^T
 // [keys x queries], so the softmax's per-query max, sum, lse and delta are lane-wise vector
@@ -73,16 +67,15 @@ inline void store_row(bf* dst, const __m512* a, int nh) {
     for (int h = 0; h < nh; h += 2) _mm512_storeu_si512(dst + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(a[h + 1], a[h]));
 }
 
-struct Worker {
-    const Shape& s;
-    const idx T, D, E, Tp;  // Tp: T rounded up to kK
+struct Worker : Walk {
+    const idx D, E, Tp;  // Tp: T rounded up to kK
     const float log2e = 1.44269504088896341f;
     std::vector<bf> qp, kp, vp, gp, kt, vt, pt, dt;
     std::vector<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
     std::vector<float> st, dpt, acc, ml, dqt, dkv, tb, lse_d;
 
     Worker(const Shape& s_, bool backward)
-        : s(s_), T(s_.T), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), qp(Tp * D), kp(Tp * D), vp(Tp * E),
+        : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), qp(Tp * D), kp(Tp * D), vp(Tp * E),
           qtv(Tp * D / 2), tmp(std::max(D, E) / 2 * kK), st(kK * kQb), tb(kQb * std::max(D, E)) {
         if (backward) {
             gp.resize(Tp * E), kt.resize(Tp * D), pt.resize(kK * kQb), dt.resize(kK * kQb);
@@ -96,23 +89,6 @@ struct Worker {
     ~Worker() {
         _mm_sfence();  // the streamed output rows
         _tile_release();
-    }
-
-    // element offset of token t of head n = b H + h in a [B, T, H, width] tensor with row stride ld
-    idx at(idx n, idx t, idx width, idx ld) const { return (n / s.H) * T * ld + t * ld + (n % s.H) * width; }
-    idx block_of(idx i) const { return s.w ? i / s.w * s.w : 0; }
-    idx block_end(idx i) const { return s.w ? std::min(T, i / s.w * s.w + s.w) : T; }
-
-    // The query lanes of block i0 that see key j: those in j's window, and after j when causal.
-    Lanes visible(idx i0, idx j) const {
-        if (j >= T) return 0;
-        return lane_range((s.causal ? j : block_of(j)) - i0, block_end(j) - i0);
-    }
-    // Whether every query of block i0 (nq queries) sees every key of step j0 (no mask needed).
-    bool all_visible(idx i0, idx nq, idx j0) const {
-        const idx w0 = block_of(i0);
-        const bool one_window = s.w == 0 || (block_of(j0) == w0 && block_of(j0 + kK - 1) == w0 && block_of(i0 + nq - 1) == w0);
-        return one_window && j0 + kK <= T && i0 + nq <= T && (!s.causal || j0 + kK - 1 <= i0);
     }
 
     // Operands that span the sequence are stored in blocks of the rows one product reads
@@ -149,9 +125,6 @@ struct Worker {
     // ---- forward: O^T = V^T P^T accumulated over key steps with the online softmax ----------
     // kGroupQ query blocks take each key step in turn, so a step's K and V^T rows are read from
     // memory once per 256 queries (per 32 they streamed from L3 at 16k tokens).
-
-    idx fwd_start(idx i0) const { return block_of(i0) / kK * kK; }  // keys before the window: masked
-    idx fwd_end(idx i0) const { return s.causal ? std::min(block_end(i0), std::min(T, i0 + kQ)) : block_end(i0); }
 
     // One key step of query block i0: its running max m, sum l (kQ floats each) and O^T (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
@@ -205,10 +178,10 @@ struct Worker {
             std::fill(ml.begin() + kGroupQ * kQ, ml.end(), 0.0f);                         // l
             std::fill(acc.begin(), acc.end(), 0.0f);  // O^T [E x kQ] per block
             const idx last = g0 + (nb - 1) * kQ;
-            for (idx j0 = fwd_start(g0); j0 < fwd_end(last); j0 += kK)
+            for (idx j0 = fwd_start(g0); j0 < fwd_end(last, kQ); j0 += kK)
                 for (idx b = 0; b < nb; ++b) {
                     const idx i0 = g0 + b * kQ;
-                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0))
+                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0, kQ))
                         fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * E * kQ);
                 }
             for (idx b = 0; b < nb; ++b) {  // O = (O^T / l)^T; lse = scale m + ln l
@@ -230,9 +203,6 @@ struct Worker {
     // ---- backward: key steps outer (dK, dV), query blocks inner (dQ^T accumulated) -----------
     // kGroupK key steps take each query block in turn, so the query-side operands (Q, dO in two
     // layouts each, dQ^T in fp32) are read once per 256 keys rather than once per 64.
-
-    idx bwd_start(idx j0) const { return (s.causal ? j0 : block_of(j0)) / kQb * kQb; }  // others masked
-    idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
 
     // Key step j0 (its dK, dV accumulators dkb, dvb) and query block i0 (lse log2 e, delta in ls, dl).
     // VNNI(dS^T) of the step goes to dsv_out; the caller sums dQ^T over the group's steps.
@@ -276,19 +246,16 @@ struct Worker {
         float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
         std::fill(lse_d.begin(), lse_d.end(), 0.0f);
         for (idx t = 0; t < T; ++t) {
-            const tn::bf16* orow = reinterpret_cast<const tn::bf16*>(o + at(n, t, E, ldo));
-            const tn::bf16* grow = reinterpret_cast<const tn::bf16*>(gp.data() + t * E);
-            __m512 d = _mm512_setzero_ps();
-            for (idx e = 0; e < E; e += 16) d = _mm512_fmadd_ps(tn::load16(orow + e, 0xFFFF), tn::load16(grow + e, 0xFFFF), d);
             lse2[t] = lse[n * T + t] * log2e;
-            delta[t] = _mm512_reduce_add_ps(d);
+            delta[t] = row_dot(reinterpret_cast<const tn::bf16*>(o + at(n, t, E, ldo)),
+                               reinterpret_cast<const tn::bf16*>(gp.data() + t * E), E);
         }
         std::fill(dqt.begin(), dqt.end(), 0.0f);  // dQ^T per query block [Tp/kQb][D][kQb]
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
             const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
             std::fill(dkv.begin(), dkv.end(), 0.0f);
             const idx last = g0 + (nk - 1) * kK;
-            for (idx i0 = bwd_start(g0); i0 < bwd_end(last); i0 += kQb) {
+            for (idx i0 = bwd_start(g0, kQb); i0 < bwd_end(last); i0 += kQb) {
                 __m512 ls[4], dl[4];
                 for (int h = 0; h < 4; ++h) {
                     ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
@@ -298,7 +265,7 @@ struct Worker {
                 int np = 0;
                 for (idx c = 0; c < nk; ++c) {
                     const idx j0 = g0 + c * kK;
-                    if (i0 < bwd_start(j0) || i0 >= bwd_end(j0)) continue;
+                    if (i0 < bwd_start(j0, kQb) || i0 >= bwd_end(j0)) continue;
                     w32* ds = dsv.data() + c * kK / 2 * kQb;
                     bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK, ds);
                     dq[np++] = {kK, kt.data() + j0 * D, kK, ds, kQb, kDense};
@@ -316,11 +283,6 @@ struct Worker {
     }
 };
 
-bool shape_ok(const Shape& s) {
-    return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= 32 && s.E >= 32 && s.D % 32 == 0 && s.E % 32 == 0 && s.w >= 0 &&
-           s.w % kQ == 0 && s.scale > 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D && s.ldv >= s.H * s.E;
-}
-
 }  // namespace
 #endif  // TN_AMX
 
@@ -334,11 +296,8 @@ typedef uint16_t* out_t;
 #define TN_SOFTMAX_RUN(BWD, CALL)                                                                      \
     if (tn_amx_ready() != 1) return 2;                                                                 \
     const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \
-    if (!shape_ok(s)) return 1;                                                                        \
-    tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) {                                         \
-        Worker wk(s, BWD);                                                                             \
-        for (idx n = lo; n < hi; ++n) wk.CALL;                                                         \
-    });                                                                                                \
+    if (!shape_ok(s, 32, kQ)) return 1;                                                                \
+    run_heads<Worker>(s, BWD, nthreads, [&](Worker& wk, idx n) { wk.CALL; });                          \
     return 0
 #else
 #define TN_SOFTMAX_RUN(BWD, CALL) return 2
