@@ -187,17 +187,26 @@ def usable(*tensors: torch.Tensor) -> bool:
     return ok and load() is not None
 
 
-_amx: bool | None = None
+_build_flags: dict[str, bool] = {}
+
+
+def _build_flag(symbol: str) -> bool:
+    """Whether the library's ``symbol()`` (a readiness probe of one kernel family) returns 1; asked once."""
+    if symbol not in _build_flags:
+        lib = load()
+        _build_flags[symbol] = lib is not None and getattr(lib, symbol)() == 1
+    return _build_flags[symbol]
 
 
 def amx_ready() -> bool:
     """Whether the bf16 kernels can run: the library was built with AMX (``-march=native`` on a CPU
     with AMX-BF16) and Linux grants this process the AMX tile state."""
-    global _amx
-    if _amx is None:
-        lib = load()
-        _amx = lib is not None and lib.tn_amx_ready() == 1
-    return _amx
+    return _build_flag("tn_amx_ready")
+
+
+def softmax_f32_ready() -> bool:
+    """Whether the fp32 softmax-attention kernel was built (AVX-512)."""
+    return _build_flag("tn_softmax_f32_ready")
 
 
 def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> bool:
@@ -321,17 +330,6 @@ def native_bidir_linear_attn(q, k, v, init):
 # Softmax attention (vanilla attention and DiagAttention blocks): bf16 on AMX tiles
 # (_native_softmax_amx.cpp), fp32 on AVX-512 (_native_softmax.cpp)
 # ------------------------------------------------------------------------------------------------
-_softmax_f32: bool | None = None
-
-
-def _softmax_f32_ready() -> bool:
-    global _softmax_f32
-    if _softmax_f32 is None:
-        lib = load()
-        _softmax_f32 = lib is not None and lib.tn_softmax_f32_ready() == 1
-    return _softmax_f32
-
-
 def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
     """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs a fused CPU kernel: bf16 on
     AMX tiles (D, E and ``window`` multiples of 32) or fp32 on AVX-512 (D, E multiples of 16,
@@ -345,7 +343,7 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     if q.dtype == torch.bfloat16:
         return D % 32 == 0 and E % 32 == 0 and window % 32 == 0 and amx_ready()
     if q.dtype == torch.float32:
-        return D % 16 == 0 and E % 16 == 0 and window % 64 == 0 and _softmax_f32_ready()
+        return D % 16 == 0 and E % 16 == 0 and window % 64 == 0 and softmax_f32_ready()
     return False
 
 
@@ -392,6 +390,18 @@ def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return xs
     dtype = torch.get_autocast_dtype("cpu")
     return tuple(x.to(dtype) if x.device.type == "cpu" and x.dtype == torch.float32 else x for x in xs)
+
+
+def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor | None:
+    """o from a fused softmax-attention kernel, or None where none takes these inputs (the caller's
+    PyTorch form runs then). Inputs are cast as CPU autocast would first (:func:`autocast_inputs`);
+    scale must be > 0 (the kernels keep the running max of the unscaled scores)."""
+    if scale <= 0:
+        return None
+    q, k, v = autocast_inputs(q, k, v)
+    if not softmax_usable(q, k, v, window):
+        return None
+    return native_softmax_attn(q, k, v, causal=causal, scale=scale, window=window)
 
 
 def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor:

@@ -54,11 +54,11 @@ def block_attn(
     if scale is None:
         scale = D ** -0.5
     w = min(block_size, T) if T > 0 else block_size
-    if kernel == "softmax" and mask is None and dropout_p == 0.0 and scale > 0:
-        window = 0 if w >= T else w  # one block: every key of the sequence
-        qa, ka, va = _native.autocast_inputs(q, k, v)
-        if _native.softmax_usable(qa, ka, va, window):  # the fused kernels (bf16 on AMX, fp32)
-            return _native.native_softmax_attn(qa, ka, va, causal=causal, scale=scale, window=window)
+    if kernel == "softmax" and mask is None and dropout_p == 0.0:
+        # one block (w >= T): every key of the sequence
+        o = _native.fused_softmax_attn(q, k, v, causal=causal, scale=scale, window=0 if w >= T else w)
+        if o is not None:
+            return o
     nb = -(-T // w)
     pad = nb * w - T
     if pad:

@@ -46,11 +46,10 @@ def softmax_attn(
     check_qkv(q, k, v)
     B, T = q.shape[:2]
     mask = check_key_padding_mask(key_padding_mask, B, T)
-    kernel_scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if mask is None and dropout_p == 0.0 and kernel_scale > 0:
-        qa, ka, va = _native.autocast_inputs(q, k, v)
-        if _native.softmax_usable(qa, ka, va):
-            return _native.native_softmax_attn(qa, ka, va, causal=causal, scale=kernel_scale)
+    if mask is None and dropout_p == 0.0:
+        o = _native.fused_softmax_attn(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5 if scale is None else scale)
+        if o is not None:
+            return o
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     if mask is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, dropout_p=dropout_p, scale=scale)
