@@ -31,6 +31,16 @@ def on_one_and_two_threads(run):
     return one, two
 
 
+def model_loss_and_grads(model, ids: torch.Tensor, *, amp: bool):
+    """(loss, every parameter gradient flattened into one vector), both fp64, of an LM's loss on
+    ids as its own labels, under bf16 CPU autocast when ``amp``."""
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach().double(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a−b| / max|b| (the spec's tolerance measure)."""
     a, b = a.detach(), b.detach()

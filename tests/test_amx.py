@@ -10,7 +10,7 @@ gradient are sums of exact products of bf16 numbers in fp32, held to fp32 accura
 import pytest
 import torch
 
-from conftest import on_one_and_two_threads, rel_err
+from conftest import model_loss_and_grads, on_one_and_two_threads, rel_err
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
 needs_amx = pytest.mark.skipif(not _native.amx_ready(), reason="no AMX-BF16 kernel on this machine")
@@ -185,11 +185,7 @@ def test_t2_model_under_autocast_takes_the_kernel_and_agrees(mode, monkeypatch):
     out = {}
     for m in ("torch", "auto"):
         mode(m)
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out[m] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        out[m] = model_loss_and_grads(model, ids, amp=True)
     assert torch.bfloat16 in calls
     assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
     g, g_ref = out["auto"][1], out["torch"][1]

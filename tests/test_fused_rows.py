@@ -4,7 +4,7 @@ SiLU gate, GAU/FLASH heads."""
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import model_loss_and_grads, rel_err
 from transnormer.modules.lm_loss import linear_cross_entropy
 from transnormer.ops import _native
 from transnormer.ops.lrpe import FEATURE_KERNELS, lrpe_feature_map, lrpe_feature_map_reference
@@ -374,14 +374,6 @@ def test_silu_split_unused_group_gets_no_gradient(backend_mode):
 # ------------------------------------------------------------------------------------------------
 # Whole models: the fused kernels change no result beyond rounding
 # ------------------------------------------------------------------------------------------------
-def _loss_and_grads(model, ids, amp):
-    model.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach().double(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
-
-
 @needs_kernel
 @pytest.mark.parametrize("preset", ["t2-lm-tiny", "t1-lm-tiny", "flash-lm-tiny", "flash-quad-lm-tiny", "vanilla-lm-tiny",
                                     "t2-roberta-tiny"])
@@ -394,8 +386,8 @@ def test_models_agree_with_and_without_the_fused_kernels(backend_mode, preset):
     out = {}
     for mode in ("torch", "auto"):  # auto: every kernel where it applies (bf16 causal op: AMX CPUs)
         backend_mode(mode)
-        out[mode, False] = _loss_and_grads(model, ids, False)
-        out[mode, True] = _loss_and_grads(model, ids, True)
+        out[mode, False] = model_loss_and_grads(model, ids, amp=False)
+        out[mode, True] = model_loss_and_grads(model, ids, amp=True)
     for a, b in zip(out["auto", False], out["torch", False]):  # fp32: rounding only
         assert rel_err(a, b) < 1e-5
     ref = out["torch", False][1]

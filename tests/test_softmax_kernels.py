@@ -12,7 +12,7 @@ CPU SDPA backward runs its products in fp32 and is more accurate than either, an
 import pytest
 import torch
 
-from conftest import on_one_and_two_threads, rel_err
+from conftest import model_loss_and_grads, on_one_and_two_threads, rel_err
 from transnormer.ops import _native, block_attn, block_attn_reference
 from transnormer.ops.reference_baselines import softmax_attn_reference
 from transnormer.ops.softmax import softmax_attn
@@ -195,11 +195,7 @@ def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, pre
     out = {}
     for m in ("torch", "auto"):
         mode(m)
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out[m] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        out[m] = model_loss_and_grads(model, ids, amp=True)
     assert kernel_calls
     assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
     g, g_ref = out["auto"][1], out["torch"][1]
@@ -279,10 +275,7 @@ def test_fp32_vanilla_model_agrees_with_sdpa(mode, kernel_calls):
     out = {}
     for m in ("torch", "auto"):
         mode(m)
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out[m] = (loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        out[m] = model_loss_and_grads(model, ids, amp=False)
     assert kernel_calls
     assert abs(out["auto"][0] - out["torch"][0]) < 1e-5 * abs(out["torch"][0])
     g, g_ref = out["auto"][1], out["torch"][1]
