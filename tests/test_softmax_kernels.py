@@ -138,14 +138,15 @@ def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls)
     assert kernel_calls == []
 
 
-@needs_amx
 @pytest.mark.parametrize("window", [0, 64])
-def test_same_result_on_one_and_two_threads(window):
-    q, k, v, go = _case(2, 200, 3, 64, 32)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx),
+                                   pytest.param(torch.float32, marks=needs_f32)])
+def test_same_result_on_one_and_two_threads(dtype, window):
+    q, k, v, go = (x.to(dtype) for x in _case(2, 200, 3, 64, 32))
 
     def run():
         return _run(lambda q, k, v: _native.native_softmax_attn(q, k, v, causal=True, scale=0.125, window=window),
-                    q, k, v, go, torch.bfloat16)
+                    q, k, v, go, dtype)
 
     one, two = on_one_and_two_threads(run)
     for a, b in zip(one, two):
@@ -249,20 +250,6 @@ def test_fp32_block_attention_matches_fp64_reference(mode, kernel_calls, T, caus
     ref = _run(lambda q, k, v: block_attn_reference(q, k, v, block_size=block, causal=causal), q, k, v, go,
                torch.float64)
     _f32_check(got, ref, torch_form)
-
-
-@needs_f32
-@pytest.mark.parametrize("window", [0, 64])
-def test_fp32_same_result_on_one_and_two_threads(window):
-    q, k, v, go = (x.float() for x in _case(2, 200, 3, 64, 32))
-
-    def run():
-        return _run(lambda q, k, v: _native.native_softmax_attn(q, k, v, causal=True, scale=0.125, window=window),
-                    q, k, v, go, torch.float32)
-
-    one, two = on_one_and_two_threads(run)
-    for a, b in zip(one, two):
-        assert torch.equal(a, b)
 
 
 @needs_f32
