@@ -35,3 +35,26 @@ def test_op_throughput_reports_the_backend_that_ran():
             assert r["backend"] == ("native" if fused else "torch")
             assert r["seconds"] > 0 and r["gflops"] > 0
             assert same_shape_gemm_gflops(96, causal=causal, dtype=dtype, H=2, repeat=1, min_time=0.0) > 0
+
+
+def test_counted_step_flops_is_the_analytic_count_plus_the_masked_scores():
+    """The counter sees every product of a step: for a softmax LM that is the analytic count
+    (dense layers, head, the causal half of the scores) plus the masked half SDPA's math path
+    also multiplies. The kernel backend is restored, whatever it was."""
+    from transnormer.bench.train_step import build_bench_model, counted_step_flops, model_flops_per_token
+    from transnormer.ops import _native
+
+    T, vocab = 64, 1000
+    cfg = build_bench_model("vanilla-lm-tiny", T, vocab, {}).config
+    assert set(cfg.layer_types) == {"softmax"}
+    masked_half = 3 * 2 * T * cfg.hidden_size * T * cfg.num_hidden_layers  # QKᵀ and AV above the diagonal, x3
+    expected = model_flops_per_token(cfg, T) * T + masked_half
+    before = _native.backend()
+    try:
+        for mode in ("auto", "torch"):
+            _native.set_backend(mode)
+            assert counted_step_flops("vanilla-lm-tiny", T, vocab_size=vocab, isolate=False) == expected
+            assert _native.backend() == mode
+    finally:
+        _native.set_backend(before)
+    assert counted_step_flops("vanilla-lm-tiny", T, vocab_size=vocab) == expected  # in a fresh process

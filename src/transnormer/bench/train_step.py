@@ -106,6 +106,43 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
         return pool.apply(_measure, args)
 
 
+def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32768, batch: int = 1,
+                       isolate: bool = True) -> float:
+    """FLOPs of one training forward and backward (no optimizer) as PyTorch executes the math.
+
+    Counted by ``torch.utils.flop_counter`` (matmul-class ops: mm, bmm, baddbmm, attention) with
+    the fused kernels switched off, so our models and a peer are counted the same way: every op
+    that runs as PyTorch code, attention through SDPA's math path. This is the work each implementation *does*, not the FLOPs its math
+    needs: a chunked or blocked form counts its full c x c products, SDPA its full T x T scores.
+    The ratio of two counts is the speed ratio the two would have at equal GFLOP/s. Runs in a
+    fresh process unless ``isolate=False``: a child inherits its parent's peak RSS, so counting in
+    the benchmark's own process would inflate every later memory reading.
+    """
+    if isolate:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            return pool.apply(counted_step_flops, (preset, seq_len),
+                              {"vocab_size": vocab_size, "batch": batch, "isolate": False})
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..ops import _native
+
+    torch.manual_seed(0)
+    model = build_bench_model(preset, seq_len, vocab_size, {}).train()
+    ids = torch.randint(0, vocab_size or model.config.vocab_size, (batch, seq_len))
+    mode = _native.backend()
+    _native.set_backend("torch")
+    try:
+        # SDPA's math path is composite, so its products reach the counter (the CPU flash kernel's do not)
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+            lm_loss(model, ids).backward()
+    finally:
+        _native.set_backend(mode)
+    return float(counter.get_total_flops())
+
+
 def model_flops_per_token(config, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward) of the dense GEMMs and the mixers.
 
