@@ -58,3 +58,24 @@ def test_counted_step_flops_is_the_analytic_count_plus_the_masked_scores():
     finally:
         _native.set_backend(before)
     assert counted_step_flops("vanilla-lm-tiny", T, vocab_size=vocab) == expected  # in a fresh process
+
+
+def test_alternating_median_takes_turns_and_keeps_each_presets_median_round():
+    import pytest
+
+    from transnormer.bench.suite import alternating_median
+
+    calls, times = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 9.0, 4.0])}
+
+    def measure(p):
+        calls.append(p)
+        return {"step_s": next(times[p]), "round": len(calls)}
+
+    got = alternating_median(measure, ["a", "b"], 3)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert got["a"]["step_s"] == 2.0 and got["a"]["round"] == 5 and got["a"]["step_s_rounds"] == [3.0, 1.0, 2.0]
+    assert got["b"]["step_s"] == 5.0 and got["b"]["round"] == 2
+    assert alternating_median(lambda p: {"step_s": 1.0}, ["a"], 1)["a"]["step_s_rounds"] == [1.0]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="rounds"):
+            alternating_median(measure, ["a"], bad)

@@ -28,7 +28,7 @@ def cmd_bench(args) -> int:
             res = suite.bench_ops(out, lengths=args.lengths or (1024, 4096, 16384), dtypes=args.dtypes)
         elif w in ("train", "infer"):
             res = suite.bench_train(out, presets=args.presets, lengths=args.lengths or (512, 2048, 8192, 16384),
-                                    dtypes=args.dtypes, vocab_size=args.vocab_size, mode=w)
+                                    dtypes=args.dtypes, vocab_size=args.vocab_size, mode=w, rounds=args.rounds)
         elif w == "memory":
             res = suite.bench_memory(out, vocab_size=args.vocab_size)
         elif w == "long":
@@ -52,5 +52,7 @@ def register(sub) -> None:
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--threads", type=int)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="train/infer: measure the presets in turn this many times; each keeps its median round")
     p.add_argument("--out", default="runs/bench")
     p.set_defaults(func=cmd_bench)

@@ -66,17 +66,43 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
     return {"rows": rows, "verdicts": verdicts, **rep}
 
 
+def alternating_median(measure, presets, rounds: int) -> dict:
+    """{preset: row}: ``rounds`` rounds, each measuring every preset once in turn; each preset's
+    row is its median-time round (the slower of the middle two for an even count), with all of its
+    step times in ``step_s_rounds``. Alternating makes a drift in the machine's speed (it is shared)
+    fall on both sides of a ratio alike."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    runs = {p: [] for p in presets}
+    for _ in range(rounds):
+        for p in presets:
+            runs[p].append(measure(p))
+    out = {}
+    for p, rs in runs.items():
+        row = dict(sorted(rs, key=lambda r: r["step_s"])[len(rs) // 2])
+        row["step_s_rounds"] = [r["step_s"] for r in rs]
+        out[p] = row
+    return out
+
+
 def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048, 8192, 16384), dtypes=("fp32", "bf16"),
-                vocab_size: int = 32768, tokens_per_step: int = 16384, steps: int = 2, mode: str = "train") -> dict:
-    """Training (or inference) step of each preset against T; ideal-vs-measured ratio and MFU of the first."""
+                vocab_size: int = 32768, tokens_per_step: int = 16384, steps: int = 2, mode: str = "train",
+                rounds: int = 1) -> dict:
+    """Training (or inference) step of each preset against T; ideal-vs-measured ratio and MFU of the first.
+
+    Each row is one fresh process per round (median of ``steps`` steps); with ``rounds`` > 1 the
+    presets alternate and each keeps its median round (``alternating_median``)."""
     rows, verdicts = [], []
     peaks = {d: gemm_gflops(2048, DTYPES[d]) for d in dtypes}
     for dname in dtypes:
         for T in lengths:
-            got = {}
+            def measure(p, T=T, dname=dname):
+                return train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
+                                             vocab_size=vocab_size, steps=steps, mode=mode)
+
+            got = alternating_median(measure, presets, rounds)
             for p in presets:
-                r = train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
-                                          vocab_size=vocab_size, steps=steps, mode=mode)
+                r = got[p]
                 cfg_like = None if p.startswith("peer:") else _config(p, vocab_size)
                 if cfg_like is not None:
                     fpt = model_flops_per_token(cfg_like, T) / (3 if mode != "train" else 1)
@@ -84,7 +110,6 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                     r["mfu"] = r["model_gflops"] / peaks[dname]
                 r["label"] = f"{p} {dname}"
                 rows.append(r)
-                got[p] = r
             a, b = presets[0], presets[-1]
             if mode == "train" and not b.startswith("peer:") and a != b:
                 ideal = model_flops_per_token(_config(b, vocab_size), T) / model_flops_per_token(_config(a, vocab_size), T)
