@@ -79,3 +79,19 @@ def test_alternating_median_takes_turns_and_keeps_each_presets_median_round():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="rounds"):
             alternating_median(measure, ["a"], bad)
+
+
+def test_counted_flops_include_the_in_place_products():
+    """addmm_ (the LM loss sums dW over row chunks with it) and baddbmm_ (the chunked
+    linear-attention backward) are invisible to torch's stock counter."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from transnormer.bench.train_step import _inplace_products
+
+    a, b, c = torch.randn(6, 5), torch.randn(5, 4), torch.zeros(6, 4)
+    a3, b3, c3 = torch.randn(3, 6, 5), torch.randn(3, 5, 4), torch.zeros(3, 6, 4)
+    with FlopCounterMode(display=False, custom_mapping=_inplace_products()) as counter:
+        c.addmm_(a, b)
+        c3.baddbmm_(a3, b3)
+    assert counter.get_total_flops() == 2 * 6 * 5 * 4 * (1 + 3)

@@ -106,17 +106,36 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
         return pool.apply(_measure, args)
 
 
+def _inplace_mm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import mm_flop
+
+    return mm_flop(a_shape, b_shape)
+
+
+def _inplace_bmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import bmm_flop
+
+    return bmm_flop(a_shape, b_shape)
+
+
+def _inplace_products() -> dict:
+    import torch
+
+    return {torch.ops.aten.addmm_: _inplace_mm_flop, torch.ops.aten.baddbmm_: _inplace_bmm_flop}
+
+
 def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32768, batch: int = 1,
                        isolate: bool = True) -> float:
     """FLOPs of one training forward and backward (no optimizer) as PyTorch executes the math.
 
-    Counted by ``torch.utils.flop_counter`` (matmul-class ops: mm, bmm, baddbmm, attention) with
-    the fused kernels switched off, so our models and a peer are counted the same way: every op
-    that runs as PyTorch code, attention through SDPA's math path. This is the work each implementation *does*, not the FLOPs its math
-    needs: a chunked or blocked form counts its full c x c products, SDPA its full T x T scores.
-    The ratio of two counts is the speed ratio the two would have at equal GFLOP/s. Runs in a
-    fresh process unless ``isolate=False``: a child inherits its parent's peak RSS, so counting in
-    the benchmark's own process would inflate every later memory reading.
+    Counted by ``torch.utils.flop_counter`` (its matmul-class ops, plus the in-place addmm_ and
+    baddbmm_ our PyTorch forms accumulate with, which it does not know) with the fused kernels
+    switched off and attention on SDPA's math path, so our models and a peer are counted the same
+    way. This is the work each implementation *does*, not the FLOPs its math needs: a chunked or
+    blocked form counts its full c x c products, SDPA its full T x T scores. The ratio of two
+    counts is the speed ratio the two would have at equal GFLOP/s. Runs in a fresh process unless
+    ``isolate=False``: a child inherits its parent's peak RSS, so counting in the benchmark's own
+    process would inflate every later memory reading.
     """
     if isolate:
         ctx = multiprocessing.get_context("spawn")
@@ -136,7 +155,7 @@ def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32
     _native.set_backend("torch")
     try:
         # SDPA's math path is composite, so its products reach the counter (the CPU flash kernel's do not)
-        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False, custom_mapping=_inplace_products()) as counter, sdpa_kernel(SDPBackend.MATH):
             lm_loss(model, ids).backward()
     finally:
         _native.set_backend(mode)
