@@ -106,22 +106,17 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
         return pool.apply(_measure, args)
 
 
-def _inplace_mm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import mm_flop
+def _inplace_product_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of addmm_ / baddbmm_ (self += a @ b), as the counter's formulas for mm / bmm."""
+    from torch.utils.flop_counter import bmm_flop, mm_flop
 
-    return mm_flop(a_shape, b_shape)
-
-
-def _inplace_bmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import bmm_flop
-
-    return bmm_flop(a_shape, b_shape)
+    return (mm_flop if len(a_shape) == 2 else bmm_flop)(a_shape, b_shape)
 
 
 def _inplace_products() -> dict:
     import torch
 
-    return {torch.ops.aten.addmm_: _inplace_mm_flop, torch.ops.aten.baddbmm_: _inplace_bmm_flop}
+    return {torch.ops.aten.addmm_: _inplace_product_flop, torch.ops.aten.baddbmm_: _inplace_product_flop}
 
 
 def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32768, batch: int = 1,
