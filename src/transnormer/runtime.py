@@ -40,3 +40,27 @@ def tune_allocator() -> bool:
     # tail back (a finite one, even 2 GB, is crossed when a step frees its activations at once).
     _done = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
     return _done
+
+
+def call_in_fresh_process(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a newly spawned process (with :func:`tune_allocator`), so that
+    its peak memory and allocator state are its own; returns its result or raises its error.
+
+    The pool is closed and joined before returning: a pool only terminated (``with Pool()``)
+    keeps its queue semaphores until the garbage collector frees it, and after a later
+    ``model.generate`` in the same process Python's resource tracker reported one as leaked at
+    exit. An interrupted call terminates the child instead of waiting for it.
+    """
+    import multiprocessing
+
+    pool = multiprocessing.get_context("spawn").Pool(1, initializer=tune_allocator)
+    try:
+        result = pool.apply(fn, args, kwargs)
+    except BaseException:
+        pool.terminate()
+        raise
+    else:
+        pool.close()
+    finally:
+        pool.join()
+    return result

@@ -8,7 +8,6 @@ tokens with a fixed number of tokens per step, so lengths are compared at equal 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 
 
@@ -99,11 +98,9 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
     args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {}, mode)
     if not isolate:
         return _measure(*args)
-    from ..runtime import tune_allocator
+    from ..runtime import call_in_fresh_process
 
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=tune_allocator) as pool:
-        return pool.apply(_measure, args)
+    return call_in_fresh_process(_measure, *args)
 
 
 def _inplace_product_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -133,10 +130,10 @@ def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32
     process would inflate every later memory reading.
     """
     if isolate:
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            return pool.apply(counted_step_flops, (preset, seq_len),
-                              {"vocab_size": vocab_size, "batch": batch, "isolate": False})
+        from ..runtime import call_in_fresh_process
+
+        return call_in_fresh_process(counted_step_flops, preset, seq_len, vocab_size=vocab_size, batch=batch,
+                                     isolate=False)
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode

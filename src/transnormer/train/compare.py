@@ -9,11 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import math
-import multiprocessing
 import os
 from pathlib import Path
 
-from ..runtime import tune_allocator
+from ..runtime import call_in_fresh_process
 from .loop import TrainConfig, parse_budget, train
 from .metrics import plot_curves, read_metrics
 
@@ -56,9 +55,7 @@ def _train_isolated(cfg: TrainConfig) -> dict:
     """Train in a fresh process so that peak memory is this run's own (single-process runs only)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return train(cfg)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=tune_allocator) as pool:
-        return pool.apply(train, (cfg,))
+    return call_in_fresh_process(train, cfg)
 
 
 def comparison_table(summaries: list[dict], base: TrainConfig) -> str:
