@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._dtypes import state_dtype_for
+
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
     "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp"))
@@ -245,10 +247,6 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
         raise RuntimeError(f"{name} failed with code {rc}")
 
 
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype == torch.bfloat16 else dtype
-
-
 class NativeCausalLinearAttn(torch.autograd.Function):
     """q, k: [B, T, H, D], v: [B, T, H, E], contiguous, one dtype (fp32, fp64, or bf16 on the AMX
     kernel), T >= 1; init: [B, H, D, E] or None, in the state dtype (fp32 for bf16)."""
@@ -258,7 +256,7 @@ class NativeCausalLinearAttn(torch.autograd.Function):
         B, T, H, D = q.shape
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
-        fin = torch.empty(B, H, D, E, dtype=_state_dtype(q.dtype))
+        fin = torch.empty(B, H, D, E, dtype=state_dtype_for(q.dtype))
         _call("tn_causal_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E, chunk)
         ctx.save_for_backward(q, k, v, init)
         ctx.chunk = chunk
@@ -279,7 +277,7 @@ def _backward_call(name: str, q, k, v, do, state, dfin, dinit_like, *extra):
     B, T, H, D = q.shape
     E = v.shape[-1]
     do = torch.zeros(B, T, H, E, dtype=q.dtype) if do is None else do.contiguous()
-    dfin = None if dfin is None else dfin.to(_state_dtype(q.dtype)).contiguous()
+    dfin = None if dfin is None else dfin.to(state_dtype_for(q.dtype)).contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dinit = None if dinit_like is None else torch.empty_like(dinit_like)
     _call(name, q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(state), _ptr(dfin), _ptr(dq), _ptr(dk), _ptr(dv),
@@ -290,7 +288,7 @@ def _backward_call(name: str, q, k, v, do, state, dfin, dinit_like, *extra):
 def native_causal_linear_attn(q, k, v, init, *, chunk: int):
     """(o [B, T, H, E], final state [B, H, D, E]) from the fused kernel; T >= 1."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    init = None if init is None else init.to(_state_dtype(q.dtype)).contiguous()
+    init = None if init is None else init.to(state_dtype_for(q.dtype)).contiguous()
     return NativeCausalLinearAttn.apply(q, k, v, init, chunk)
 
 
@@ -304,7 +302,7 @@ class NativeBidirLinearAttn(torch.autograd.Function):
         B, T, H, D = q.shape
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
-        fin = torch.empty(B, H, D, E, dtype=_state_dtype(q.dtype))
+        fin = torch.empty(B, H, D, E, dtype=state_dtype_for(q.dtype))
         _call("tn_bidir_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(init), _ptr(fin), B, T, H, D, E)
         ctx.save_for_backward(q, k, v, fin)
         ctx.has_init = init is not None
@@ -322,7 +320,7 @@ class NativeBidirLinearAttn(torch.autograd.Function):
 def native_bidir_linear_attn(q, k, v, init):
     """(o [B, T, H, E], final state [B, H, D, E]) of the bidirectional form from the fused kernel; T >= 1."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    init = None if init is None else init.to(_state_dtype(q.dtype)).contiguous()
+    init = None if init is None else init.to(state_dtype_for(q.dtype)).contiguous()
     return NativeBidirLinearAttn.apply(q, k, v, init)
 
 

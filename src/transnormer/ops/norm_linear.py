@@ -22,11 +22,7 @@ import torch.nn.functional as F
 from . import _native
 from ._checks import check_key_padding_mask, check_positive_int, check_qkv
 from ._chunked import ChunkedCausalLinearAttn
-
-
-def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the recurrent state is kept in: fp32 for half types, else the input dtype."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+from ._dtypes import state_dtype_for
 
 
 def _check_state(state: torch.Tensor, batch: int, heads: int, d: int, e: int, name: str) -> None:
