@@ -1,4 +1,4 @@
-"""Process-level allocator setting used by the CLI and the benchmarks."""
+"""Process-level settings used by the CLI and the benchmarks: the allocator, fresh-process calls."""
 
 import os
 import subprocess
