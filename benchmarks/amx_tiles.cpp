@@ -2,9 +2,10 @@
 //
 //   g++ -O2 -march=native benchmarks/amx_tiles.cpp -o /tmp/amx_tiles && /tmp/amx_tiles
 //
-// 1. Where the operands live. A 64 x 64 x 64 product (16 TDPBF16PS on 32 x 32 blocks of C, the
-//    shape of one score block) is repeated over 1, 64 or 512 distinct operand sets (16 KB each:
-//    L1, L2, beyond L2), with C zeroed or loaded first.
+// 1. Where the operands live. A product C [64 x 32] = A [64 x 64] B [64 x 32] (M x N x K =
+//    64 x 32 x 64: one forward score block, keys x queries over D = 64; 16 TDPBF16PS on 32 x 32
+//    blocks of C) is repeated over 1, 64 or 512 distinct operand sets (12 KB each: L1, L2,
+//    beyond L2), with C zeroed or loaded first.
 // 2. Whether tile products overlap with AVX-512 work. The softmax kernels alternate the two (a
 //    score block on tiles, then its exponentials in vectors). Timed: the tiles alone, an
 //    exp-like vector pass alone, both in sequence, and both interleaved at a fine grain (what
@@ -29,13 +30,13 @@ struct alignas(64) TileConfig {
 };
 const TileConfig kTiles = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
-constexpr int kN = 64;  // M = N = K = 64: A 64 x 64 bf16 (8 KB), B in VNNI pairs 32 x 64 words (8 KB)
+constexpr int kM = 64, kN = 32, kK = 64;  // A [kM x kK] bf16 (8 KB), B as VNNI pairs [kK/2 x kN] words (4 KB)
 
-// One k-step (32) of one 32 x 32 block of C (blk 0 or 1 along M; N = 32 here): q = 2 blk + step.
+// One k-step (32) of one 32 x 32 block of C (blk 0 or 1 along M): q = 2 blk + step.
 // Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B, as in src/transnormer/ops/_native_amx.h.
 inline void block_step(const uint16_t* a, const uint32_t* b, float* c, int q, bool load_c) {
     const int blk = q / 2, k = (q % 2) * 32;
-    float* cb = c + blk * 32 * kN;
+    float* cb = c + blk * 32 * kN;  // C [kM x kN] fp32, row stride kN
     if (k == 0) {
         if (load_c) {
             _tile_loadd(0, cb, kN * 4);
@@ -49,12 +50,12 @@ inline void block_step(const uint16_t* a, const uint32_t* b, float* c, int q, bo
             _tile_zero(3);
         }
     }
-    _tile_loadd(4, a + blk * 32 * kN + k, kN * 2);
+    _tile_loadd(4, a + blk * 32 * kK + k, kK * 2);
     _tile_loadd(6, b + (k / 2) * kN, kN * 4);
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(7, b + (k / 2) * kN + 16, kN * 4);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + (blk * 32 + 16) * kN + k, kN * 2);
+    _tile_loadd(5, a + (blk * 32 + 16) * kK + k, kK * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
     if (k == 32) {
@@ -65,7 +66,7 @@ inline void block_step(const uint16_t* a, const uint32_t* b, float* c, int q, bo
     }
 }
 
-// the first 32 columns of C [64 x 64]: 2 blocks x 2 k-steps x 4 = 16 TDPBF16PS
+// C = (or +=) A B: 2 blocks x 2 k-steps x 4 = 16 TDPBF16PS
 inline void product(const uint16_t* a, const uint32_t* b, float* c, bool load_c) {
     for (int q = 0; q < 4; ++q) block_step(a, b, c, q, load_c);
 }
@@ -101,25 +102,25 @@ int main() {
     _tile_loadconfig(&kTiles);
     const long reps = 200000;
 
-    std::puts("1. A 64x64x64 product (16 TDPBF16PS) over distinct operand sets");
+    std::puts("1. A 64x32x64 product (16 TDPBF16PS) over distinct operand sets");
     std::puts("| operand sets | resident in | C | ns / TDPBF16PS |");
     std::puts("|---|---|---|---|");
     for (long sets : {1L, 64L, 512L})
         for (bool load_c : {false, true}) {
-            std::vector<uint16_t> a(sets * kN * kN, 0x3f80);       // bf16 1.0
-            std::vector<uint32_t> b(sets * kN / 2 * kN, 0x3f803f80);  // pairs of 1.0
-            std::vector<float> c(kN * kN, 0.0f);
+            std::vector<uint16_t> a(sets * kM * kK, 0x3f80);       // bf16 1.0
+            std::vector<uint32_t> b(sets * kK / 2 * kN, 0x3f803f80);  // pairs of 1.0
+            std::vector<float> c(kM * kN, 0.0f);
             const double ns = ns_per_call(reps, [&](long i) {
                 const long s = i % sets;
-                product(a.data() + s * kN * kN, b.data() + s * kN / 2 * kN, c.data(), load_c);
+                product(a.data() + s * kM * kK, b.data() + s * kK / 2 * kN, c.data(), load_c);
             });
-            std::printf("| %ld (%ld KB) | %s | %s | %.1f |\n", sets, sets * 16, sets == 1 ? "L1" : sets == 64 ? "L2" : "L3/DRAM",
+            std::printf("| %ld (%ld KB) | %s | %s | %.1f |\n", sets, sets * 12, sets == 1 ? "L1" : sets == 64 ? "L2" : "L3/DRAM",
                         load_c ? "loaded" : "zeroed", ns / 16);
         }
 
-    std::vector<uint16_t> a(kN * kN, 0x3f80);
-    std::vector<uint32_t> b(kN / 2 * kN, 0x3f803f80);
-    std::vector<float> c(kN * kN, 0.0f), x(64 * 32);
+    std::vector<uint16_t> a(kM * kK, 0x3f80);
+    std::vector<uint32_t> b(kK / 2 * kN, 0x3f803f80);
+    std::vector<float> c(kM * kN, 0.0f), x(64 * 32);
     for (size_t i = 0; i < x.size(); ++i) x[i] = 0.01f * float(i % 7);
     __m512 acc = _mm512_setzero_ps();
     const double tiles = ns_per_call(reps, [&](long) { product(a.data(), b.data(), c.data(), false); });

@@ -76,9 +76,13 @@ def test_alternating_median_takes_turns_and_keeps_each_presets_median_round():
     assert got["a"]["step_s"] == 2.0 and got["a"]["round"] == 5 and got["a"]["step_s_rounds"] == [3.0, 1.0, 2.0]
     assert got["b"]["step_s"] == 5.0 and got["b"]["round"] == 2
     assert alternating_median(lambda p: {"step_s": 1.0}, ["a"], 1)["a"]["step_s_rounds"] == [1.0]
+    even = iter([4.0, 1.0, 3.0, 2.0])  # an even count keeps the slower of the middle two
+    assert alternating_median(lambda p: {"step_s": next(even)}, ["a"], 4)["a"]["step_s"] == 3.0
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="rounds"):
             alternating_median(measure, ["a"], bad)
+    with pytest.raises(ValueError, match="distinct"):
+        alternating_median(measure, ["a", "a"], 1)
 
 
 def test_counted_flops_include_the_in_place_products():

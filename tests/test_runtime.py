@@ -25,24 +25,32 @@ def test_opt_out():
 def _pid_and(x, *, y=0):
     if x < 0:
         raise ValueError("x must be >= 0")
+    if x == 99:
+        os._exit(3)  # dies without a word, as a process killed for memory would
     from transnormer import runtime
 
     return os.getpid(), x + y, runtime._done  # _done: None until tune_allocator has run
 
 
-def test_call_in_fresh_process_returns_raises_and_releases_its_pool():
+def _semaphores() -> int:
+    return len([f for f in os.listdir("/dev/shm") if f.startswith("sem.")]) if os.path.isdir("/dev/shm") else 0
+
+
+def test_call_in_fresh_process_returns_raises_and_reports_a_dead_child():
     import multiprocessing
-    import threading
 
     import pytest
 
     from transnormer.runtime import call_in_fresh_process
 
+    sems = _semaphores()
     pid, total, tuned = call_in_fresh_process(_pid_and, 2, y=3)
     assert pid != os.getpid() and total == 5
     assert tuned is not None  # the child ran the allocator setting first
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ValueError, match="x must be") as err:
         call_in_fresh_process(_pid_and, -1)
-    # closed and joined: no pool worker or handler thread ("Thread-N (_handle_workers)") outlives the call
+    assert any("in the fresh process" in n and "_pid_and" in n for n in err.value.__notes__)  # the child's traceback
+    with pytest.raises(RuntimeError, match="died in its fresh process.*exit code 3"):
+        call_in_fresh_process(_pid_and, 99)  # a multiprocessing.Pool would wait forever here
     assert multiprocessing.active_children() == []
-    assert not [t.name for t in threading.enumerate() if "_handle" in t.name]
+    assert _semaphores() == sems  # no named semaphores left behind (the resource tracker's "leaked" warning)

@@ -42,25 +42,56 @@ def tune_allocator() -> bool:
     return _done
 
 
+def _fresh_process_main(conn, fn, args, kwargs) -> None:
+    """The child's side of :func:`call_in_fresh_process`: sends (True, result) or (False, error, traceback)."""
+    import traceback
+
+    tune_allocator()
+    try:
+        msg = (True, fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+        msg = (False, e, traceback.format_exc())
+    try:
+        conn.send(msg)
+    except Exception:  # an unpicklable result or error: send its text
+        conn.send((False, RuntimeError(repr(msg[1])), msg[2] if len(msg) > 2 else ""))
+    finally:
+        conn.close()
+
+
 def call_in_fresh_process(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` in a newly spawned process (with :func:`tune_allocator`), so that
-    its peak memory and allocator state are its own; returns its result or raises its error.
+    its peak memory and allocator state are its own; returns its result or raises its error
+    (with the child's traceback as a note).
 
-    The pool is closed and joined before returning: a pool only terminated (``with Pool()``)
-    keeps its queue semaphores until the garbage collector frees it, and after a later
-    ``model.generate`` in the same process Python's resource tracker reported one as leaked at
-    exit. An interrupted call terminates the child instead of waiting for it.
+    One process and a pipe, no pool: a child that dies (killed for memory, a crash in a native
+    kernel) raises RuntimeError here, where a ``multiprocessing.Pool`` would start a new worker
+    and wait forever; an interrupted call terminates the child. (The pools this replaced also
+    left ``make demo`` ending with a resource-tracker warning about a leaked semaphore.)
     """
     import multiprocessing
 
-    pool = multiprocessing.get_context("spawn").Pool(1, initializer=tune_allocator)
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_fresh_process_main, args=(send, fn, args, kwargs), daemon=True)
+    proc.start()
+    send.close()  # the child holds the only writer: EOF on recv means it is gone
+    msg = None
     try:
-        result = pool.apply(fn, args, kwargs)
-    except BaseException:
-        pool.terminate()
-        raise
-    else:
-        pool.close()
+        msg = recv.recv()
+    except EOFError:
+        pass
     finally:
-        pool.join()
-    return result
+        recv.close()
+        if msg is None and proc.is_alive():  # interrupted: do not wait for the child
+            proc.terminate()
+        proc.join()  # after sending, the child exits at once
+    if msg is None:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} died in its fresh process (exit code {proc.exitcode}) "
+                           "before returning; a negative code is the signal that killed it (-9: out of memory, "
+                           "most likely)")
+    if msg[0]:
+        return msg[1]
+    err = msg[1]
+    err.add_note(f"in the fresh process:\n{msg[2]}")
+    raise err

@@ -73,6 +73,8 @@ def alternating_median(measure, presets, rounds: int) -> dict:
     fall on both sides of a ratio alike."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if len(set(presets)) != len(presets):
+        raise ValueError(f"presets must be distinct, got {list(presets)}")
     runs = {p: [] for p in presets}
     for _ in range(rounds):
         for p in presets:
@@ -165,8 +167,8 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
     Median of 5 steps (one 4k sequence each): with 2, three runs of the same code gave the peer
     2.1, 2.2 and 3.1 s per bf16 step on this shared machine.
 
-    Beside each speed ratio: the FLOPs each model's step executes (``counted_step_flops``, the
-    same counter for all three) and the GFLOP/s that gives. Their ratio is the speed ratio at
+    Beside each speed ratio: the FLOPs each model's step executes on its PyTorch forms
+    (``counted_step_flops``, the same counter for all three) and the GFLOP/s that gives. Their ratio is the speed ratio at
     equal GFLOP/s, and "needs" is the rate a model must reach for 2x given the peer's measured
     one, as a fraction of the GEMM rate measured in this run: above ~100% the 2x is out of reach
     on this machine however fast the kernels.
