@@ -39,7 +39,6 @@ constexpr idx kGroupK = 4;  // backward: key steps that take each query block in
 
 struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to 64
-    const float log2e = 1.44269504088896341f;
     std::vector<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, lse_d;
 
     Worker(const Shape& s_, bool backward)
@@ -102,7 +101,7 @@ struct Worker : Walk {
     // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
         const float inf = std::numeric_limits<float>::infinity();
-        const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
+        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), one = _mm512_set1_ps(1.0f);
         scores(i0, j0);
         const bool full = all_visible(i0, kQ, j0);
         __m512 mx[4], shift[4], sum[4], alpha[4];
@@ -167,7 +166,7 @@ struct Worker : Walk {
     // ---- backward ------------------------------------------------------------------------
 
     void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb) {
-        const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
+        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), scale = _mm512_set1_ps(s.scale);
         scores(i0, j0);
         gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
         const bool full = all_visible(i0, kQ, j0);
@@ -192,13 +191,9 @@ struct Worker : Walk {
         const idx ldo = s.H * E;
         pack(dout + at(n, 0, E, ldo), ldo, E, gp.data());
         blocked_transpose(gp.data(), E, gt.data());  // dO^T per query block: dP^T = V dO^T
-        float* lse2 = lse_d.data();
-        float* delta = lse_d.data() + Tp;
-        std::fill(lse_d.begin(), lse_d.end(), 0.0f);
-        for (idx t = 0; t < T; ++t) {
-            lse2[t] = lse[n * T + t] * log2e;
-            delta[t] = row_dot(o + at(n, t, E, ldo), gp.data() + t * E, E);
-        }
+        query_rows(lse, n, o, ldo, gp.data(), Tp, lse_d.data());
+        const float* lse2 = lse_d.data();      // lse log2(e), per query
+        const float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
         std::fill(dqf.begin(), dqf.end(), 0.0f);
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
             const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);

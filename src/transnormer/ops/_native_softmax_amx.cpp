@@ -69,7 +69,6 @@ inline void store_row(bf* dst, const __m512* a, int nh) {
 
 struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to kK
-    const float log2e = 1.44269504088896341f;
     std::vector<bf> qp, kp, vp, gp, kt, vt, pt, dt;
     std::vector<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
     std::vector<float> st, dpt, acc, ml, dqt, dkv, tb, lse_d;
@@ -129,7 +128,7 @@ struct Worker : Walk {
     // One key step of query block i0: its running max m, sum l (kQ floats each) and O^T (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
         const float inf = std::numeric_limits<float>::infinity();
-        const __m512 c = _mm512_set1_ps(s.scale * log2e), one = _mm512_set1_ps(1.0f);
+        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), one = _mm512_set1_ps(1.0f);
         scores(i0, kQ, j0);
         const bool full = all_visible(i0, kQ, j0);
         __m512 mx[2] = {_mm512_loadu_ps(m), _mm512_loadu_ps(m + 16)};  // the max of the raw scores seen
@@ -207,7 +206,7 @@ struct Worker : Walk {
     // Key step j0 (its dK, dV accumulators dkb, dvb) and query block i0 (lse log2 e, delta in ls, dl).
     // VNNI(dS^T) of the step goes to dsv_out; the caller sums dQ^T over the group's steps.
     void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb, w32* dsv_out) {
-        const __m512 c = _mm512_set1_ps(s.scale * log2e), scale = _mm512_set1_ps(s.scale);
+        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), scale = _mm512_set1_ps(s.scale);
         scores(i0, kQb, j0);
         gemm(kK, kQb, {E, vp.data() + j0 * E, E, gtv.data() + i0 * E / 2, kQb, kDense}, nullptr, dpt.data(), kQb,
              false);  // dP^T
@@ -242,14 +241,10 @@ struct Worker : Walk {
         vnni(Tp, D, qp.data(), D, qv.data());                      // VNNI(Q): dK = dS^T Q
         vnni(Tp, E, gp.data(), E, gv.data());                      // VNNI(dO): dV = P^T dO
         blocked_transpose(D, kp.data(), kK, kt.data());            // K^T per key step: dQ^T = K^T dS^T
-        float* lse2 = lse_d.data();        // lse log2(e), per query
-        float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
-        std::fill(lse_d.begin(), lse_d.end(), 0.0f);
-        for (idx t = 0; t < T; ++t) {
-            lse2[t] = lse[n * T + t] * log2e;
-            delta[t] = row_dot(reinterpret_cast<const tn::bf16*>(o + at(n, t, E, ldo)),
-                               reinterpret_cast<const tn::bf16*>(gp.data() + t * E), E);
-        }
+        query_rows(lse, n, reinterpret_cast<const tn::bf16*>(o), ldo, reinterpret_cast<const tn::bf16*>(gp.data()), Tp,
+                   lse_d.data());
+        const float* lse2 = lse_d.data();        // lse log2(e), per query
+        const float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
         std::fill(dqt.begin(), dqt.end(), 0.0f);  // dQ^T per query block [Tp/kQb][D][kQb]
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
             const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);

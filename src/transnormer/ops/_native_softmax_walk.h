@@ -9,6 +9,8 @@
 // causal. Queries lie along the vector lanes (scores are computed transposed, keys x queries).
 #pragma once
 
+#include <algorithm>
+
 #include "_native_common.h"
 #include "_native_simd.h"
 
@@ -18,6 +20,7 @@ namespace tn_softmax {
 using tn::Lanes;
 
 constexpr idx kK = 64;  // keys per step of both walks
+constexpr float kLog2e = 1.44269504088896341f;  // both kernels take exp(x) as 2^(x log2 e)
 
 struct Shape {
     idx B, T, H, D, E, w;
@@ -32,6 +35,17 @@ inline bool shape_ok(const Shape& s, idx de, idx wm) {
     return s.B >= 1 && s.T >= 1 && s.H >= 1 && s.D >= de && s.E >= de && s.D % de == 0 && s.E % de == 0 &&
            s.w >= 0 && s.w % wm == 0 && s.scale > 0 && s.ldq >= s.H * s.D && s.ldk >= s.H * s.D &&
            s.ldv >= s.H * s.E;
+}
+
+// sum_e a[e] b[e] in fp32 over a row of E values stored as fp32 or bf16 (delta = rowsum(dO * O))
+template <typename T>
+inline float row_dot(const T* a, const T* b, idx E) {
+    __m512 d = _mm512_setzero_ps();
+    for (idx e = 0; e < E; e += 16) {
+        const __mmask16 m = tn::tail_mask(E - e);
+        d = _mm512_fmadd_ps(tn::load16(a + e, m), tn::load16(b + e, m), d);
+    }
+    return _mm512_reduce_add_ps(d);
 }
 
 struct Walk {
@@ -68,18 +82,18 @@ struct Walk {
     // block outside the step's windows are masked.
     idx bwd_start(idx j0, idx nq) const { return (s.causal ? j0 : block_of(j0)) / nq * nq; }
     idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
-};
 
-// sum_e a[e] b[e] in fp32 over a row of E values stored as fp32 or bf16 (delta = rowsum(dO * O))
-template <typename T>
-inline float row_dot(const T* a, const T* b, idx E) {
-    __m512 d = _mm512_setzero_ps();
-    for (idx e = 0; e < E; e += 16) {
-        const __mmask16 m = tn::tail_mask(E - e);
-        d = _mm512_fmadd_ps(tn::load16(a + e, m), tn::load16(b + e, m), d);
+    // The backward's per-query rows of head n, rows [2 x Tp] (zero past T): lse log2(e), then
+    // delta = rowsum(dO * O). o: [B, T, H, E] at row stride ldo; g: head n's dO rows, E apart.
+    template <typename V>
+    void query_rows(const float* lse, idx n, const V* o, idx ldo, const V* g, idx Tp, float* rows) const {
+        std::fill(rows, rows + 2 * Tp, 0.0f);
+        for (idx t = 0; t < T; ++t) {
+            rows[t] = lse[n * T + t] * kLog2e;
+            rows[Tp + t] = row_dot(o + at(n, t, s.E, ldo), g + t * s.E, s.E);
+        }
     }
-    return _mm512_reduce_add_ps(d);
-}
+};
 
 // body(worker, n) for every head n = b H + h, the heads split over threads, one Worker(s,
 // backward) per thread (its buffers reused across the thread's heads).
