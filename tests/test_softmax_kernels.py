@@ -184,11 +184,9 @@ def test_large_scores_do_not_overflow():
     assert rel_err(got[0].double(), ref[0]) < 2e-2
 
 
-@needs_amx
-@pytest.mark.parametrize("preset", ["vanilla-lm-tiny", "t2-lm-tiny"])
-def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, preset):
-    """vanilla-lm (softmax attention) and t2-lm (DiagAttention blocks) under bf16 autocast: the same
-    loss and gradients as the PyTorch forms up to bf16 rounding, and the kernel did run."""
+def _kernel_vs_torch_model(mode, preset, *, amp):
+    """(relative loss error, relative gradient-norm error) of a tiny preset's step on the fused
+    kernels ("auto") against its PyTorch forms ("torch"), same weights and tokens."""
     from transnormer.presets import build_model
 
     model = build_model(preset, vocab_size=300, dropout=0.0, attention_dropout=0.0)
@@ -196,11 +194,19 @@ def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, pre
     out = {}
     for m in ("torch", "auto"):
         mode(m)
-        out[m] = model_loss_and_grads(model, ids, amp=True)
+        out[m] = model_loss_and_grads(model, ids, amp=amp)
+    (loss, g), (loss_ref, g_ref) = out["auto"], out["torch"]
+    return abs(loss - loss_ref) / abs(loss_ref), float((g - g_ref).norm() / g_ref.norm())
+
+
+@needs_amx
+@pytest.mark.parametrize("preset", ["vanilla-lm-tiny", "t2-lm-tiny"])
+def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, preset):
+    """vanilla-lm (softmax attention) and t2-lm (DiagAttention blocks) under bf16 autocast: the same
+    loss and gradients as the PyTorch forms up to bf16 rounding, and the kernel did run."""
+    loss_err, grad_err = _kernel_vs_torch_model(mode, preset, amp=True)
     assert kernel_calls
-    assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
-    g, g_ref = out["auto"][1], out["torch"][1]
-    assert float((g - g_ref).norm() / g_ref.norm()) < 3e-2
+    assert loss_err < 1e-2 and grad_err < 3e-2
 
 
 def _f32_check(got, ref, sdpa):
@@ -255,18 +261,9 @@ def test_fp32_block_attention_matches_fp64_reference(mode, kernel_calls, T, caus
 @needs_f32
 def test_fp32_vanilla_model_agrees_with_sdpa(mode, kernel_calls):
     """vanilla-lm-tiny in fp32: loss and every gradient as with SDPA, to fp32 rounding."""
-    from transnormer.presets import build_model
-
-    model = build_model("vanilla-lm-tiny", vocab_size=300, dropout=0.0, attention_dropout=0.0)
-    ids = torch.randint(0, 300, (2, 140))
-    out = {}
-    for m in ("torch", "auto"):
-        mode(m)
-        out[m] = model_loss_and_grads(model, ids, amp=False)
+    loss_err, grad_err = _kernel_vs_torch_model(mode, "vanilla-lm-tiny", amp=False)
     assert kernel_calls
-    assert abs(out["auto"][0] - out["torch"][0]) < 1e-5 * abs(out["torch"][0])
-    g, g_ref = out["auto"][1], out["torch"][1]
-    assert float((g - g_ref).norm() / g_ref.norm()) < 1e-5
+    assert loss_err < 1e-5 and grad_err < 1e-5
 
 
 @needs_f32
