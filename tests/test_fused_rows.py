@@ -310,6 +310,31 @@ def test_scale_offset_rope_fused_matches_reference(backend_mode, T, s, P):
             assert rel_err(a.double(), b) < tol
 
 
+@needs_kernel
+@pytest.mark.parametrize("zdtype", [torch.float32, torch.bfloat16])
+def test_scale_offset_rope_bf16_heads_are_the_fp32_heads_rounded_once(backend_mode, zdtype):
+    """out_dtype=bf16 (FLASH under autocast): the fp32 heads rounded, bit for bit, both on the
+    kernel and on the PyTorch form; backward from bf16 head gradients equals it from the same
+    gradients in fp32."""
+    g = torch.Generator().manual_seed(5)
+    B, T, n, s, P = 2, 19, 4, 24, 8
+    z = torch.randn(B, T, s, generator=g).to(zdtype)
+    gamma, beta = torch.randn(n, s, generator=g), torch.randn(n, s, generator=g)
+    cos, sin = torch.randn(1, T, P, generator=g), torch.randn(1, T, P, generator=g)
+    gy = torch.randn(B, T, n, s, generator=g).bfloat16()
+    for mode in ("native", "torch"):
+        backend_mode(mode)
+        outs = []
+        for out_dtype in (torch.bfloat16, None):
+            zz, gm, bt = (t.clone().requires_grad_() for t in (z, gamma, beta))
+            h = scale_offset_rope(zz, gm, bt, cos, sin, out_dtype=out_dtype)
+            outs.append((h, *torch.autograd.grad(h, (zz, gm, bt), gy.to(h.dtype))))
+        (h16, *g16), (h32, *g32) = outs
+        assert h16.dtype == torch.bfloat16 and torch.equal(h16, h32.to(torch.bfloat16))
+        for a, b in zip(g16, g32):
+            assert torch.equal(a, b)
+
+
 def test_scale_offset_rope_torch_form_in_fp64_is_the_reference():
     z = torch.randn(2, 5, 16, dtype=torch.float64)
     gamma, beta = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
@@ -398,15 +423,17 @@ def test_models_agree_with_and_without_the_fused_kernels(backend_mode, preset):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scale_norm_through_the_fused_norm_equals_its_formula(backend_mode, dtype):
+@pytest.mark.parametrize("D", [5, 40, 515])  # vector tails
+def test_scale_norm_through_the_fused_norm_equals_its_formula(backend_mode, dtype, D):
+    """The gain inside the kernel: y, dx and the gain's gradient (summed from the rows' dots)."""
     from transnormer.modules.norms import ScaleNorm
 
     backend_mode("native")
-    norm = ScaleNorm(40, eps=1e-5)
+    norm = ScaleNorm(D, eps=1e-5)
     with torch.no_grad():
         norm.scale.fill_(1.7)
-    x = (torch.randn(3, 9, 40) * 2).to(dtype).requires_grad_()
-    w = torch.randn(3, 9, 40, dtype=torch.float64)  # a random projection: Σ y² is constant per row
+    x = (torch.randn(3, 9, D) * 2).to(dtype).requires_grad_()
+    w = torch.randn(3, 9, D, dtype=torch.float64)  # a random projection: Σ y² is constant per row
     y = norm(x)
     gx, gs = torch.autograd.grad((y.double() * w).sum(), (x, norm.scale))
     xr = x.detach().double().requires_grad_()
@@ -415,8 +442,24 @@ def test_scale_norm_through_the_fused_norm_equals_its_formula(backend_mode, dtyp
     gxr, gsr = torch.autograd.grad((ref * w).sum(), (xr, sr))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert y.dtype == dtype
-    for a, b in ((y, ref), (gx, gxr), (gs, gsr)):
+    for a, b in ((y, ref), (gx, gxr)):
         assert rel_err(a.double(), b) < tol
+    # the gain's gradient is a sum of T·D terms of both signs: its error scales with Σ|term|
+    assert abs(float(gs) - float(gsr)) < tol * float((ref.detach() / sr.detach() * w).abs().sum())
+
+
+def test_scale_norm_torch_form_is_the_reference_and_a_frozen_gain_gets_no_gradient(backend_mode):
+    from transnormer.ops.rowwise import scale_norm, scale_norm_reference
+
+    x = torch.randn(4, 33, requires_grad=True)
+    gain = torch.tensor(0.8)
+    backend_mode("torch")
+    assert torch.equal(scale_norm(x, gain, 1e-5), scale_norm_reference(x, gain, 1e-5))
+    if _native.load() is not None:
+        backend_mode("native")
+        y = scale_norm(x, gain, 1e-5)
+        (gx,) = torch.autograd.grad(y.sum(), x)  # gain.requires_grad is False: only dx is formed
+        assert rel_err(y, scale_norm_reference(x, gain, 1e-5)) < 1e-6 and torch.isfinite(gx).all()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -180,13 +180,21 @@ class _GatedUnit(TokenMixer):
         nn.init.zeros_(self.beta)
         self.rel_bias.reset_parameters()
 
+    # FLASH's training products take the heads in the autocast dtype (C, its only divisor, is a
+    # power of two in every preset), so the heads can be made in it; GAU divides by N_q before
+    # its product, in the heads' dtype, and keeps fp32 heads.
+    heads_in_autocast_dtype = False
+
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``)."""
         u, v, z = silu_split(self.proj(x), [self.e, self.e, self.s])  # fused on CPU (ops/rowwise.py)
         if self.rope is None:
             return u, v, z[:, :, None, :] * self.gamma + self.beta
+        dev = x.device.type
+        out_dtype = (torch.get_autocast_dtype(dev) if self.heads_in_autocast_dtype and torch.is_autocast_enabled(dev)
+                     else None)
         # scale/offset and rotate-half in one pass on CPU (ops/rowwise.py)
-        return u, v, scale_offset_rope(z, self.gamma, self.beta, *self.rope.tables(positions))
+        return u, v, scale_offset_rope(z, self.gamma, self.beta, *self.rope.tables(positions), out_dtype=out_dtype)
 
     def _dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -269,6 +277,7 @@ class FLASH(_GatedUnit):
     """
 
     num_qk_heads = 4
+    heads_in_autocast_dtype = True
 
     def __init__(self, hidden_size: int, *, causal: bool, chunk_size: int = 256, normalizer: str = "visible",
                  local_branch: bool = True, global_branch: bool = True, **kw):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..ops.norm_linear import state_dtype_for
-from ..ops.rowwise import simple_rms_norm
+from ..ops.rowwise import scale_norm, simple_rms_norm
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -56,9 +56,8 @@ class ScaleNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # x·rsqrt(mean(x²) + ε) is SimpleRMSNorm with ε inside the root (fused on CPU, ops/rowwise.py);
-        # half inputs are upcast first so the gain multiplies fp32 values and the result rounds once
-        return (simple_rms_norm(_upcast(x), self.eps, eps_inside_sqrt=True) * self.scale).to(x.dtype)
+        # fused on CPU with the gain inside (ops/rowwise.py); fp32 math, the result rounds once
+        return scale_norm(x, self.scale, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):

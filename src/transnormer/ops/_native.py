@@ -42,7 +42,7 @@ _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_nat
                                                       "_native_gemm.h", "_native_softmax_walk.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 7
+_ABI = 8
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -106,14 +106,14 @@ _SIGNATURES = {
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
     "tn_transpose_acc": (("bf16",), [_P, _I64, _I64, _P, _I32]),
-    "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32]),
-    "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32]),
+    "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32, _F32]),
+    "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32, _F32, _P]),
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 3 + [_I32, _I64, _I64]),
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 3 + [_I32, _P, _I64, _I64]),
-    "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5),
-    "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6),
+    "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32]),
+    "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
 }
 
 
@@ -491,17 +491,21 @@ def lrpe_bwd(x, dy, cos, sin, u, scale: float, kernel: str):
     return dx, dcos, dsin
 
 
-def srms_fwd(x: torch.Tensor, eps: float, inside: bool) -> torch.Tensor:
-    """SimpleRMSNorm of the last dim of contiguous x (``_native_norm.cpp``)."""
+def srms_fwd(x: torch.Tensor, eps: float, inside: bool, gain: float = 1.0) -> torch.Tensor:
+    """gain times SimpleRMSNorm of the last dim of contiguous x (``_native_norm.cpp``)."""
     y = torch.empty_like(x)
-    _call("tn_srms_fwd", x.dtype, _ptr(x), _ptr(y), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside))
+    _call("tn_srms_fwd", x.dtype, _ptr(x), _ptr(y), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside), gain)
     return y
 
 
-def srms_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float, inside: bool) -> torch.Tensor:
+def srms_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float, inside: bool, gain: float = 1.0,
+             gain_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, d gain) of :func:`srms_fwd`; d gain (fp32, 0-d) only with ``gain_grad``."""
+    N = x.numel() // x.shape[-1]
     dx = torch.empty_like(x)
-    _call("tn_srms_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside))
-    return dx
+    rowdot = torch.empty(N, dtype=torch.float32) if gain_grad else None
+    _call("tn_srms_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), N, x.shape[-1], eps, int(inside), gain, _ptr(rowdot))
+    return dx, None if rowdot is None else rowdot.sum()
 
 
 def silu_gate_fwd(ab: torch.Tensor) -> torch.Tensor:
@@ -540,19 +544,20 @@ def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: 
 _HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend on the thread count
 
 
-def heads_fwd(z, gamma, beta, cos, sin):
-    """RoPE(z * gamma_h + beta_h) [B, T, n, s] fp32 from z [B, T, s] (see :func:`token_rows_ok`), fp32
-    gamma, beta [n, s] and cos, sin [B, T, P] contiguous (``_native_heads.cpp``)."""
+def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):
+    """RoPE(z * gamma_h + beta_h) [B, T, n, s] in ``out_dtype`` (fp32 or bf16, rounded once) from z
+    [B, T, s] (see :func:`token_rows_ok`), fp32 gamma, beta [n, s] and cos, sin [B, T, P]
+    contiguous (``_native_heads.cpp``)."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]
-    y = torch.empty(B, T, n, s, dtype=torch.float32)
+    y = torch.empty(B, T, n, s, dtype=out_dtype)
     _call("tn_heads_fwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(beta), _ptr(cos), _ptr(sin), _ptr(y), B * T, n, s, P,
-          z.stride(1))
+          z.stride(1), int(out_dtype == torch.bfloat16))
     return y
 
 
 def heads_bwd(z, gamma, cos, sin, dy):
-    """(dz [B, T, s] in z's dtype, dgamma [n, s], dbeta [n, s]) for contiguous fp32 dy [B, T, n, s]."""
+    """(dz [B, T, s] in z's dtype, dgamma [n, s], dbeta [n, s]) for contiguous fp32 or bf16 dy [B, T, n, s]."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]
     parts = max(1, min(_HEADS_PARTS, B * T))
@@ -560,5 +565,5 @@ def heads_bwd(z, gamma, cos, sin, dy):
     dg = torch.zeros(parts, n, s, dtype=torch.float32)
     db = torch.zeros(parts, n, s, dtype=torch.float32)
     _call("tn_heads_bwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(cos), _ptr(sin), _ptr(dy), _ptr(dz), _ptr(dg), _ptr(db),
-          B * T, n, s, P, z.stride(1), parts)
+          B * T, n, s, P, z.stride(1), parts, int(dy.dtype == torch.bfloat16))
     return dz, dg.sum(0), db.sum(0)

@@ -12,7 +12,8 @@
 //
 // Layouts: z [N, s] with rows ldz >= s elements apart (a slice of the projection), fp32 or bf16;
 // gamma, beta [n, s] fp32; cos, sin [N, P] fp32, rotating pairs (i, i + P) of the first 2P <= s
-// channels (rotate-half), the rest passing through; y, dy [N, n, s] fp32 contiguous;
+// channels (rotate-half), the rest passing through; y, dy [N, n, s] contiguous, fp32 or bf16
+// (ybf16: the heads' consumer runs under bf16 autocast; they are rounded once, as its cast would);
 // dz [N, s] contiguous in z's dtype; dgamma, dbeta partials [parts, n, s] fp32.
 //   x = z * gamma_h + beta_h,  y_i = x_i c_i - x_i+P s_i,  y_i+P = x_i+P c_i + x_i s_i  (i < P)
 
@@ -26,39 +27,41 @@ struct Shape {
     idx N, n, s, P, ldz;
 };
 
-template <typename T>
+template <typename T, typename Y>
 void forward_rows(const Shape& sh, const T* z, const float* gamma, const float* beta, const float* cos,
-                  const float* sin, float* y, idx r0, idx r1) {
+                  const float* sin, Y* y, idx r0, idx r1) {
     const idx n = sh.n, s = sh.s, P = sh.P;
-    std::vector<float> zr(s), x(s);
+    std::vector<float> zr(s), x(s), out(s);
     for (idx r = r0; r < r1; ++r) {
         for (idx j = 0; j < s; ++j) zr[j] = to_float(z[r * sh.ldz + j]);
         const float *c = cos + r * P, *sn = sin + r * P;
         for (idx h = 0; h < n; ++h) {
             const float *g = gamma + h * s, *b = beta + h * s;
-            float* out = y + (r * n + h) * s;
             for (idx j = 0; j < s; ++j) x[j] = zr[j] * g[j] + b[j];
             for (idx i = 0; i < P; ++i) {
                 out[i] = x[i] * c[i] - x[i + P] * sn[i];
                 out[i + P] = x[i + P] * c[i] + x[i] * sn[i];
             }
             for (idx j = 2 * P; j < s; ++j) out[j] = x[j];
+            Y* yr = y + (r * n + h) * s;
+            for (idx j = 0; j < s; ++j) from_float(out[j], yr + j);
         }
     }
 }
 
 // Rows [r0, r1) add their dgamma, dbeta into dg, db ([n, s], zeroed by the caller).
-template <typename T>
+template <typename T, typename Y>
 void backward_rows(const Shape& sh, const T* z, const float* gamma, const float* cos, const float* sin,
-                   const float* dy, T* dz, float* dg, float* db, idx r0, idx r1) {
+                   const Y* dy, T* dz, float* dg, float* db, idx r0, idx r1) {
     const idx n = sh.n, s = sh.s, P = sh.P;
-    std::vector<float> zr(s), dx(s), acc(s);
+    std::vector<float> zr(s), dx(s), acc(s), g(s);
     for (idx r = r0; r < r1; ++r) {
         for (idx j = 0; j < s; ++j) zr[j] = to_float(z[r * sh.ldz + j]);
         for (idx j = 0; j < s; ++j) acc[j] = 0.0f;
         const float *c = cos + r * P, *sn = sin + r * P;
         for (idx h = 0; h < n; ++h) {
-            const float* g = dy + (r * n + h) * s;
+            const Y* gr = dy + (r * n + h) * s;
+            for (idx j = 0; j < s; ++j) g[j] = to_float(gr[j]);
             for (idx i = 0; i < P; ++i) {  // the rotation transposed
                 dx[i] = g[i] * c[i] + g[i + P] * sn[i];
                 dx[i + P] = g[i + P] * c[i] - g[i] * sn[i];
@@ -84,24 +87,35 @@ extern "C" {
 
 #define TN_HEADS_DEFINE(SUFFIX, T)                                                                              \
     int tn_heads_fwd_##SUFFIX(const void* z, const float* gamma, const float* beta, const float* cos,           \
-                              const float* sin, float* y, idx N, idx n, idx s, idx P, idx ldz, int nthreads) {   \
+                              const float* sin, void* y, idx N, idx n, idx s, idx P, idx ldz, int ybf16,         \
+                              int nthreads) {                                                                   \
         const Shape sh{N, n, s, P, ldz};                                                                        \
         if (bad(sh)) return 1;                                                                                  \
         parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                      \
-            forward_rows(sh, static_cast<const T*>(z), gamma, beta, cos, sin, y, r0, r1);                       \
+            if (ybf16)                                                                                          \
+                forward_rows(sh, static_cast<const T*>(z), gamma, beta, cos, sin, static_cast<bf16*>(y), r0, r1); \
+            else                                                                                                \
+                forward_rows(sh, static_cast<const T*>(z), gamma, beta, cos, sin, static_cast<float*>(y), r0, r1); \
         });                                                                                                     \
         return 0;                                                                                               \
     }                                                                                                           \
     /* dg, db: [parts, n, s] zeroed; part p sums the rows [N p / parts, N (p + 1) / parts) */                  \
     int tn_heads_bwd_##SUFFIX(const void* z, const float* gamma, const float* cos, const float* sin,            \
-                              const float* dy, void* dz, float* dg, float* db, idx N, idx n, idx s, idx P,       \
-                              idx ldz, idx parts, int nthreads) {                                               \
+                              const void* dy, void* dz, float* dg, float* db, idx N, idx n, idx s, idx P,        \
+                              idx ldz, idx parts, int ybf16, int nthreads) {                                    \
         const Shape sh{N, n, s, P, ldz};                                                                        \
         if (bad(sh) || parts < 1) return 1;                                                                     \
         parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                  \
-            for (idx p = p0; p < p1; ++p)                                                                       \
-                backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, dy, static_cast<T*>(dz),           \
-                              dg + p * n * s, db + p * n * s, N * p / parts, N * (p + 1) / parts);              \
+            for (idx p = p0; p < p1; ++p) {                                                                     \
+                const idx r0 = N * p / parts, r1 = N * (p + 1) / parts;                                         \
+                float *dgp = dg + p * n * s, *dbp = db + p * n * s;                                             \
+                if (ybf16)                                                                                      \
+                    backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, static_cast<const bf16*>(dy),  \
+                                  static_cast<T*>(dz), dgp, dbp, r0, r1);                                       \
+                else                                                                                            \
+                    backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, static_cast<const float*>(dy), \
+                                  static_cast<T*>(dz), dgp, dbp, r0, r1);                                       \
+            }                                                                                                   \
         });                                                                                                     \
         return 0;                                                                                               \
     }

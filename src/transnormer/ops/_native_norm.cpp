@@ -12,6 +12,8 @@
 //       dx = dy / (r + eps) - x (dy.x) / ((r + eps)^2 D r)        (second term 0 when r = 0)
 //   eps inside the root (paper):          s = (ss / D + eps)^(-1/2), y = s x
 //       dx = s dy - x s^3 (dy.x) / D
+// A scalar gain g (ScaleNorm, y = g s x) scales y and dx; its gradient is sum_rows s (dy.x), of
+// which the backward writes each row's term to rowdot (when given): the dot is computed anyway.
 
 #include <cmath>
 
@@ -68,19 +70,22 @@ inline Coefs coefs(float ss, idx D, float eps, bool inside) {
 }
 
 template <typename T>
-void forward_rows(const T* x, T* y, idx D, float eps, bool inside, idx r0, idx r1) {
+void forward_rows(const T* x, T* y, idx D, float eps, bool inside, float gain, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T* xr = x + r * D;
-        axpby(coefs(dot(xr, xr, D), D, eps, inside).scale, xr, 0.0f, xr, y + r * D, D);
+        axpby(gain * coefs(dot(xr, xr, D), D, eps, inside).scale, xr, 0.0f, xr, y + r * D, D);
     }
 }
 
 template <typename T>
-void backward_rows(const T* x, const T* dy, T* dx, idx D, float eps, bool inside, idx r0, idx r1) {
+void backward_rows(const T* x, const T* dy, T* dx, idx D, float eps, bool inside, float gain, float* rowdot, idx r0,
+                   idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T *xr = x + r * D, *gr = dy + r * D;
         const Coefs c = coefs(dot(xr, xr, D), D, eps, inside);
-        axpby(c.scale, gr, -c.dscale * dot(gr, xr, D), xr, dx + r * D, D);
+        const float d = dot(gr, xr, D);
+        axpby(gain * c.scale, gr, -gain * c.dscale * d, xr, dx + r * D, D);
+        if (rowdot) rowdot[r] = c.scale * d;
     }
 }
 
@@ -89,19 +94,20 @@ void backward_rows(const T* x, const T* dy, T* dx, idx D, float eps, bool inside
 extern "C" {
 
 #define TN_NORM_DEFINE(SUFFIX, T)                                                                              \
-    int tn_srms_fwd_##SUFFIX(const void* x, void* y, idx N, idx D, float eps, int inside, int nthreads) {      \
+    int tn_srms_fwd_##SUFFIX(const void* x, void* y, idx N, idx D, float eps, int inside, float gain,         \
+                             int nthreads) {                                                                   \
         if (N < 0 || D < 1) return 1;                                                                          \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                 \
-            forward_rows(static_cast<const T*>(x), static_cast<T*>(y), D, eps, inside != 0, r0, r1);           \
+            forward_rows(static_cast<const T*>(x), static_cast<T*>(y), D, eps, inside != 0, gain, r0, r1);     \
         });                                                                                                    \
         return 0;                                                                                              \
     }                                                                                                          \
     int tn_srms_bwd_##SUFFIX(const void* x, const void* dy, void* dx, idx N, idx D, float eps, int inside,     \
-                             int nthreads) {                                                                   \
+                             float gain, float* rowdot, int nthreads) {                                        \
         if (N < 0 || D < 1) return 1;                                                                          \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                 \
             backward_rows(static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), D, eps,    \
-                          inside != 0, r0, r1);                                                                \
+                          inside != 0, gain, rowdot, r0, r1);                                                  \
         });                                                                                                    \
         return 0;                                                                                              \
     }

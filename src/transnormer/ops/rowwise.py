@@ -1,5 +1,5 @@
-"""Row-wise ops of a block: SimpleRMSNorm, the GLU's SiLU gate, and GAU/FLASH's split SiLU and
-query-key heads.
+"""Row-wise ops of a block: SimpleRMSNorm and ScaleNorm, the GLU's SiLU gate, and GAU/FLASH's
+split SiLU and query-key heads.
 
 Each has a fused CPU kernel for fp32/bf16 (``_native_norm.cpp``, ``_native_glu.cpp``,
 ``_native_heads.cpp``: one read and one write per direction, fp32 arithmetic) and a PyTorch form (GPU, fp64, no compiler,
@@ -37,7 +37,7 @@ class _FusedSRMS(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        return _native.srms_bwd(x, dy.to(x.dtype).contiguous(), ctx.eps, ctx.inside), None, None
+        return _native.srms_bwd(x, dy.to(x.dtype).contiguous(), ctx.eps, ctx.inside)[0], None, None
 
 
 def simple_rms_norm(x: torch.Tensor, eps: float, eps_inside_sqrt: bool = False) -> torch.Tensor:
@@ -45,6 +45,37 @@ def simple_rms_norm(x: torch.Tensor, eps: float, eps_inside_sqrt: bool = False) 
     if x.numel() and _native.rows_usable(x.dtype, x.device):
         return _FusedSRMS.apply(x.contiguous(), float(eps), bool(eps_inside_sqrt))
     return simple_rms_norm_reference(x, eps, eps_inside_sqrt)
+
+
+def scale_norm_reference(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """ScaleNorm g·x / √(mean(x²) + ε) of x [..., D], scalar g; fp32 math for half x, one rounding."""
+    return (simple_rms_norm_reference(x.to(state_dtype_for(x.dtype)), eps, True) * gain).to(x.dtype)
+
+
+class _FusedScaleNorm(torch.autograd.Function):
+    """The SRMS kernel with the gain inside: the product by g and, backward, both products of
+    g's gradient (dy·g for dx, dy·y for dg) are no separate passes over [N, D]."""
+
+    @staticmethod
+    def forward(ctx, x, gain, eps: float):
+        ctx.save_for_backward(x, gain)
+        ctx.eps = eps
+        return _native.srms_fwd(x, eps, True, float(gain))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, gain = ctx.saved_tensors
+        dx, dgain = _native.srms_bwd(x, dy.to(x.dtype).contiguous(), ctx.eps, True, float(gain),
+                                     gain_grad=ctx.needs_input_grad[1])
+        return dx, None if dgain is None else dgain.to(gain.dtype), None
+
+
+def scale_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """ScaleNorm over the last dim of x [..., D] with the 0-d gain g (FLASH); output in x's dtype."""
+    if x.numel() and gain.dim() == 0 and _native.rows_usable(x.dtype, x.device):
+        return _FusedScaleNorm.apply(x.contiguous(), gain, float(eps))
+    return scale_norm_reference(x, gain, eps)
 
 
 def silu_gate_reference(ab: torch.Tensor) -> torch.Tensor:
@@ -116,20 +147,21 @@ def scale_offset_rope_reference(z, gamma, beta, cos, sin):
 
 class _FusedHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, gamma, beta, cos, sin):
+    def forward(ctx, z, gamma, beta, cos, sin, out_dtype):
         ctx.save_for_backward(z, gamma, cos, sin)
-        return _native.heads_fwd(z, gamma, beta, cos, sin)
+        ctx.out_dtype = out_dtype
+        return _native.heads_fwd(z, gamma, beta, cos, sin, out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         z, gamma, cos, sin = ctx.saved_tensors
-        dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dy.float().contiguous())
-        return dz, dgamma, dbeta, None, None
+        dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dy.to(ctx.out_dtype).contiguous())
+        return dz, dgamma, dbeta, None, None, None
 
 
 def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
+                      sin: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """GAU/FLASH query-key heads: RoPE(z ⊙ γ_h + β_h) for every head h.
 
     Args:
@@ -137,8 +169,11 @@ def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, 
         gamma, beta: [n, s] per-head scale and offset.
         cos, sin: [B or 1, T, P] rotary tables; pairs (i, i + P) of the first 2P ≤ s channels
             rotate (rotate-half), the other channels pass through. No gradient flows to them.
+        out_dtype: the heads' dtype, computed in the promoted dtype and rounded once (a layer
+            whose attention runs under bf16 autocast asks for bf16: the same values its products'
+            casts would make, without the fp32 copy). None: the promoted dtype of z and γ.
 
-    Returns [B, T, n, s] in the promoted dtype of z and γ (fp32 for a bf16 z under autocast).
+    Returns [B, T, n, s].
     """
     B, T, s = z.shape
     P = cos.shape[-1]
@@ -152,5 +187,7 @@ def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, 
             and not (cos.requires_grad or sin.requires_grad)):
         z = z if _native.token_rows_ok(z) else z.contiguous()
         cos, sin = (t.float().expand(B, T, P).contiguous() for t in (cos, sin))
-        return _FusedHeads.apply(z, gamma.contiguous(), beta.contiguous(), cos, sin)
-    return scale_offset_rope_reference(z, gamma, beta, cos, sin)
+        if out_dtype in (None, torch.float32, torch.bfloat16):
+            return _FusedHeads.apply(z, gamma.contiguous(), beta.contiguous(), cos, sin, out_dtype or torch.float32)
+    heads = scale_offset_rope_reference(z, gamma, beta, cos, sin)
+    return heads if out_dtype is None else heads.to(out_dtype)
