@@ -219,6 +219,52 @@ def test_flash_causal_global_prefix_forms(monkeypatch, prefix_by, padded, normal
     assert_parity(o, ref, (ql, kl, qg, kg, v))
 
 
+@pytest.mark.parametrize("prefix_by", ["matmul", "cumsum"])
+@pytest.mark.parametrize("normalizer", ["visible", "chunk", "none"])
+@pytest.mark.parametrize("T, C", [(8, 8), (64, 8), (63, 21)])
+def test_flash_explicit_backward_matches_autograd_form_and_formula(monkeypatch, prefix_by, normalizer, T, C):
+    """_CausalFlashCore (causal, whole chunks, no padding) against the autograd form it replaces
+    and the dense formula: outputs and the gradients of all five heads and of the local bias."""
+    import transnormer.ops.flash as flash_mod
+
+    monkeypatch.setattr(flash_mod, "_PREFIX_MATMUL_MAX_CHUNKS", 64 if prefix_by == "matmul" else 0)
+    ql, kl, qg, kg, v = rand(2, T, 8), rand(2, T, 8), rand(2, T, 8), rand(2, T, 8), rand(2, T, 6)
+    bias = rand(C, C) * 0.1
+    kw = dict(causal=True, chunk_size=C, normalizer=normalizer, local_bias=bias)
+    inputs = (ql, kl, qg, kg, v, bias)
+    o = flash_attn(ql, kl, qg, kg, v, **kw)
+    assert o.grad_fn is not None and "CausalFlashCore" in type(o.grad_fn).__name__
+    assert_parity(o, flash_attn_reference(ql, kl, qg, kg, v, **kw), inputs)
+    monkeypatch.setattr(flash_mod, "_EXPLICIT_BACKWARD", False)
+    assert_parity(o, flash_attn(ql, kl, qg, kg, v, **kw), inputs, tol=1e-12)
+
+
+def test_flash_explicit_backward_under_bf16_autocast_equals_autograd_form(monkeypatch):
+    """Same products, same roundings: under autocast the explicit backward reproduces the
+    autograd form bit for bit (bf16 heads, fp32 bias), except dV, whose two branch terms are
+    rounded once together instead of once each."""
+    import transnormer.ops.flash as flash_mod
+
+    T, C = 256, 64
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, T, 32, generator=g).bfloat16().requires_grad_() for _ in range(4)]
+    v = torch.randn(1, T, 48, generator=g).bfloat16().requires_grad_()
+    bias = (torch.randn(C, C, generator=g) * 0.1).requires_grad_()
+    gy = torch.randn(1, T, 48, generator=g).bfloat16()
+    results = []
+    for explicit in (True, False):
+        monkeypatch.setattr(flash_mod, "_EXPLICIT_BACKWARD", explicit)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = flash_attn(*xs, v, causal=True, chunk_size=C, local_bias=bias)
+        results.append((o, *torch.autograd.grad(o, (*xs, v, bias), gy)))
+    for i, (a, b) in enumerate(zip(*results)):
+        assert a.dtype == b.dtype
+        if i == 5:  # dV
+            assert rel_err(a.double(), b.double()) < 1e-2
+        else:
+            assert torch.equal(a, b)
+
+
 def test_flash_under_bf16_autocast_close_to_fp64():
     T, C = 200, 32
     ql, kl, qg, kg, v = (torch.randn(1, T, 16, dtype=torch.float64) for _ in range(5))
