@@ -384,6 +384,36 @@ def test_silu_split_fused_matches_reference(backend_mode, widths):
 
 
 @needs_kernel
+@pytest.mark.parametrize("widths", [[16, 16, 8], [7, 1, 33]])
+def test_silu_split_with_bias_matches_reference(backend_mode, widths):
+    """The projection's bias added inside the fused SiLU (fp32, one rounding): outputs, d(pre) and
+    d(bias), the latter summed in fixed row parts (37 rows over 8 parts: uneven ones)."""
+    backend_mode("native")
+    W = sum(widths)
+    g = torch.Generator().manual_seed(W)
+    pre = torch.randn(1, 37, W, dtype=torch.float64, generator=g) * 4
+    bias = torch.randn(W, generator=g)
+    grads = [torch.randn(1, 37, w, dtype=torch.float64, generator=g) for w in widths]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        p_ref, b_ref = pre.to(dtype).double().requires_grad_(), bias.double().requires_grad_()
+        ref = torch.nn.functional.silu(p_ref + b_ref).split(widths, -1)
+        d_ref = torch.autograd.grad(ref, (p_ref, b_ref), grads)
+        p, b = pre.to(dtype).requires_grad_(), bias.clone().requires_grad_()
+        outs = silu_split(p, widths, b)
+        assert all(o.is_contiguous() and o.dtype == dtype for o in outs)
+        d = torch.autograd.grad(outs, (p, b), [x.to(dtype) for x in grads])
+        assert d[1].dtype == torch.float32
+        for a, r in zip((*outs, *d), (*ref, *d_ref)):
+            assert rel_err(a.double(), r) < tol
+    backend_mode("torch")  # the PyTorch form computes the same thing
+    p, b = pre.float(), bias
+    for a, r in zip(silu_split(p, widths, b), torch.nn.functional.silu(p + b).split(widths, -1)):
+        assert torch.equal(a, r)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        silu_split(p, widths, b[:-1])
+
+
+@needs_kernel
 def test_silu_split_unused_group_gets_no_gradient(backend_mode):
     backend_mode("native")
     pre = torch.randn(3, 10, requires_grad=True)

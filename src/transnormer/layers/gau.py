@@ -22,6 +22,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..modules.positional import LRPE
 from ..ops.flash import (
@@ -187,7 +188,10 @@ class _GatedUnit(TokenMixer):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``)."""
-        u, v, z = silu_split(self.proj(x), [self.e, self.e, self.s])  # fused on CPU (ops/rowwise.py)
+        # the bias is added by the fused SiLU (ops/rowwise.py), not by an addmm (a copy of it into
+        # every row forward, a sum over rows backward)
+        pre = F.linear(x, self.proj.weight)
+        u, v, z = silu_split(pre, [self.e, self.e, self.s], self.proj.bias)
         if self.rope is None:
             return u, v, z[:, :, None, :] * self.gamma + self.beta
         dev = x.device.type

@@ -110,8 +110,8 @@ _SIGNATURES = {
     "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32, _F32, _P]),
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
-    "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 3 + [_I32, _I64, _I64]),
-    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 3 + [_I32, _P, _I64, _I64]),
+    "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
+    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64]),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
 }
@@ -523,22 +523,29 @@ def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     return dab
 
 
-def silu_split_fwd(pre: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
-    """silu of contiguous pre [..., W], split into contiguous column groups of ``widths``."""
+def silu_split_fwd(pre: torch.Tensor, widths: list[int], bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """silu(pre + bias) of contiguous pre [..., W] (bias: contiguous fp32 [W] or None), split into
+    contiguous column groups of ``widths``."""
     n = len(widths)
     outs = [torch.empty(*pre.shape[:-1], w, dtype=pre.dtype) for w in widths]
-    _call("tn_silu_split_fwd", pre.dtype, _ptr(pre), (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]),
+    _call("tn_silu_split_fwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]),
           (ctypes.c_long * n)(*widths), n, pre.numel() // max(pre.shape[-1], 1), pre.shape[-1])
     return outs
 
 
-def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: list[int]) -> torch.Tensor:
-    """d(pre) from the groups' contiguous gradients (None = zero)."""
-    n = len(widths)
+_SILU_BIAS_PARTS = 8  # d(bias) partial sums: fixed, so results do not depend on the thread count
+
+
+def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: list[int],
+                   bias: torch.Tensor | None = None, bias_grad: bool = False):
+    """(d(pre), d(bias) fp32 [W] or None) from the groups' contiguous gradients (None = zero)."""
+    n, N = len(widths), pre.numel() // max(pre.shape[-1], 1)
     dpre = torch.empty_like(pre)
-    _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
-          (ctypes.c_long * n)(*widths), n, _ptr(dpre), pre.numel() // max(pre.shape[-1], 1), pre.shape[-1])
-    return dpre
+    parts = max(1, min(_SILU_BIAS_PARTS, N))
+    db = torch.zeros(parts, pre.shape[-1], dtype=torch.float32) if bias_grad else None
+    _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
+          (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(db), N, pre.shape[-1], parts)
+    return dpre, None if db is None else db.sum(0)
 
 
 _HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend on the thread count

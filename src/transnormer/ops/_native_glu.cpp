@@ -110,67 +110,82 @@ TN_GLU_DEFINE(bf16, bf16)
 // SiLU of a projection split into column groups (GAU / FLASH: [u | v | z] = silu(x W + b)).
 // Forward writes each group to its own contiguous tensor; backward takes the groups' gradients
 // (null = zero) and writes d(pre) in one pass: no concatenation of the three gradients first.
-//   pre [N, W] with rows ldp >= W apart; out_g / dout_g [N, w_g] contiguous; dpre [N, W] contiguous.
+// The bias b (fp32 [W], or null) is added here in fp32 rather than by the projection: an addmm
+// first copies b into every output row and its backward sums d(pre) over rows in another pass;
+// here the backward adds each row's fp32 d(pre) into its part's sum (parts are fixed row ranges,
+// so the sum does not depend on the thread count).
+//   pre [N, W] with rows ldp >= W apart; out_g / dout_g [N, w_g] contiguous; dpre [N, W] contiguous;
+//   dbias [parts, W] fp32, zeroed by the caller.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// silu of one group row: src[0..w) -> dst (vectorized where AVX-512 is there)
+// silu of one group row: src[0..w) (+ bias) -> dst (vectorized where AVX-512 is there)
 template <typename T>
-inline void silu_row(const T* src, idx w, T* dst) {
+inline void silu_row(const T* src, const float* bias, idx w, T* dst) {
     idx j = 0;
 #if defined(TN_AVX512)
     for (; j < w; j += 16) {
         const __mmask16 k = tail_mask(w - j);
-        const __m512 a = load16(src + j, k);
+        __m512 a = load16(src + j, k);
+        if (bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(k, bias + j));
         store16(dst + j, _mm512_mul_ps(a, sigmoid16(a)), k);
     }
 #endif
     for (; j < w; ++j) {
-        const float a = to_float(src[j]);
+        const float a = to_float(src[j]) + (bias ? bias[j] : 0.0f);
         from_float(a * sigmoid(a), dst + j);
     }
 }
 
-// d(pre) of one group row: go * silu'(pre), or 0 without a gradient
+// d(pre) of one group row: go * silu'(pre + bias), or 0 without a gradient; added to db (fp32)
 template <typename T>
-inline void silu_grad_row(const T* src, const T* go, idx w, T* dst) {
+inline void silu_grad_row(const T* src, const float* bias, const T* go, idx w, T* dst, float* db) {
     idx j = 0;
 #if defined(TN_AVX512)
     const __m512 one = _mm512_set1_ps(1.0f);
     for (; j < w; j += 16) {
         const __mmask16 k = tail_mask(w - j);
-        const __m512 a = load16(src + j, k), s = sigmoid16(a);
+        __m512 a = load16(src + j, k);
+        if (bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(k, bias + j));
+        const __m512 s = sigmoid16(a);
         const __m512 ds = _mm512_fmadd_ps(_mm512_mul_ps(a, s), _mm512_sub_ps(one, s), s);
-        store16(dst + j, go ? _mm512_mul_ps(load16(go + j, k), ds) : _mm512_setzero_ps(), k);
+        const __m512 d = go ? _mm512_mul_ps(load16(go + j, k), ds) : _mm512_setzero_ps();
+        store16(dst + j, d, k);
+        if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
     }
 #endif
     for (; j < w; ++j) {
-        const float a = to_float(src[j]), s = sigmoid(a);
-        from_float(go ? to_float(go[j]) * s * (1.0f + a * (1.0f - s)) : 0.0f, dst + j);
+        const float a = to_float(src[j]) + (bias ? bias[j] : 0.0f), s = sigmoid(a);
+        const float d = go ? to_float(go[j]) * s * (1.0f + a * (1.0f - s)) : 0.0f;
+        from_float(d, dst + j);
+        if (db) db[j] += d;
     }
 }
 
 template <typename T>
-void silu_split_rows(const T* pre, idx ldp, int ng, const idx* widths, T* const* outs, idx r0, idx r1) {
+void silu_split_rows(const T* pre, idx ldp, const float* bias, int ng, const idx* widths, T* const* outs, idx r0,
+                     idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T* p = pre + r * ldp;
+        idx c = 0;
         for (int g = 0; g < ng; ++g) {
-            silu_row(p, widths[g], outs[g] + r * widths[g]);
-            p += widths[g];
+            silu_row(p + c, bias ? bias + c : nullptr, widths[g], outs[g] + r * widths[g]);
+            c += widths[g];
         }
     }
 }
 
 template <typename T>
-void silu_split_bwd_rows(const T* pre, idx ldp, int ng, const idx* widths, const T* const* douts, T* dpre, idx W,
-                         idx r0, idx r1) {
+void silu_split_bwd_rows(const T* pre, idx ldp, const float* bias, int ng, const idx* widths, const T* const* douts,
+                         T* dpre, float* db, idx W, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T* p = pre + r * ldp;
         T* d = dpre + r * W;
+        idx c = 0;
         for (int g = 0; g < ng; ++g) {
-            silu_grad_row(p, douts[g] ? douts[g] + r * widths[g] : nullptr, widths[g], d);
-            p += widths[g];
-            d += widths[g];
+            silu_grad_row(p + c, bias ? bias + c : nullptr, douts[g] ? douts[g] + r * widths[g] : nullptr, widths[g],
+                          d + c, db ? db + c : nullptr);
+            c += widths[g];
         }
     }
 }
@@ -180,24 +195,28 @@ void silu_split_bwd_rows(const T* pre, idx ldp, int ng, const idx* widths, const
 extern "C" {
 
 #define TN_SILU_SPLIT_DEFINE(SUFFIX, T)                                                                        \
-    int tn_silu_split_fwd_##SUFFIX(const void* pre, void* const* outs, const idx* widths, int ng, idx N, idx ldp, \
-                                   int nthreads) {                                                            \
+    int tn_silu_split_fwd_##SUFFIX(const void* pre, const float* bias, void* const* outs, const idx* widths,   \
+                                   int ng, idx N, idx ldp, int nthreads) {                                    \
         idx W = 0;                                                                                             \
         for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
         if (N < 0 || ng < 1 || ldp < W) return 1;                                                              \
         parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                     \
-            silu_split_rows(static_cast<const T*>(pre), ldp, ng, widths, reinterpret_cast<T* const*>(outs), r0, r1); \
+            silu_split_rows(static_cast<const T*>(pre), ldp, bias, ng, widths, reinterpret_cast<T* const*>(outs), \
+                            r0, r1);                                                                           \
         });                                                                                                    \
         return 0;                                                                                              \
     }                                                                                                          \
-    int tn_silu_split_bwd_##SUFFIX(const void* pre, const void* const* douts, const idx* widths, int ng, void* dpre, \
-                                   idx N, idx ldp, int nthreads) {                                            \
+    /* dbias: [parts, W] zeroed (or null); part p sums the rows [N p / parts, N (p + 1) / parts) */           \
+    int tn_silu_split_bwd_##SUFFIX(const void* pre, const float* bias, const void* const* douts, const idx* widths, \
+                                   int ng, void* dpre, float* dbias, idx N, idx ldp, idx parts, int nthreads) { \
         idx W = 0;                                                                                             \
         for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
-        if (N < 0 || ng < 1 || ldp < W) return 1;                                                              \
-        parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                     \
-            silu_split_bwd_rows(static_cast<const T*>(pre), ldp, ng, widths, reinterpret_cast<const T* const*>(douts), \
-                                static_cast<T*>(dpre), W, r0, r1);                                             \
+        if (N < 0 || ng < 1 || ldp < W || parts < 1) return 1;                                                 \
+        parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
+            for (idx p = p0; p < p1; ++p)                                                                      \
+                silu_split_bwd_rows(static_cast<const T*>(pre), ldp, bias, ng, widths,                         \
+                                    reinterpret_cast<const T* const*>(douts), static_cast<T*>(dpre),           \
+                                    dbias ? dbias + p * W : nullptr, W, N * p / parts, N * (p + 1) / parts);   \
         });                                                                                                    \
         return 0;                                                                                              \
     }

@@ -108,32 +108,47 @@ def silu_gate(ab: torch.Tensor) -> torch.Tensor:
 
 class _FusedSiluSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pre, widths):
-        ctx.save_for_backward(pre)
+    def forward(ctx, pre, bias, widths):
+        ctx.save_for_backward(pre, bias)
         ctx.widths = widths
         ctx.set_materialize_grads(False)  # an unused group needs no zero gradient
-        return tuple(_native.silu_split_fwd(pre, widths))
+        return tuple(_native.silu_split_fwd(pre, widths, bias))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        (pre,) = ctx.saved_tensors
+        pre, bias = ctx.saved_tensors
         grads = [None if g is None else g.to(pre.dtype).contiguous() for g in grads]
-        return _native.silu_split_bwd(pre, grads, ctx.widths), None
+        dpre, dbias = _native.silu_split_bwd(pre, grads, ctx.widths, bias,
+                                             bias_grad=bias is not None and ctx.needs_input_grad[1])
+        return dpre, dbias, None
 
 
-def silu_split(pre: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
-    """``F.silu(pre).split(widths, -1)`` as contiguous tensors (GAU/FLASH's [u | v | z]).
+def silu_split_reference(pre: torch.Tensor, widths: list[int], bias: torch.Tensor | None = None):
+    """``F.silu(pre + bias).split(widths, -1)``; with a bias, in fp32 (at least) and rounded once to
+    pre's dtype, as the fused form."""
+    if bias is None:
+        return F.silu(pre).split(widths, dim=-1)
+    x = pre.to(torch.promote_types(pre.dtype, torch.float32)) + bias
+    return F.silu(x).to(pre.dtype).split(widths, dim=-1)
+
+
+def silu_split(pre: torch.Tensor, widths: list[int], bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``F.silu(pre + bias).split(widths, -1)`` as contiguous tensors (GAU/FLASH's [u | v | z]).
 
     The fused CPU form writes each group once and, backward, d(pre) in one pass from the groups'
-    gradients, without concatenating them first.
+    gradients, without concatenating them first. ``bias`` [W] (the projection's, which then runs
+    without it) is added in fp32, and its gradient is summed in the same pass.
     """
     widths = [int(w) for w in widths]
     if sum(widths) != pre.shape[-1] or min(widths, default=0) < 1:
         raise ValueError(f"widths must be positive and sum to pre's last dim {pre.shape[-1]}, got {widths}")
-    if pre.numel() and _native.rows_usable(pre.dtype, pre.device):
-        return _FusedSiluSplit.apply(pre.contiguous(), widths)
-    return F.silu(pre).split(widths, dim=-1)
+    if bias is not None and bias.shape != (pre.shape[-1],):
+        raise ValueError(f"bias must have shape [{pre.shape[-1]}], got {tuple(bias.shape)}")
+    if (pre.numel() and _native.rows_usable(pre.dtype, pre.device)
+            and (bias is None or (bias.dtype == torch.float32 and bias.device == pre.device))):
+        return _FusedSiluSplit.apply(pre.contiguous(), None if bias is None else bias.contiguous(), widths)
+    return silu_split_reference(pre, widths, bias)
 
 
 def scale_offset_rope_reference(z, gamma, beta, cos, sin):
