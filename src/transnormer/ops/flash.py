@@ -191,19 +191,21 @@ class _CausalFlashCore(torch.autograd.Function):
                 scores = scores + bias.to(cdt)
             tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
             r = torch.relu(scores).masked_fill_(~tril, 0.0)
-            out = torch.bmm(r * r, vc)
+            a = r * r
+            out = torch.bmm(a, vc)
+            at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
             states = torch.bmm(kgc.transpose(1, 2), vc).to(sdt).view(B, G, s * e)
             scales = _global_scales(G, C, normalizer, sdt, v.device)
             prefix = _prefix(states, scales).to(cdt).view(B * G, s, e)
             out.baddbmm_(qgc, prefix)  # out is this function's own: no copy of it
-        ctx.save_for_backward(ql, kl, qg, kg, v, r, prefix, scales)
+        ctx.save_for_backward(ql, kl, qg, kg, v, r, at, prefix, scales)
         ctx.C, ctx.has_bias, ctx.bias_dtype = C, bias is not None, None if bias is None else bias.dtype
         return out.view(B, T, e)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        ql, kl, qg, kg, v, r, prefix, scales = ctx.saved_tensors
+        ql, kl, qg, kg, v, r, at, prefix, scales = ctx.saved_tensors
         C = ctx.C
         B, T, s = ql.shape
         e, G = v.shape[-1], T // C
@@ -214,8 +216,8 @@ class _CausalFlashCore(torch.autograd.Function):
             qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
             vc = v.reshape(B * G, C, e)
             # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r
-            dv = torch.bmm((r * r).transpose(1, 2), g)
-            ds = torch.bmm(g, vc.transpose(1, 2)) * r * 2.0
+            dv = torch.bmm(at, g)
+            ds = torch.bmm(g, vc.transpose(1, 2)).mul_(r).mul_(2.0)
             dbias = ds.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
             dql = torch.bmm(ds, klc) / C
             dkl = torch.bmm(ds.transpose(1, 2), qlc / C)
