@@ -240,9 +240,10 @@ def test_flash_explicit_backward_matches_autograd_form_and_formula(monkeypatch, 
 
 
 def test_flash_explicit_backward_under_bf16_autocast_equals_autograd_form(monkeypatch):
-    """Same products, same roundings: under autocast the explicit backward reproduces the
-    autograd form bit for bit (bf16 heads, fp32 bias), except dV, whose two branch terms are
-    rounded once together instead of once each."""
+    """Same products and roundings: under autocast the explicit backward reproduces the local
+    branch's gradients (dQl, dKl, d bias) bit for bit. The global branch's prefix sums its fp32
+    terms in another order (a one-pass scan on CPU, a [G, G] product in the autograd form), and
+    dV rounds its two branch terms once together: those agree to bf16 rounding."""
     import transnormer.ops.flash as flash_mod
 
     T, C = 256, 64
@@ -259,10 +260,48 @@ def test_flash_explicit_backward_under_bf16_autocast_equals_autograd_form(monkey
         results.append((o, *torch.autograd.grad(o, (*xs, v, bias), gy)))
     for i, (a, b) in enumerate(zip(*results)):
         assert a.dtype == b.dtype
-        if i == 5:  # dV
-            assert rel_err(a.double(), b.double()) < 1e-2
-        else:
+        if i in (1, 2, 6):  # dQl, dKl, d bias
             assert torch.equal(a, b)
+        else:
+            assert rel_err(a.double(), b.double()) < 1e-2
+
+
+def test_flash_explicit_backward_fp32_with_the_prefix_kernel_is_within_1e5():
+    """fp32 runs the core with the one-pass prefix kernel (where it is built): forward and
+    gradients against the fp64 dense formula."""
+    T, C = 192, 32
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, T, 16, generator=g, dtype=torch.float64) for _ in range(4)]
+    xs.append(torch.randn(2, T, 24, generator=g, dtype=torch.float64))
+    bias = torch.randn(C, C, generator=g, dtype=torch.float64) * 0.1
+    kw = dict(causal=True, chunk_size=C)
+    got_in = [x.float().requires_grad_() for x in (*xs, bias)]
+    ref_in = [x.clone().requires_grad_() for x in (*xs, bias)]
+    o = flash_attn(*got_in[:5], local_bias=got_in[5], **kw)
+    ref = flash_attn_reference(*ref_in[:5], local_bias=ref_in[5], **kw)
+    gy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    assert rel_err(o.double(), ref) < 1e-5
+    for a, b in zip(torch.autograd.grad(o, got_in, gy.float()), torch.autograd.grad(ref, ref_in, gy)):
+        assert rel_err(a.double(), b) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G, n", [(1, 5), (16, 300), (70, 33)])
+def test_chunk_prefix_kernel_matches_its_torch_forms(dtype, G, n):
+    """_native.chunk_prefix (forward and adjoint) against _prefix / _prefix_adjoint in fp64 on the
+    same (rounded) input: fp32 to 1e-6, bf16 to its one rounding."""
+    from transnormer.ops import _native
+    from transnormer.ops.flash import _global_scales, _prefix, _prefix_adjoint
+
+    if not _native.rows_usable(dtype, torch.device("cpu")):
+        pytest.skip("fused CPU kernels unavailable")
+    x = torch.randn(2, G, n).to(dtype)
+    scales = _global_scales(G, 8, "visible", torch.float32, x.device)
+    for reverse, ref_fn in ((False, _prefix), (True, _prefix_adjoint)):
+        got = _native.chunk_prefix(x, scales, reverse=reverse)
+        ref = ref_fn(x.double(), scales.double())
+        assert got.dtype == dtype
+        assert rel_err(got.double(), ref) < (1e-6 if dtype == torch.float32 else 4e-3)
 
 
 def test_flash_under_bf16_autocast_close_to_fp64():

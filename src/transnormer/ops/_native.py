@@ -37,7 +37,7 @@ from ._dtypes import state_dtype_for
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
-    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp"))
+    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp", "_native_prefix.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h",
                                                       "_native_gemm.h", "_native_softmax_walk.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
@@ -113,6 +113,7 @@ _SIGNATURES = {
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64]),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32]),
+    "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
 }
 
@@ -546,6 +547,17 @@ def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: 
     _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
           (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(db), N, pre.shape[-1], parts)
     return dpre, None if db is None else db.sum(0)
+
+
+def chunk_prefix(x: torch.Tensor, scales: torch.Tensor, *, reverse: bool) -> torch.Tensor:
+    """FLASH's causal chunk prefix of contiguous x [B, G, n] (fp32 or bf16, fp32 sums, one rounding;
+    ``_native_prefix.cpp``): y_g = scale_g Σ_{h<g} x_h, or with ``reverse`` its adjoint
+    y_h = Σ_{g>h} scale_g x_g. scales: [G]."""
+    B, G, n = x.shape
+    y = torch.empty_like(x)
+    sc = scales.float().contiguous()  # held here: the kernel reads it through a raw pointer
+    _call("tn_chunk_prefix", x.dtype, _ptr(x), _ptr(y), _ptr(sc), B, G, n, int(reverse))
+    return y
 
 
 _HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend on the thread count

@@ -194,9 +194,12 @@ class _CausalFlashCore(torch.autograd.Function):
             a = r * r
             out = torch.bmm(a, vc)
             at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
-            states = torch.bmm(kgc.transpose(1, 2), vc).to(sdt).view(B, G, s * e)
+            states = torch.bmm(kgc.transpose(1, 2), vc).view(B, G, s * e)
             scales = _global_scales(G, C, normalizer, sdt, v.device)
-            prefix = _prefix(states, scales).to(cdt).view(B * G, s, e)
+            if _native.rows_usable(cdt, v.device):  # one pass, fp32 sums (_native_prefix.cpp)
+                prefix = _native.chunk_prefix(states, scales, reverse=False).view(B * G, s, e)
+            else:
+                prefix = _prefix(states.to(sdt), scales).to(cdt).view(B * G, s, e)
             out.baddbmm_(qgc, prefix)  # out is this function's own: no copy of it
         ctx.save_for_backward(ql, kl, qg, kg, v, r, at, prefix, scales)
         ctx.C, ctx.has_bias, ctx.bias_dtype = C, bias is not None, None if bias is None else bias.dtype
@@ -223,8 +226,11 @@ class _CausalFlashCore(torch.autograd.Function):
             dkl = torch.bmm(ds.transpose(1, 2), qlc / C)
             # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
             dqg = torch.bmm(g, prefix.transpose(1, 2))
-            dprefix = torch.bmm(qgc.transpose(1, 2), g).to(sdt).view(B, G, s * e)
-            dstates = _prefix_adjoint(dprefix, scales).to(cdt).view(B * G, s, e)
+            dprefix = torch.bmm(qgc.transpose(1, 2), g).view(B, G, s * e)
+            if _native.rows_usable(cdt, v.device):
+                dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
+            else:
+                dstates = _prefix_adjoint(dprefix.to(sdt), scales).to(cdt).view(B * G, s, e)
             dkg = torch.bmm(vc, dstates.transpose(1, 2))
             dv.baddbmm_(kgc, dstates)
         return (dql.view(B, T, s), dkl.view(B, T, s), dqg.view(B, T, s), dkg.view(B, T, s), dv.view(B, T, e), dbias,
