@@ -335,6 +335,18 @@ def test_scale_offset_rope_bf16_heads_are_the_fp32_heads_rounded_once(backend_mo
             assert torch.equal(a, b)
 
 
+@needs_kernel
+def test_fused_heads_are_stored_head_major(backend_mode):
+    """Each head of the fused output is one contiguous [T, s] block per row (FLASH's chunked
+    products read it in place), with the [B, T, n, s] shape and values of the PyTorch form."""
+    backend_mode("native")
+    z, gamma, beta = torch.randn(1, 9, 16), torch.randn(4, 16), torch.randn(4, 16)
+    cos, sin = torch.randn(1, 9, 4), torch.randn(1, 9, 4)
+    h = scale_offset_rope(z, gamma, beta, cos, sin)
+    assert h.shape == (1, 9, 4, 16) and all(h[:, :, i].is_contiguous() for i in range(4))
+    assert rel_err(h, scale_offset_rope_reference(z, gamma, beta, cos, sin)) < 1e-6
+
+
 def test_scale_offset_rope_torch_form_in_fp64_is_the_reference():
     z = torch.randn(2, 5, 16, dtype=torch.float64)
     gamma, beta = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)

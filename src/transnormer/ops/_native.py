@@ -112,7 +112,7 @@ _SIGNATURES = {
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64]),
-    "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32]),
+    "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32, _I64]),
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
 }
@@ -566,13 +566,14 @@ _HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend o
 def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):
     """RoPE(z * gamma_h + beta_h) [B, T, n, s] in ``out_dtype`` (fp32 or bf16, rounded once) from z
     [B, T, s] (see :func:`token_rows_ok`), fp32 gamma, beta [n, s] and cos, sin [B, T, P]
-    contiguous (``_native_heads.cpp``)."""
+    contiguous (``_native_heads.cpp``). Stored head-major (a [B, n, T, s] tensor seen as
+    [B, T, n, s]), so that each head ``y[:, :, h]`` is contiguous."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]
-    y = torch.empty(B, T, n, s, dtype=out_dtype)
+    y = torch.empty(B, n, T, s, dtype=out_dtype)
     _call("tn_heads_fwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(beta), _ptr(cos), _ptr(sin), _ptr(y), B * T, n, s, P,
-          z.stride(1), int(out_dtype == torch.bfloat16))
-    return y
+          z.stride(1), int(out_dtype == torch.bfloat16), T)
+    return y.transpose(1, 2)
 
 
 def heads_bwd(z, gamma, cos, sin, dy):

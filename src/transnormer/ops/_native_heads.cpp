@@ -12,7 +12,9 @@
 //
 // Layouts: z [N, s] with rows ldz >= s elements apart (a slice of the projection), fp32 or bf16;
 // gamma, beta [n, s] fp32; cos, sin [N, P] fp32, rotating pairs (i, i + P) of the first 2P <= s
-// channels (rotate-half), the rest passing through; y, dy [N, n, s] contiguous, fp32 or bf16
+// channels (rotate-half), the rest passing through; y [N, n, s] or head-major [N / T, n, T, s]
+// (each head's rows contiguous: the products that read one head take it without a copy) and
+// dy [N, n, s], contiguous, fp32 or bf16
 // (ybf16: the heads' consumer runs under bf16 autocast; they are rounded once, as its cast would);
 // dz [N, s] contiguous in z's dtype; dgamma, dbeta partials [parts, n, s] fp32.
 //   x = z * gamma_h + beta_h,  y_i = x_i c_i - x_i+P s_i,  y_i+P = x_i+P c_i + x_i s_i  (i < P)
@@ -25,6 +27,8 @@ using namespace tn;
 
 struct Shape {
     idx N, n, s, P, ldz;
+    idx T;  // y's layout: 0: [N, n, s] (token-major); else [N / T, n, T, s] (head-major, T tokens a row)
+    idx y_row(idx r, idx h) const { return T ? ((r / T * n + h) * T + r % T) * s : (r * n + h) * s; }
 };
 
 template <typename T, typename Y>
@@ -43,7 +47,7 @@ void forward_rows(const Shape& sh, const T* z, const float* gamma, const float* 
                 out[i + P] = x[i + P] * c[i] + x[i] * sn[i];
             }
             for (idx j = 2 * P; j < s; ++j) out[j] = x[j];
-            Y* yr = y + (r * n + h) * s;
+            Y* yr = y + sh.y_row(r, h);
             for (idx j = 0; j < s; ++j) from_float(out[j], yr + j);
         }
     }
@@ -88,9 +92,9 @@ extern "C" {
 #define TN_HEADS_DEFINE(SUFFIX, T)                                                                              \
     int tn_heads_fwd_##SUFFIX(const void* z, const float* gamma, const float* beta, const float* cos,           \
                               const float* sin, void* y, idx N, idx n, idx s, idx P, idx ldz, int ybf16,         \
-                              int nthreads) {                                                                   \
-        const Shape sh{N, n, s, P, ldz};                                                                        \
-        if (bad(sh)) return 1;                                                                                  \
+                              idx head_major_T, int nthreads) {                                                 \
+        const Shape sh{N, n, s, P, ldz, head_major_T};                                                          \
+        if (bad(sh) || head_major_T < 0 || (head_major_T && N % head_major_T)) return 1;                        \
         parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                      \
             if (ybf16)                                                                                          \
                 forward_rows(sh, static_cast<const T*>(z), gamma, beta, cos, sin, static_cast<bf16*>(y), r0, r1); \
@@ -103,7 +107,7 @@ extern "C" {
     int tn_heads_bwd_##SUFFIX(const void* z, const float* gamma, const float* cos, const float* sin,            \
                               const void* dy, void* dz, float* dg, float* db, idx N, idx n, idx s, idx P,        \
                               idx ldz, idx parts, int ybf16, int nthreads) {                                    \
-        const Shape sh{N, n, s, P, ldz};                                                                        \
+        const Shape sh{N, n, s, P, ldz, 0};                                                                     \
         if (bad(sh) || parts < 1) return 1;                                                                     \
         parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                  \
             for (idx p = p0; p < p1; ++p) {                                                                     \
