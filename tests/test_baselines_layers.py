@@ -249,3 +249,48 @@ def test_errors():
         GAU(16, causal=False, rope="partial:3")
     with pytest.raises(TypeError, match="layer_options\\['performer'\\]"):
         TransNormerForCausalLM(small_lm("performer", {"nb_features": 8}))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("T, C, rel_bias", [(64, 16, "toeplitz"), (96, 32, "none"), (16, 16, "toeplitz")])
+def test_flash_layer_fused_mixer_matches_composed_ops(monkeypatch, dtype, T, C, rel_bias):
+    """A causal FLASH layer through _CausalFlashMixer (the gate read from the pre-activation, u
+    never written) against the same layer through silu_split, the heads, the core and u * o:
+    output and the gradients of x and of every parameter."""
+    import transnormer.ops.flash as flash_mod
+    from transnormer.ops import _native
+
+    if not _native.rows_usable(torch.float32, torch.device("cpu")):
+        pytest.skip("fused CPU kernels unavailable")
+    torch.manual_seed(0)
+    layer = FLASH(48, causal=True, chunk_size=C, qk_dim=32, rel_bias=rel_bias)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # non-zero biases, β, and a non-trivial bias table
+    x = torch.randn(2, T, 48)
+    gy = torch.randn(2, T, 48)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(flash_mod, "_FUSED_MIXER", fused)
+        calls = []
+        monkeypatch.setattr(flash_mod._CausalFlashMixer, "apply", _counting(flash_mod._CausalFlashMixer.apply, calls))
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            y, _ = layer(xi)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(y, [xi, *params], gy.to(y.dtype), allow_unused=True)
+        assert len(calls) == int(fused)
+        results.append((y, *grads))
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    for a, b in zip(*results):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        assert rel_err(a.double(), b.double()) < tol
+
+
+def _counting(fn, calls):
+    def wrapped(*args):
+        calls.append(1)
+        return fn(*args)
+    return wrapped

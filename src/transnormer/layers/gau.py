@@ -28,8 +28,10 @@ from ..modules.positional import LRPE
 from ..ops.flash import (
     GLOBAL_NORMALIZERS,
     QUAD_NORMALIZERS,
+    causal_flash_mixer,
     check_normalizer,
     flash_attn,
+    flash_mixer_usable,
     gau_attn,
     relu2_attention,
 )
@@ -315,6 +317,16 @@ class FLASH(_GatedUnit):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
+        if (self.causal and self.local_branch and self.global_branch and mask is None and not use_cache
+                and T % self.chunk_size == 0 and self._dropout() == 0.0 and self.rope is not None):
+            pre = F.linear(x, self.proj.weight)
+            cos, sin = self.rope.tables(positions)
+            if (flash_mixer_usable(pre, self.proj.bias) and self.gamma.dtype == self.beta.dtype == torch.float32
+                    and not (cos.requires_grad or sin.requires_grad)):
+                # the whole layer between its two projections in one Function (ops/flash.py)
+                y = causal_flash_mixer(pre, self.proj.bias, self.gamma, self.beta, cos, sin, self.local_bias(x.device),
+                                       e=self.e, chunk_size=self.chunk_size, normalizer=self.normalizer)
+                return self.out_proj(y), None
         u, v, heads = self.project(x, positions)
         ql, kl, qg, kg = heads.unbind(2)
         if use_cache and not self.causal:

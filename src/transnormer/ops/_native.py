@@ -111,7 +111,9 @@ _SIGNATURES = {
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
-    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64]),
+    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64, _I64]),
+    "tn_silu_mul_fwd": (("f32", "bf16"), [_P] * 4 + [_I64] * 3),
+    "tn_silu_mul_bwd": (("f32", "bf16"), [_P] * 7 + [_I64] * 5),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32, _I64]),
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
@@ -524,13 +526,23 @@ def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     return dab
 
 
+def _row_block(x: torch.Tensor) -> int:
+    """Row stride of x [..., W] whose rows are evenly spaced with unit column stride: contiguous,
+    or a column block of a wider contiguous tensor (as the kernels' ld arguments take it)."""
+    if x.is_contiguous():
+        return x.shape[-1]
+    if x.stride(-1) != 1 or any(x.stride(i) != x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2)):
+        raise ValueError(f"rows must be evenly spaced with unit column stride, got strides {x.stride()}")
+    return x.stride(-2)
+
+
 def silu_split_fwd(pre: torch.Tensor, widths: list[int], bias: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """silu(pre + bias) of contiguous pre [..., W] (bias: contiguous fp32 [W] or None), split into
-    contiguous column groups of ``widths``."""
+    """silu(pre + bias) of pre [..., W] (rows uniformly spaced; bias: contiguous fp32 [W] or None),
+    split into contiguous column groups of ``widths``."""
     n = len(widths)
     outs = [torch.empty(*pre.shape[:-1], w, dtype=pre.dtype) for w in widths]
     _call("tn_silu_split_fwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]),
-          (ctypes.c_long * n)(*widths), n, pre.numel() // max(pre.shape[-1], 1), pre.shape[-1])
+          (ctypes.c_long * n)(*widths), n, pre.numel() // max(pre.shape[-1], 1), _row_block(pre))
     return outs
 
 
@@ -538,15 +550,38 @@ _SILU_BIAS_PARTS = 8  # d(bias) partial sums: fixed, so results do not depend on
 
 
 def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: list[int],
-                   bias: torch.Tensor | None = None, bias_grad: bool = False):
-    """(d(pre), d(bias) fp32 [W] or None) from the groups' contiguous gradients (None = zero)."""
+                   bias: torch.Tensor | None = None, bias_grad: bool = False, dpre: torch.Tensor | None = None):
+    """(d(pre), d(bias) fp32 [W] or None) from the groups' contiguous gradients (None = zero);
+    d(pre) is written into ``dpre`` when given (a [..., W] block with uniformly spaced rows)."""
     n, N = len(widths), pre.numel() // max(pre.shape[-1], 1)
-    dpre = torch.empty_like(pre)
+    dpre = torch.empty_like(pre, memory_format=torch.contiguous_format) if dpre is None else dpre
     parts = max(1, min(_SILU_BIAS_PARTS, N))
     db = torch.zeros(parts, pre.shape[-1], dtype=torch.float32) if bias_grad else None
     _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
-          (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(db), N, pre.shape[-1], parts)
+          (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(db), N, _row_block(pre), _row_block(dpre), parts)
     return dpre, None if db is None else db.sum(0)
+
+
+def silu_mul_fwd(pre: torch.Tensor, bias: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    """silu(pre + bias) * o for pre [..., F] (uniformly spaced rows), contiguous o [..., F], bias
+    contiguous fp32 [F] or None (``_native_glu.cpp``)."""
+    F = pre.shape[-1]
+    y = torch.empty_like(o)
+    _call("tn_silu_mul_fwd", pre.dtype, _ptr(pre), _ptr(bias), _ptr(o), _ptr(y), o.numel() // F, F, _row_block(pre))
+    return y
+
+
+def silu_mul_bwd(pre, bias, o, dy, dpre: torch.Tensor, bias_grad: bool):
+    """(do, d(bias) fp32 [F] or None) of :func:`silu_mul_fwd` for contiguous dy; d(pre) is written
+    into ``dpre`` (a [..., F] block with uniformly spaced rows)."""
+    F = pre.shape[-1]
+    N = o.numel() // F
+    do = torch.empty_like(o)
+    parts = max(1, min(_SILU_BIAS_PARTS, N))
+    db = torch.zeros(parts, F, dtype=torch.float32) if bias_grad else None
+    _call("tn_silu_mul_bwd", pre.dtype, _ptr(pre), _ptr(bias), _ptr(o), _ptr(dy), _ptr(do), _ptr(dpre), _ptr(db), N, F,
+          _row_block(pre), _row_block(dpre), parts)
+    return do, None if db is None else db.sum(0)
 
 
 def chunk_prefix(x: torch.Tensor, scales: torch.Tensor, *, reverse: bool) -> torch.Tensor:

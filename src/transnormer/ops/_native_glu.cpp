@@ -30,6 +30,18 @@ inline __m512 sigmoid16(__m512 a) {
     return _mm512_mask_mul_ps(r, neg, r, e);
 }
 
+// p[0..16) under mask k as fp32, plus bias[0..16) when there is a bias
+template <typename T>
+inline __m512 load_biased16(const T* p, const float* bias, __mmask16 k) {
+    const __m512 a = load16(p, k);
+    return bias ? _mm512_add_ps(a, _mm512_maskz_loadu_ps(k, bias)) : a;
+}
+
+// silu'(a) = s (1 + a (1 - s)) from s = sigmoid(a)
+inline __m512 silu_grad16(__m512 a, __m512 s) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(a, s), _mm512_sub_ps(_mm512_set1_ps(1.0f), s), s);
+}
+
 template <typename T>
 void forward_rows(const T* ab, T* h, idx F, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
@@ -115,7 +127,8 @@ TN_GLU_DEFINE(bf16, bf16)
 // here the backward adds each row's fp32 d(pre) into its part's sum (parts are fixed row ranges,
 // so the sum does not depend on the thread count).
 //   pre [N, W] with rows ldp >= W apart; out_g / dout_g [N, w_g] contiguous; dpre [N, W] contiguous;
-//   dbias [parts, W] fp32, zeroed by the caller.
+//   dbias [parts, W] fp32, zeroed by the caller. dpre rows may be ldd >= W apart (a column block of
+//   a wider gradient).
 // ---------------------------------------------------------------------------------------------
 namespace {
 
@@ -126,8 +139,7 @@ inline void silu_row(const T* src, const float* bias, idx w, T* dst) {
 #if defined(TN_AVX512)
     for (; j < w; j += 16) {
         const __mmask16 k = tail_mask(w - j);
-        __m512 a = load16(src + j, k);
-        if (bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(k, bias + j));
+        const __m512 a = load_biased16(src + j, bias ? bias + j : nullptr, k);
         store16(dst + j, _mm512_mul_ps(a, sigmoid16(a)), k);
     }
 #endif
@@ -142,14 +154,10 @@ template <typename T>
 inline void silu_grad_row(const T* src, const float* bias, const T* go, idx w, T* dst, float* db) {
     idx j = 0;
 #if defined(TN_AVX512)
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (; j < w; j += 16) {
         const __mmask16 k = tail_mask(w - j);
-        __m512 a = load16(src + j, k);
-        if (bias) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(k, bias + j));
-        const __m512 s = sigmoid16(a);
-        const __m512 ds = _mm512_fmadd_ps(_mm512_mul_ps(a, s), _mm512_sub_ps(one, s), s);
-        const __m512 d = go ? _mm512_mul_ps(load16(go + j, k), ds) : _mm512_setzero_ps();
+        const __m512 a = load_biased16(src + j, bias ? bias + j : nullptr, k);
+        const __m512 d = go ? _mm512_mul_ps(load16(go + j, k), silu_grad16(a, sigmoid16(a))) : _mm512_setzero_ps();
         store16(dst + j, d, k);
         if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
     }
@@ -177,10 +185,10 @@ void silu_split_rows(const T* pre, idx ldp, const float* bias, int ng, const idx
 
 template <typename T>
 void silu_split_bwd_rows(const T* pre, idx ldp, const float* bias, int ng, const idx* widths, const T* const* douts,
-                         T* dpre, float* db, idx W, idx r0, idx r1) {
+                         T* dpre, idx ldd, float* db, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T* p = pre + r * ldp;
-        T* d = dpre + r * W;
+        T* d = dpre + r * ldd;
         idx c = 0;
         for (int g = 0; g < ng; ++g) {
             silu_grad_row(p + c, bias ? bias + c : nullptr, douts[g] ? douts[g] + r * widths[g] : nullptr, widths[g],
@@ -208,20 +216,112 @@ extern "C" {
     }                                                                                                          \
     /* dbias: [parts, W] zeroed (or null); part p sums the rows [N p / parts, N (p + 1) / parts) */           \
     int tn_silu_split_bwd_##SUFFIX(const void* pre, const float* bias, const void* const* douts, const idx* widths, \
-                                   int ng, void* dpre, float* dbias, idx N, idx ldp, idx parts, int nthreads) { \
+                                   int ng, void* dpre, float* dbias, idx N, idx ldp, idx ldd, idx parts,       \
+                                   int nthreads) {                                                            \
         idx W = 0;                                                                                             \
         for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
-        if (N < 0 || ng < 1 || ldp < W || parts < 1) return 1;                                                 \
+        if (N < 0 || ng < 1 || ldp < W || ldd < W || parts < 1) return 1;                                      \
         parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
             for (idx p = p0; p < p1; ++p)                                                                      \
                 silu_split_bwd_rows(static_cast<const T*>(pre), ldp, bias, ng, widths,                         \
-                                    reinterpret_cast<const T* const*>(douts), static_cast<T*>(dpre),           \
-                                    dbias ? dbias + p * W : nullptr, W, N * p / parts, N * (p + 1) / parts);   \
+                                    reinterpret_cast<const T* const*>(douts), static_cast<T*>(dpre), ldd,      \
+                                    dbias ? dbias + p * W : nullptr, N * p / parts, N * (p + 1) / parts);      \
         });                                                                                                    \
         return 0;                                                                                              \
     }
 
 TN_SILU_SPLIT_DEFINE(f32, float)
 TN_SILU_SPLIT_DEFINE(bf16, bf16)
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// FLASH's gate from the pre-activation: y = silu(p + b) * o, with p a column block of the
+// projection (rows ldp apart). The gate u = silu(p + b) is never written: forward reads p and
+// o once; backward reads dy, o and p once and writes do = dy * u and d(p) = dy * o * silu'(p + b)
+// straight into its block of the projection's gradient (rows ldd apart), adding d(p) into the
+// bias's fixed row parts. Against a split SiLU that writes u, a multiply, and their two backward
+// passes, about five [N, F] passes fewer.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+template <typename T>
+void silu_mul_rows(const T* pre, idx ldp, const float* bias, const T* o, T* y, idx F, idx r0, idx r1) {
+    for (idx r = r0; r < r1; ++r) {
+        const T *p = pre + r * ldp, *orow = o + r * F;
+        T* yr = y + r * F;
+        idx j = 0;
+#if defined(TN_AVX512)
+        for (; j < F; j += 16) {
+            const __mmask16 k = tail_mask(F - j);
+            const __m512 a = load_biased16(p + j, bias ? bias + j : nullptr, k);
+            store16(yr + j, _mm512_mul_ps(_mm512_mul_ps(a, sigmoid16(a)), load16(orow + j, k)), k);
+        }
+#endif
+        for (; j < F; ++j) {
+            const float a = to_float(p[j]) + (bias ? bias[j] : 0.0f);
+            from_float(a * sigmoid(a) * to_float(orow[j]), yr + j);
+        }
+    }
+}
+
+template <typename T>
+void silu_mul_bwd_rows(const T* pre, idx ldp, const float* bias, const T* o, const T* dy, T* dout, T* dpre, idx ldd,
+                       float* db, idx F, idx r0, idx r1) {
+    for (idx r = r0; r < r1; ++r) {
+        const T *p = pre + r * ldp, *orow = o + r * F, *g = dy + r * F;
+        T *dor = dout + r * F, *dp = dpre + r * ldd;
+        idx j = 0;
+#if defined(TN_AVX512)
+        for (; j < F; j += 16) {
+            const __mmask16 k = tail_mask(F - j);
+            const __m512 a = load_biased16(p + j, bias ? bias + j : nullptr, k);
+            const __m512 s = sigmoid16(a), gv = load16(g + j, k);
+            store16(dor + j, _mm512_mul_ps(gv, _mm512_mul_ps(a, s)), k);
+            const __m512 d = _mm512_mul_ps(_mm512_mul_ps(gv, load16(orow + j, k)), silu_grad16(a, s));
+            store16(dp + j, d, k);
+            if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
+        }
+#endif
+        for (; j < F; ++j) {
+            const float a = to_float(p[j]) + (bias ? bias[j] : 0.0f), s = sigmoid(a), gv = to_float(g[j]);
+            from_float(gv * a * s, dor + j);
+            const float d = gv * to_float(orow[j]) * s * (1.0f + a * (1.0f - s));
+            from_float(d, dp + j);
+            if (db) db[j] += d;
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define TN_SILU_MUL_DEFINE(SUFFIX, T)                                                                          \
+    int tn_silu_mul_fwd_##SUFFIX(const void* pre, const float* bias, const void* o, void* y, idx N, idx F,      \
+                                 idx ldp, int nthreads) {                                                     \
+        if (N < 0 || F < 1 || ldp < F) return 1;                                                               \
+        parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                     \
+            silu_mul_rows(static_cast<const T*>(pre), ldp, bias, static_cast<const T*>(o), static_cast<T*>(y), F, \
+                          r0, r1);                                                                             \
+        });                                                                                                    \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    /* dbias: [parts, F] zeroed (or null); part p sums the rows [N p / parts, N (p + 1) / parts) */           \
+    int tn_silu_mul_bwd_##SUFFIX(const void* pre, const float* bias, const void* o, const void* dy, void* dout, \
+                                 void* dpre, float* dbias, idx N, idx F, idx ldp, idx ldd, idx parts,         \
+                                 int nthreads) {                                                              \
+        if (N < 0 || F < 1 || ldp < F || ldd < F || parts < 1) return 1;                                       \
+        parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
+            for (idx p = p0; p < p1; ++p)                                                                      \
+                silu_mul_bwd_rows(static_cast<const T*>(pre), ldp, bias, static_cast<const T*>(o),             \
+                                  static_cast<const T*>(dy), static_cast<T*>(dout), static_cast<T*>(dpre), ldd,  \
+                                  dbias ? dbias + p * F : nullptr, F, N * p / parts, N * (p + 1) / parts);     \
+        });                                                                                                    \
+        return 0;                                                                                              \
+    }
+
+TN_SILU_MUL_DEFINE(f32, float)
+TN_SILU_MUL_DEFINE(bf16, bf16)
 
 }  // extern "C"

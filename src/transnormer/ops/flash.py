@@ -87,6 +87,7 @@ def relu2_attention(
 
 _PREFIX_MATMUL_MAX_CHUNKS = 64
 _EXPLICIT_BACKWARD = True  # _CausalFlashCore where it applies (tests switch it off to compare)
+_FUSED_MIXER = True  # FLASH layers through _CausalFlashMixer where it applies (likewise)
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +166,62 @@ def _prefix_adjoint(dprefix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return _exclusive_cumsum((dprefix * scales[:, None]).flip(1)).flip(1)
 
 
+def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
+    """out [B, T, e] of both causal branches and what the backward keeps (see _CausalFlashCore)."""
+    B, T, s = ql.shape
+    e, G = v.shape[-1], T // C
+    cdt, sdt = v.dtype, state_dtype_for(v.dtype)
+    with torch.autocast(v.device.type, enabled=False):
+        qlc, klc = (x.reshape(B * G, C, s) for x in (ql, kl))
+        qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
+        vc = v.reshape(B * G, C, e)
+        scores = torch.bmm(qlc / C, klc.transpose(1, 2))  # [BG, C, C]
+        if bias is not None:
+            scores = scores + bias.to(cdt)
+        tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        r = torch.relu(scores).masked_fill_(~tril, 0.0)
+        a = r * r
+        out = torch.bmm(a, vc)
+        at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
+        states = torch.bmm(kgc.transpose(1, 2), vc).view(B, G, s * e)
+        scales = _global_scales(G, C, normalizer, sdt, v.device)
+        if _native.rows_usable(cdt, v.device):  # one pass, fp32 sums (_native_prefix.cpp)
+            prefix = _native.chunk_prefix(states, scales, reverse=False).view(B * G, s, e)
+        else:
+            prefix = _prefix(states.to(sdt), scales).to(cdt).view(B * G, s, e)
+        out.baddbmm_(qgc, prefix)  # out is this function's own: no copy of it
+    return out.view(B, T, e), (ql, kl, qg, kg, v, r, at, prefix, scales)
+
+
+def _core_backward(saved, dout, C: int, bias_dtype):
+    """(dql, dkl, dqg, dkg [B, T, s], dv [B, T, e], d bias [C, C] or None) from dout [B, T, e]."""
+    ql, kl, qg, kg, v, r, at, prefix, scales = saved
+    B, T, s = ql.shape
+    e, G = v.shape[-1], T // C
+    cdt, sdt = v.dtype, state_dtype_for(v.dtype)
+    with torch.autocast(v.device.type, enabled=False):
+        g = dout.to(cdt).reshape(B * G, C, e)
+        qlc, klc = (x.reshape(B * G, C, s) for x in (ql, kl))
+        qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
+        vc = v.reshape(B * G, C, e)
+        # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r
+        dv = torch.bmm(at, g)
+        ds = torch.bmm(g, vc.transpose(1, 2)).mul_(r).mul_(2.0)
+        dbias = None if bias_dtype is None else ds.sum(0).to(bias_dtype)
+        dql = torch.bmm(ds, klc) / C
+        dkl = torch.bmm(ds.transpose(1, 2), qlc / C)
+        # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
+        dqg = torch.bmm(g, prefix.transpose(1, 2))
+        dprefix = torch.bmm(qgc.transpose(1, 2), g).view(B, G, s * e)
+        if _native.rows_usable(cdt, v.device):
+            dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
+        else:
+            dstates = _prefix_adjoint(dprefix.to(sdt), scales).to(cdt).view(B * G, s, e)
+        dkg = torch.bmm(vc, dstates.transpose(1, 2))
+        dv.baddbmm_(kgc, dstates)
+    return dql.view(B, T, s), dkl.view(B, T, s), dqg.view(B, T, s), dkg.view(B, T, s), dv.view(B, T, e), dbias
+
+
 class _CausalFlashCore(torch.autograd.Function):
     """Both FLASH branches, causal, for whole chunks without padding or dropout, with the
     backward written out: the same products and roundings as the autograd form (the oracle),
@@ -179,62 +236,76 @@ class _CausalFlashCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ql, kl, qg, kg, v, bias, C: int, normalizer: str):
-        B, T, s = ql.shape
-        e, G = v.shape[-1], T // C
-        cdt, sdt = v.dtype, state_dtype_for(v.dtype)
-        with torch.autocast(v.device.type, enabled=False):
-            qlc, klc = (x.reshape(B * G, C, s) for x in (ql, kl))
-            qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
-            vc = v.reshape(B * G, C, e)
-            scores = torch.bmm(qlc / C, klc.transpose(1, 2))  # [BG, C, C]
-            if bias is not None:
-                scores = scores + bias.to(cdt)
-            tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-            r = torch.relu(scores).masked_fill_(~tril, 0.0)
-            a = r * r
-            out = torch.bmm(a, vc)
-            at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
-            states = torch.bmm(kgc.transpose(1, 2), vc).view(B, G, s * e)
-            scales = _global_scales(G, C, normalizer, sdt, v.device)
-            if _native.rows_usable(cdt, v.device):  # one pass, fp32 sums (_native_prefix.cpp)
-                prefix = _native.chunk_prefix(states, scales, reverse=False).view(B * G, s, e)
-            else:
-                prefix = _prefix(states.to(sdt), scales).to(cdt).view(B * G, s, e)
-            out.baddbmm_(qgc, prefix)  # out is this function's own: no copy of it
-        ctx.save_for_backward(ql, kl, qg, kg, v, r, at, prefix, scales)
-        ctx.C, ctx.has_bias, ctx.bias_dtype = C, bias is not None, None if bias is None else bias.dtype
-        return out.view(B, T, e)
+        out, saved = _core_forward(ql, kl, qg, kg, v, bias, C, normalizer)
+        ctx.save_for_backward(*saved)
+        ctx.C, ctx.bias_dtype = C, None if bias is None else bias.dtype
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        ql, kl, qg, kg, v, r, at, prefix, scales = ctx.saved_tensors
-        C = ctx.C
-        B, T, s = ql.shape
-        e, G = v.shape[-1], T // C
-        cdt, sdt = v.dtype, state_dtype_for(v.dtype)
-        with torch.autocast(v.device.type, enabled=False):
-            g = dout.to(cdt).reshape(B * G, C, e)
-            qlc, klc = (x.reshape(B * G, C, s) for x in (ql, kl))
-            qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
-            vc = v.reshape(B * G, C, e)
-            # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r
-            dv = torch.bmm(at, g)
-            ds = torch.bmm(g, vc.transpose(1, 2)).mul_(r).mul_(2.0)
-            dbias = ds.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-            dql = torch.bmm(ds, klc) / C
-            dkl = torch.bmm(ds.transpose(1, 2), qlc / C)
-            # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
-            dqg = torch.bmm(g, prefix.transpose(1, 2))
-            dprefix = torch.bmm(qgc.transpose(1, 2), g).view(B, G, s * e)
-            if _native.rows_usable(cdt, v.device):
-                dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
-            else:
-                dstates = _prefix_adjoint(dprefix.to(sdt), scales).to(cdt).view(B * G, s, e)
-            dkg = torch.bmm(vc, dstates.transpose(1, 2))
-            dv.baddbmm_(kgc, dstates)
-        return (dql.view(B, T, s), dkl.view(B, T, s), dqg.view(B, T, s), dkg.view(B, T, s), dv.view(B, T, e), dbias,
-                None, None)
+        return (*_core_backward(ctx.saved_tensors, dout, ctx.C, ctx.bias_dtype), None, None)
+
+
+class _CausalFlashMixer(torch.autograd.Function):
+    """A causal FLASH layer from its projection to the gated output, for the CPU kernels:
+    [u | v | z] = silu(pre + b), heads = RoPE(z γ_h + β_h), y = u ⊙ (both branches).
+
+    One Function so that u is never materialised: the gate reads the pre-activation
+    (``_native.silu_mul_fwd``) and, backward, writes its block of d(pre) and of d(b) itself, the
+    split SiLU writing the v and z blocks beside it. The composed forms (silu_split, heads,
+    _CausalFlashCore, u * o) are the oracle.
+
+    pre: [B, T, 2e + s] (the projection without its bias, contiguous, fp32 or bf16); bias: fp32
+    [2e + s]; gamma, beta: fp32 [4, s]; cos, sin: fp32 [B, T, P] contiguous; local_bias [C, C] or
+    None. Returns y [B, T, e] in pre's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, pre, bias, gamma, beta, cos, sin, local_bias, e: int, C: int, normalizer: str):
+        W = pre.shape[-1]
+        s = W - 2 * e
+        pu, pvz = pre[..., :e], pre[..., e:]
+        v, z = _native.silu_split_fwd(pvz, [e, s], bias[e:])
+        heads = _native.heads_fwd(z, gamma, beta, cos, sin, pre.dtype)  # [B, T, 4, s], head-major
+        o, saved = _core_forward(*heads.unbind(2), v, local_bias, C, normalizer)
+        y = _native.silu_mul_fwd(pu, bias[:e], o)
+        ctx.save_for_backward(pre, bias, gamma, cos, sin, z, o, *saved)
+        ctx.e, ctx.C, ctx.bias_dtype = e, C, None if local_bias is None else local_bias.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        pre, bias, gamma, cos, sin, z, o, *saved = ctx.saved_tensors
+        e = ctx.e
+        s = pre.shape[-1] - 2 * e
+        dpre = torch.empty_like(pre)
+        do, db_u = _native.silu_mul_bwd(pre[..., :e], bias[:e], o, dy.to(pre.dtype).contiguous(), dpre[..., :e],
+                                        bias_grad=True)
+        dql, dkl, dqg, dkg, dv, dlocal = _core_backward(saved, do, ctx.C, ctx.bias_dtype)
+        dheads = torch.stack((dql, dkl, dqg, dkg), 2)  # [B, T, 4, s], what the heads kernel reads
+        dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dheads)
+        _, db_vz = _native.silu_split_bwd(pre[..., e:], [dv, dz], [e, s], bias[e:], bias_grad=True,
+                                          dpre=dpre[..., e:])
+        return dpre, torch.cat((db_u, db_vz)), dgamma, dbeta, None, None, dlocal, None, None, None
+
+
+def causal_flash_mixer(pre, bias, gamma, beta, cos, sin, local_bias, *, e: int, chunk_size: int,
+                       normalizer: str) -> torch.Tensor:
+    """u ⊙ FLASH(heads, v) for a causal layer without padding or dropout, T a multiple of the chunk
+    size, from the projection ``pre`` [B, T, 2e + s] (no bias) and its ``bias``; see
+    :class:`_CausalFlashMixer` for the shapes. The caller checks :func:`flash_mixer_usable`."""
+    return _CausalFlashMixer.apply(pre.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(),
+                                   cos.float().expand(pre.shape[0], -1, -1).contiguous(),
+                                   sin.float().expand(pre.shape[0], -1, -1).contiguous(), local_bias, e, chunk_size,
+                                   normalizer)
+
+
+def flash_mixer_usable(pre: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`causal_flash_mixer` can take ``pre`` (the CPU kernels for its dtype, fp32 bias)."""
+    return (_FUSED_MIXER and _native.rows_usable(pre.dtype, pre.device) and bias is not None
+            and bias.dtype == torch.float32 and pre.numel() > 0)
 
 
 def quad_normalizer(mode: str, *, causal: bool, valid: torch.Tensor, fixed_len: int, dtype: torch.dtype):
