@@ -490,6 +490,49 @@ def test_scale_norm_through_the_fused_norm_equals_its_formula(backend_mode, dtyp
     assert abs(float(gs) - float(gsr)) < tol * float((ref.detach() / sr.detach() * w).abs().sum())
 
 
+@pytest.mark.parametrize("mode", ["native", "torch"])
+def test_scale_norm_feeding_autocast_rounds_its_fp32_result_once(backend_mode, mode):
+    """A pre-norm ScaleNorm under bf16 autocast returns bf16: its fp32 output rounded, bit for bit;
+    the gradients from a bf16 dy equal those of the fp32 output from the same dy."""
+    from transnormer.modules.norms import ScaleNorm
+
+    if mode == "native" and _native.load() is None:
+        pytest.skip("fused CPU kernels unavailable")
+    backend_mode(mode)
+    torch.manual_seed(0)
+    x = (torch.randn(2, 7, 40) * 3).requires_grad_()
+    gy = torch.randn(2, 7, 40).bfloat16()
+    norm = ScaleNorm(40, feeds_autocast=True)
+    with torch.no_grad():
+        norm.scale.fill_(1.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16 = norm(x)
+    y32 = norm(x)  # outside autocast: fp32
+    assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32
+    assert torch.equal(y16, y32.to(torch.bfloat16))
+    g16 = torch.autograd.grad(y16, (x, norm.scale), gy)
+    g32 = torch.autograd.grad(y32, (x, norm.scale), gy.float())
+    for a, b in zip(g16, g32):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 17, 4096 * 3 + 5])  # a lane, a vector tail, several thread blocks
+def test_residual_add_of_a_bf16_branch_equals_the_promoting_add(backend_mode, n):
+    from transnormer.ops.rowwise import residual_add
+
+    backend_mode("native")
+    x = torch.randn(n, requires_grad=True)
+    h = torch.randn(n).bfloat16().requires_grad_()
+    out = residual_add(x, h)
+    assert out.grad_fn is not None and "ResidualAdd" in type(out.grad_fn).__name__
+    ref = x + h
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    g = torch.randn(n)
+    for a, b in zip(torch.autograd.grad(out, (x, h), g), torch.autograd.grad(ref, (x, h), g)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_scale_norm_torch_form_is_the_reference_and_a_frozen_gain_gets_no_gradient(backend_mode):
     from transnormer.ops.rowwise import scale_norm, scale_norm_reference
 

@@ -28,6 +28,7 @@ from ..modules.ffn import build_ffn
 from ..modules.lm_loss import linear_cross_entropy
 from ..modules.norms import build_norm
 from ..modules.positional import LearnedPositions, SinusoidalPositions
+from ..ops.rowwise import residual_add
 from . import layer_builders  # noqa: F401  (registers the core layer types)
 from .configuration import TransNormerConfig
 
@@ -81,20 +82,23 @@ class TransNormerBlock(nn.Module):
         self.pre_norm = config.pre_norm
         d = config.hidden_size
         self.mixer = build_mixer(config, layer_idx)
-        self.mixer_norm = build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
+        # pre-norm: the norms' outputs only feed the mixer's and the FFN's products (not the residual)
+        self.mixer_norm = build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt,
+                                     feeds_autocast=config.pre_norm)
         self.ffn = None
         if not self.mixer.replaces_ffn:
             self.ffn = build_ffn(config.ffn_type, d, config.ffn_hidden_size, config.ffn_act)
-            self.ffn_norm = build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
+            self.ffn_norm = build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt,
+                                       feeds_autocast=config.pre_norm)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, *, attention_mask, positions, cache=None, use_cache=False):
         kw = {"attention_mask": attention_mask, "positions": positions, "cache": cache, "use_cache": use_cache}
         if self.pre_norm:
             h, cache = self.mixer(self.mixer_norm(x, attention_mask), **kw)
-            x = x + self.dropout(h)
+            x = residual_add(x, self.dropout(h))  # fused on CPU for an fp32 stream (ops/rowwise.py)
             if self.ffn is not None:
-                x = x + self.dropout(self.ffn(self.ffn_norm(x, attention_mask)))
+                x = residual_add(x, self.dropout(self.ffn(self.ffn_norm(x, attention_mask))))
         else:
             h, cache = self.mixer(x, **kw)
             x = self.mixer_norm(x + self.dropout(h), attention_mask)

@@ -48,16 +48,24 @@ class RMSNorm(SimpleRMSNorm):
 
 
 class ScaleNorm(nn.Module):
-    """ScaleNorm (FLASH): g·x / √(mean(x²) + ε) with one learnable scalar g."""
+    """ScaleNorm (FLASH): g·x / √(mean(x²) + ε) with one learnable scalar g.
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    ``feeds_autocast``: the output goes only to products that run under autocast (a pre-norm
+    block's mixer), so under autocast it is returned in the autocast dtype, rounded once from
+    fp32: the values those products' casts would make, without the fp32 copy and its cast back.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, feeds_autocast: bool = False):
         super().__init__()
-        self.dim, self.eps = dim, eps
+        self.dim, self.eps, self.feeds_autocast = dim, eps, feeds_autocast
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        dev = x.device.type
+        out_dtype = (torch.get_autocast_dtype(dev) if self.feeds_autocast and torch.is_autocast_enabled(dev)
+                     else None)
         # fused on CPU with the gain inside (ops/rowwise.py); fp32 math, the result rounds once
-        return scale_norm(x, self.scale, self.eps)
+        return scale_norm(x, self.scale, self.eps, out_dtype=out_dtype)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -107,8 +115,10 @@ class MaskedBatchNorm(nn.Module):
 NORM_TYPES = ("simple_rms", "rms", "layer", "scale", "batch")
 
 
-def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt: bool = False) -> nn.Module:
-    """Build a norm by name: one of :data:`NORM_TYPES`."""
+def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt: bool = False,
+               feeds_autocast: bool = False) -> nn.Module:
+    """Build a norm by name: one of :data:`NORM_TYPES`. ``feeds_autocast``: see :class:`ScaleNorm`
+    (the only norm that uses it so far)."""
     if name == "simple_rms":
         return SimpleRMSNorm(dim, 1e-8 if eps is None else eps, eps_inside_sqrt)
     if name == "rms":
@@ -116,7 +126,7 @@ def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt
     if name == "layer":
         return LayerNorm(dim, eps=1e-5 if eps is None else eps)
     if name == "scale":
-        return ScaleNorm(dim, 1e-5 if eps is None else eps)
+        return ScaleNorm(dim, 1e-5 if eps is None else eps, feeds_autocast=feeds_autocast)
     if name == "batch":
         return MaskedBatchNorm(dim, 1e-5 if eps is None else eps)
     raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {name!r}")

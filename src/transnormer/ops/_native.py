@@ -106,9 +106,10 @@ _SIGNATURES = {
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
     "tn_xent_rows": (("f32", "bf16"), [_P] + [_I64] * 3 + [_P] * 4 + [_I32]),
     "tn_transpose_acc": (("bf16",), [_P, _I64, _I64, _P, _I32]),
-    "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32, _F32]),
-    "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32, _F32, _P]),
+    "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32, _F32, _I32]),
+    "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32, _F32, _P, _I32]),
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
+    "tn_add_upcast": (("f32",), [_P] * 3 + [_I64]),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64, _I64]),
@@ -494,21 +495,33 @@ def lrpe_bwd(x, dy, cos, sin, u, scale: float, kernel: str):
     return dx, dcos, dsin
 
 
-def srms_fwd(x: torch.Tensor, eps: float, inside: bool, gain: float = 1.0) -> torch.Tensor:
-    """gain times SimpleRMSNorm of the last dim of contiguous x (``_native_norm.cpp``)."""
-    y = torch.empty_like(x)
-    _call("tn_srms_fwd", x.dtype, _ptr(x), _ptr(y), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside), gain)
+def srms_fwd(x: torch.Tensor, eps: float, inside: bool, gain: float = 1.0,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gain times SimpleRMSNorm of the last dim of contiguous x (``_native_norm.cpp``), in x's
+    dtype or bf16 (``out_dtype``, rounded once)."""
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype)
+    _call("tn_srms_fwd", x.dtype, _ptr(x), _ptr(y), x.numel() // x.shape[-1], x.shape[-1], eps, int(inside), gain,
+          int(y.dtype == torch.bfloat16 and x.dtype != torch.bfloat16))
     return y
 
 
 def srms_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float, inside: bool, gain: float = 1.0,
              gain_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx, d gain) of :func:`srms_fwd`; d gain (fp32, 0-d) only with ``gain_grad``."""
+    """(dx, d gain) of :func:`srms_fwd` for contiguous dy in x's dtype or bf16; d gain (fp32, 0-d)
+    only with ``gain_grad``."""
     N = x.numel() // x.shape[-1]
     dx = torch.empty_like(x)
     rowdot = torch.empty(N, dtype=torch.float32) if gain_grad else None
-    _call("tn_srms_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), N, x.shape[-1], eps, int(inside), gain, _ptr(rowdot))
+    _call("tn_srms_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), N, x.shape[-1], eps, int(inside), gain, _ptr(rowdot),
+          int(dy.dtype == torch.bfloat16 and x.dtype != torch.bfloat16))
     return dx, None if rowdot is None else rowdot.sum()
+
+
+def add_upcast(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x + h for contiguous fp32 x and bf16 h of one shape, in fp32 (``_native_norm.cpp``)."""
+    out = torch.empty_like(x)
+    _call("tn_add_upcast", x.dtype, _ptr(x), _ptr(h), _ptr(out), x.numel())
+    return out
 
 
 def silu_gate_fwd(ab: torch.Tensor) -> torch.Tensor:

@@ -25,16 +25,16 @@ namespace {
 using namespace tn;
 
 #if defined(TN_AVX512)
-template <typename T>
-float dot(const T* a, const T* b, idx D) {
+template <typename A, typename B>
+float dot(const A* a, const B* b, idx D) {
     __m512 acc = _mm512_setzero_ps();
     for (idx j = 0; j < D; j += 16) acc = _mm512_fmadd_ps(tn::load16(a + j, tn::tail_mask(D - j)), tn::load16(b + j, tn::tail_mask(D - j)), acc);
     return _mm512_reduce_add_ps(acc);
 }
 
 // out = alpha x + beta y (beta may be 0 with y = x)
-template <typename T>
-void axpby(float alpha, const T* x, float beta, const T* y, T* out, idx D) {
+template <typename X, typename Y, typename O>
+void axpby(float alpha, const X* x, float beta, const Y* y, O* out, idx D) {
     const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
     for (idx j = 0; j < D; j += 16) {
         const __mmask16 k = tn::tail_mask(D - j);
@@ -42,15 +42,15 @@ void axpby(float alpha, const T* x, float beta, const T* y, T* out, idx D) {
     }
 }
 #else
-template <typename T>
-float dot(const T* a, const T* b, idx D) {
+template <typename A, typename B>
+float dot(const A* a, const B* b, idx D) {
     double acc = 0.0;
     for (idx j = 0; j < D; ++j) acc += double(to_float(a[j])) * to_float(b[j]);
     return float(acc);
 }
 
-template <typename T>
-void axpby(float alpha, const T* x, float beta, const T* y, T* out, idx D) {
+template <typename X, typename Y, typename O>
+void axpby(float alpha, const X* x, float beta, const Y* y, O* out, idx D) {
     for (idx j = 0; j < D; ++j) from_float(alpha * to_float(x[j]) + beta * to_float(y[j]), out + j);
 }
 #endif
@@ -69,19 +69,20 @@ inline Coefs coefs(float ss, idx D, float eps, bool inside) {
     return {1.0f / den, r > 0.0f ? 1.0f / (den * den * float(D) * r) : 0.0f};
 }
 
-template <typename T>
-void forward_rows(const T* x, T* y, idx D, float eps, bool inside, float gain, idx r0, idx r1) {
+template <typename T, typename Y>
+void forward_rows(const T* x, Y* y, idx D, float eps, bool inside, float gain, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T* xr = x + r * D;
         axpby(gain * coefs(dot(xr, xr, D), D, eps, inside).scale, xr, 0.0f, xr, y + r * D, D);
     }
 }
 
-template <typename T>
-void backward_rows(const T* x, const T* dy, T* dx, idx D, float eps, bool inside, float gain, float* rowdot, idx r0,
+template <typename T, typename Y>
+void backward_rows(const T* x, const Y* dy, T* dx, idx D, float eps, bool inside, float gain, float* rowdot, idx r0,
                    idx r1) {
     for (idx r = r0; r < r1; ++r) {
-        const T *xr = x + r * D, *gr = dy + r * D;
+        const T* xr = x + r * D;
+        const Y* gr = dy + r * D;
         const Coefs c = coefs(dot(xr, xr, D), D, eps, inside);
         const float d = dot(gr, xr, D);
         axpby(gain * c.scale, gr, -gain * c.dscale * d, xr, dx + r * D, D);
@@ -93,21 +94,29 @@ void backward_rows(const T* x, const T* dy, T* dx, idx D, float eps, bool inside
 
 extern "C" {
 
+// y (forward) and dy (backward) are bf16 when ybf16, else of x's type: an fp32 residual stream
+// normalised for bf16 products is rounded once, here, instead of by a cast after.
 #define TN_NORM_DEFINE(SUFFIX, T)                                                                              \
     int tn_srms_fwd_##SUFFIX(const void* x, void* y, idx N, idx D, float eps, int inside, float gain,         \
-                             int nthreads) {                                                                   \
+                             int ybf16, int nthreads) {                                                        \
         if (N < 0 || D < 1) return 1;                                                                          \
+        const T* xs = static_cast<const T*>(x);                                                                \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                 \
-            forward_rows(static_cast<const T*>(x), static_cast<T*>(y), D, eps, inside != 0, gain, r0, r1);     \
+            if (ybf16) forward_rows(xs, static_cast<bf16*>(y), D, eps, inside != 0, gain, r0, r1);             \
+            else forward_rows(xs, static_cast<T*>(y), D, eps, inside != 0, gain, r0, r1);                      \
         });                                                                                                    \
         return 0;                                                                                              \
     }                                                                                                          \
     int tn_srms_bwd_##SUFFIX(const void* x, const void* dy, void* dx, idx N, idx D, float eps, int inside,     \
-                             float gain, float* rowdot, int nthreads) {                                        \
+                             float gain, float* rowdot, int ybf16, int nthreads) {                             \
         if (N < 0 || D < 1) return 1;                                                                          \
+        const T* xs = static_cast<const T*>(x);                                                                \
+        T* dxs = static_cast<T*>(dx);                                                                          \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                                 \
-            backward_rows(static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(dx), D, eps,    \
-                          inside != 0, gain, rowdot, r0, r1);                                                  \
+            if (ybf16)                                                                                         \
+                backward_rows(xs, static_cast<const bf16*>(dy), dxs, D, eps, inside != 0, gain, rowdot, r0, r1); \
+            else                                                                                               \
+                backward_rows(xs, static_cast<const T*>(dy), dxs, D, eps, inside != 0, gain, rowdot, r0, r1);  \
         });                                                                                                    \
         return 0;                                                                                              \
     }
@@ -116,3 +125,25 @@ TN_NORM_DEFINE(f32, float)
 TN_NORM_DEFINE(bf16, bf16)
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// The residual add of a bf16 branch output into the fp32 stream, out = x + h: PyTorch promotes
+// h to an fp32 copy first (a pass that writes twice h's bytes) and then adds.
+// ---------------------------------------------------------------------------------------------
+extern "C" int tn_add_upcast_f32(const float* x, const void* h, float* out, idx n, int nthreads) {
+    if (n < 0) return 1;
+    const idx blocks = (n + 4095) / 4096;
+    tn::parallel_ranges(blocks, nthreads, [&](idx b0, idx b1) {
+        const bf16* hb = static_cast<const bf16*>(h);
+        const idx i1 = std::min(n, b1 * 4096);
+        idx i = b0 * 4096;
+#if defined(TN_AVX512)
+        for (; i < i1; i += 16) {
+            const __mmask16 k = tn::tail_mask(i1 - i);
+            tn::store16(out + i, _mm512_add_ps(tn::load16(x + i, k), tn::load16(hb + i, k)), k);
+        }
+#endif
+        for (; i < i1; ++i) out[i] = x[i] + to_float(hb[i]);
+    });
+    return 0;
+}

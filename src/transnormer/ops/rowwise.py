@@ -57,25 +57,51 @@ class _FusedScaleNorm(torch.autograd.Function):
     g's gradient (dy·g for dx, dy·y for dg) are no separate passes over [N, D]."""
 
     @staticmethod
-    def forward(ctx, x, gain, eps: float):
+    def forward(ctx, x, gain, eps: float, out_dtype):
         ctx.save_for_backward(x, gain)
         ctx.eps = eps
-        return _native.srms_fwd(x, eps, True, float(gain))
+        return _native.srms_fwd(x, eps, True, float(gain), out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x, gain = ctx.saved_tensors
-        dx, dgain = _native.srms_bwd(x, dy.to(x.dtype).contiguous(), ctx.eps, True, float(gain),
-                                     gain_grad=ctx.needs_input_grad[1])
-        return dx, None if dgain is None else dgain.to(gain.dtype), None
+        dy = dy.contiguous() if dy.dtype == torch.bfloat16 else dy.to(x.dtype).contiguous()
+        dx, dgain = _native.srms_bwd(x, dy, ctx.eps, True, float(gain), gain_grad=ctx.needs_input_grad[1])
+        return dx, None if dgain is None else dgain.to(gain.dtype), None, None
 
 
-def scale_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """ScaleNorm over the last dim of x [..., D] with the 0-d gain g (FLASH); output in x's dtype."""
-    if x.numel() and gain.dim() == 0 and _native.rows_usable(x.dtype, x.device):
-        return _FusedScaleNorm.apply(x.contiguous(), gain, float(eps))
-    return scale_norm_reference(x, gain, eps)
+def scale_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """ScaleNorm over the last dim of x [..., D] with the 0-d gain g (FLASH); output in x's dtype,
+    or in ``out_dtype`` (computed in fp32 and rounded once: bf16 for a norm that feeds bf16
+    autocast products, which would cast it anyway)."""
+    if (x.numel() and gain.dim() == 0 and _native.rows_usable(x.dtype, x.device)
+            and out_dtype in (None, x.dtype, torch.bfloat16)):
+        return _FusedScaleNorm.apply(x.contiguous(), gain, float(eps), out_dtype)
+    y = scale_norm_reference(x, gain, eps)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+class _ResidualAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h):
+        ctx.h_dtype = h.dtype
+        return _native.add_upcast(x, h)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return g, g.to(ctx.h_dtype)  # as autograd's add: the stream's gradient, and it rounded for h
+
+
+def residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``x + h``: an fp32 residual stream plus a bf16 branch output (under autocast) is added by a
+    kernel reading h as it is, where PyTorch first writes an fp32 copy of h; same values."""
+    if (x.dtype == torch.float32 and h.dtype == torch.bfloat16 and x.shape == h.shape and x.numel()
+            and x.is_contiguous() and h.is_contiguous() and _native.rows_usable(x.dtype, x.device)
+            and h.device == x.device):
+        return _ResidualAdd.apply(x, h)
+    return x + h
 
 
 def silu_gate_reference(ab: torch.Tensor) -> torch.Tensor:
