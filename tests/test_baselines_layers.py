@@ -294,3 +294,28 @@ def _counting(fn, calls):
         calls.append(1)
         return fn(*args)
     return wrapped
+
+
+def test_flash_layer_projects_once_when_the_fused_mixer_does_not_apply(monkeypatch):
+    """The fallback (here: the PyTorch kernel backend) reuses the projection the fast-path check
+    computed (a second one had doubled the layer's projection FLOPs)."""
+    import types
+
+    import transnormer.layers.gau as gau_mod
+    from transnormer.ops import _native
+
+    calls = []
+
+    def linear(*args, **kwargs):
+        calls.append(1)
+        return torch.nn.functional.linear(*args, **kwargs)
+
+    monkeypatch.setattr(gau_mod, "F", types.SimpleNamespace(linear=linear))
+    before = _native.backend()
+    _native.set_backend("torch")
+    try:
+        layer = FLASH(32, causal=True, chunk_size=8, qk_dim=16)
+        layer(torch.randn(1, 16, 32))
+    finally:
+        _native.set_backend(before)
+    assert len(calls) == 1
