@@ -1,5 +1,5 @@
-"""Row-wise ops of a block: SimpleRMSNorm and ScaleNorm, the GLU's SiLU gate, and GAU/FLASH's
-split SiLU and query-key heads.
+"""Row-wise ops of a block: SimpleRMSNorm and ScaleNorm, the residual add of a bf16 branch, the
+GLU's SiLU gate, and GAU/FLASH's split SiLU and query-key heads.
 
 Each has a fused CPU kernel for fp32/bf16 (``_native_norm.cpp``, ``_native_glu.cpp``,
 ``_native_heads.cpp``: one read and one write per direction, fp32 arithmetic) and a PyTorch form (GPU, fp64, no compiler,
