@@ -291,12 +291,12 @@ def test_chunk_prefix_kernel_matches_its_torch_forms(dtype, G, n):
     """_native.chunk_prefix (forward and adjoint) against _prefix / _prefix_adjoint in fp64 on the
     same (rounded) input: fp32 to 1e-6, bf16 to its one rounding."""
     from transnormer.ops import _native
-    from transnormer.ops.flash import _global_scales, _prefix, _prefix_adjoint
+    from transnormer.ops.flash import _chunk_scales, _prefix, _prefix_adjoint
 
     if not _native.rows_usable(dtype, torch.device("cpu")):
         pytest.skip("fused CPU kernels unavailable")
     x = torch.randn(2, G, n).to(dtype)
-    scales = _global_scales(G, 8, "visible", torch.float32, x.device)
+    scales = _chunk_scales(torch.full((1, G), 8.0), causal=True, normalizer="visible", C=8)[0]
     for reverse, ref_fn in ((False, _prefix), (True, _prefix_adjoint)):
         got = _native.chunk_prefix(x, scales, reverse=reverse)
         ref = ref_fn(x.double(), scales.double())

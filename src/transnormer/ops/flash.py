@@ -121,19 +121,11 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
               else valid.to(sdt).sum(-1))  # real tokens per chunk
     with torch.autocast(vc.device.type, enabled=False):
         states = states.to(sdt)
-        if causal:
-            seen = _exclusive_cumsum(counts)  # [B, G] tokens before each chunk
-        else:
-            seen = counts.sum(1, keepdim=True)  # [B, 1]
-        scale = (1.0 / seen.clamp_min(1) if normalizer == "visible" else
-                 torch.full_like(seen, 1.0 / C if normalizer == "chunk" else 1.0))
+        scale = _chunk_scales(counts, causal=causal, normalizer=normalizer, C=C)
         if not causal:
             prefix = states.sum(1, keepdim=True) * scale[..., None, None]  # [B, 1, s, e]: every chunk sees all
-        elif G <= _PREFIX_MATMUL_MAX_CHUNKS:
-            w = torch.ones(G, G, dtype=sdt, device=vc.device).tril(-1) * scale[..., None]  # [B, G, G]
-            prefix = (w @ states.flatten(2)).view(states.shape)
         else:
-            prefix = _exclusive_cumsum(states) * scale[..., None, None]
+            prefix = _prefix(states.flatten(2), scale).view(states.shape)
     if acc is not None and (amp or odt == sdt):  # autocast casts all three to its dtype
         prefix = prefix.expand(B, G, *prefix.shape[2:])
         return torch.baddbmm(acc.flatten(0, 1), qg.flatten(0, 1), prefix.flatten(0, 1)).view(acc.shape)
@@ -141,29 +133,31 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
     return glob if acc is None else acc + glob.to(acc.dtype)
 
 
-def _global_scales(G: int, C: int, normalizer: str, dtype, device) -> torch.Tensor:
-    """1/N_g per chunk [G] of a causal row without padding: chunk g sees g·C tokens before it."""
+def _chunk_scales(counts: torch.Tensor, *, causal: bool, normalizer: str, C: int) -> torch.Tensor:
+    """1/N_g from the real tokens per chunk ``counts`` [B, G]: [B, G] causal (the tokens of the
+    chunks before each one; chunk 0 sees none), [B, 1] bidirectional (all of the row's)."""
+    seen = _exclusive_cumsum(counts) if causal else counts.sum(1, keepdim=True)
     if normalizer == "visible":
-        return 1.0 / (torch.arange(G, dtype=dtype, device=device) * C).clamp_min(1)
-    return torch.full((G,), 1.0 / C if normalizer == "chunk" else 1.0, dtype=dtype, device=device)
+        return 1.0 / seen.clamp_min(1)
+    return torch.full_like(seen, 1.0 / C if normalizer == "chunk" else 1.0)
 
 
 def _prefix(states: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """P_g = scale_g Σ_{h<g} S_h over dim 1 of states [B, G, n] (the forms of _global_branch)."""
+    """P_g = scale_g Σ_{h<g} S_h over dim 1 of states [B, G, n]; scales [G] or [B, G]."""
     G = states.shape[1]
     if G <= _PREFIX_MATMUL_MAX_CHUNKS:
-        w = torch.ones(G, G, dtype=states.dtype, device=states.device).tril(-1) * scales[:, None]
+        w = torch.ones(G, G, dtype=states.dtype, device=states.device).tril(-1) * scales[..., None]
         return w @ states
-    return _exclusive_cumsum(states) * scales[:, None]
+    return _exclusive_cumsum(states) * scales[..., None]
 
 
 def _prefix_adjoint(dprefix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """dS_h = Σ_{g>h} scale_g dP_g, the gradient of :func:`_prefix` ([B, G, n])."""
+    """dS_h = Σ_{g>h} scale_g dP_g, the gradient of :func:`_prefix` ([B, G, n]; scales [G] or [B, G])."""
     G = dprefix.shape[1]
     if G <= _PREFIX_MATMUL_MAX_CHUNKS:
-        w = torch.ones(G, G, dtype=dprefix.dtype, device=dprefix.device).tril(-1) * scales[:, None]
-        return w.transpose(0, 1) @ dprefix
-    return _exclusive_cumsum((dprefix * scales[:, None]).flip(1)).flip(1)
+        w = torch.ones(G, G, dtype=dprefix.dtype, device=dprefix.device).tril(-1) * scales[..., None]
+        return w.transpose(-1, -2) @ dprefix
+    return _exclusive_cumsum((dprefix * scales[..., None]).flip(1)).flip(1)
 
 
 def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
@@ -184,7 +178,8 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
         out = torch.bmm(a, vc)
         at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
         states = torch.bmm(kgc.transpose(1, 2), vc).view(B, G, s * e)
-        scales = _global_scales(G, C, normalizer, sdt, v.device)
+        full = torch.full((1, G), float(C), dtype=sdt, device=v.device)  # whole chunks, no padding
+        scales = _chunk_scales(full, causal=True, normalizer=normalizer, C=C)[0]  # [G]
         if _native.rows_usable(cdt, v.device):  # one pass, fp32 sums (_native_prefix.cpp)
             prefix = _native.chunk_prefix(states, scales, reverse=False).view(B * G, s, e)
         else:
