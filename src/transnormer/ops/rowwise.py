@@ -27,23 +27,30 @@ def simple_rms_norm_reference(x: torch.Tensor, eps: float, eps_inside_sqrt: bool
 
 
 class _FusedSRMS(torch.autograd.Function):
+    """SimpleRMSNorm on the kernel, with ScaleNorm's scalar gain inside when given: the product
+    by g and, backward, both products of g's gradient (dy·g for dx, dy·y for dg) are no separate
+    passes over [N, D]. out_dtype: x's (None) or bf16, rounded once."""
+
     @staticmethod
-    def forward(ctx, x, eps: float, inside: bool):
-        ctx.save_for_backward(x)
+    def forward(ctx, x, gain, eps: float, inside: bool, out_dtype):
+        ctx.save_for_backward(x, gain)
         ctx.eps, ctx.inside = eps, inside
-        return _native.srms_fwd(x, eps, inside)
+        return _native.srms_fwd(x, eps, inside, 1.0 if gain is None else float(gain), out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return _native.srms_bwd(x, dy.to(x.dtype).contiguous(), ctx.eps, ctx.inside)[0], None, None
+        x, gain = ctx.saved_tensors
+        dy = dy.contiguous() if dy.dtype == torch.bfloat16 else dy.to(x.dtype).contiguous()
+        dx, dgain = _native.srms_bwd(x, dy, ctx.eps, ctx.inside, 1.0 if gain is None else float(gain),
+                                     gain_grad=gain is not None and ctx.needs_input_grad[1])
+        return dx, None if dgain is None else dgain.to(gain.dtype), None, None, None
 
 
 def simple_rms_norm(x: torch.Tensor, eps: float, eps_inside_sqrt: bool = False) -> torch.Tensor:
     """SimpleRMSNorm over the last dim of x [..., D] (spec §5); output in x's dtype."""
     if x.numel() and _native.rows_usable(x.dtype, x.device):
-        return _FusedSRMS.apply(x.contiguous(), float(eps), bool(eps_inside_sqrt))
+        return _FusedSRMS.apply(x.contiguous(), None, float(eps), bool(eps_inside_sqrt), None)
     return simple_rms_norm_reference(x, eps, eps_inside_sqrt)
 
 
@@ -52,32 +59,13 @@ def scale_norm_reference(x: torch.Tensor, gain: torch.Tensor, eps: float) -> tor
     return (simple_rms_norm_reference(x.to(state_dtype_for(x.dtype)), eps, True) * gain).to(x.dtype)
 
 
-class _FusedScaleNorm(torch.autograd.Function):
-    """The SRMS kernel with the gain inside: the product by g and, backward, both products of
-    g's gradient (dy·g for dx, dy·y for dg) are no separate passes over [N, D]."""
-
-    @staticmethod
-    def forward(ctx, x, gain, eps: float, out_dtype):
-        ctx.save_for_backward(x, gain)
-        ctx.eps = eps
-        return _native.srms_fwd(x, eps, True, float(gain), out_dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, gain = ctx.saved_tensors
-        dy = dy.contiguous() if dy.dtype == torch.bfloat16 else dy.to(x.dtype).contiguous()
-        dx, dgain = _native.srms_bwd(x, dy, ctx.eps, True, float(gain), gain_grad=ctx.needs_input_grad[1])
-        return dx, None if dgain is None else dgain.to(gain.dtype), None, None
-
-
 def scale_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """ScaleNorm over the last dim of x [..., D] with the 0-d gain g (FLASH); output in x's dtype,
     or in ``out_dtype`` (computed in fp32 and rounded once: bf16 for a norm that feeds bf16
     autocast products, which would cast it anyway)."""
     if (x.numel() and gain.dim() == 0 and _native.rows_usable(x.dtype, x.device)
             and out_dtype in (None, x.dtype, torch.bfloat16)):
-        return _FusedScaleNorm.apply(x.contiguous(), gain, float(eps), out_dtype)
+        return _FusedSRMS.apply(x.contiguous(), gain, float(eps), True, out_dtype)
     y = scale_norm_reference(x, gain, eps)
     return y if out_dtype is None else y.to(out_dtype)
 
