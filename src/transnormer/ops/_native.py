@@ -108,16 +108,16 @@ _SIGNATURES = {
     "tn_transpose_acc": (("bf16",), [_P, _I64, _I64, _P, _I32]),
     "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32, _F32, _I32]),
     "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32, _F32, _P, _I32]),
-    "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_add_upcast": (("f32",), [_P] * 3 + [_I64]),
+    "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64, _I64]),
     "tn_silu_mul_fwd": (("f32", "bf16"), [_P] * 4 + [_I64] * 3),
     "tn_silu_mul_bwd": (("f32", "bf16"), [_P] * 7 + [_I64] * 5),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32, _I64]),
-    "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
+    "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
 }
 
 
@@ -559,7 +559,12 @@ def silu_split_fwd(pre: torch.Tensor, widths: list[int], bias: torch.Tensor | No
     return outs
 
 
-_SILU_BIAS_PARTS = 8  # d(bias) partial sums: fixed, so results do not depend on the thread count
+_ROW_PARTS = 8  # parameter gradients summed over rows in this many fixed row ranges, then added:
+# the kernels' results do not depend on the thread count
+
+
+def _row_parts(rows: int) -> int:
+    return max(1, min(_ROW_PARTS, rows))
 
 
 def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: list[int],
@@ -568,7 +573,7 @@ def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: 
     d(pre) is written into ``dpre`` when given (a [..., W] block with uniformly spaced rows)."""
     n, N = len(widths), pre.numel() // max(pre.shape[-1], 1)
     dpre = torch.empty_like(pre, memory_format=torch.contiguous_format) if dpre is None else dpre
-    parts = max(1, min(_SILU_BIAS_PARTS, N))
+    parts = _row_parts(N)
     db = torch.zeros(parts, pre.shape[-1], dtype=torch.float32) if bias_grad else None
     _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
           (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(db), N, _row_block(pre), _row_block(dpre), parts)
@@ -590,7 +595,7 @@ def silu_mul_bwd(pre, bias, o, dy, dpre: torch.Tensor, bias_grad: bool):
     F = pre.shape[-1]
     N = o.numel() // F
     do = torch.empty_like(o)
-    parts = max(1, min(_SILU_BIAS_PARTS, N))
+    parts = _row_parts(N)
     db = torch.zeros(parts, F, dtype=torch.float32) if bias_grad else None
     _call("tn_silu_mul_bwd", pre.dtype, _ptr(pre), _ptr(bias), _ptr(o), _ptr(dy), _ptr(do), _ptr(dpre), _ptr(db), N, F,
           _row_block(pre), _row_block(dpre), parts)
@@ -606,9 +611,6 @@ def chunk_prefix(x: torch.Tensor, scales: torch.Tensor, *, reverse: bool) -> tor
     sc = scales.float().contiguous()  # held here: the kernel reads it through a raw pointer
     _call("tn_chunk_prefix", x.dtype, _ptr(x), _ptr(y), _ptr(sc), B, G, n, int(reverse))
     return y
-
-
-_HEADS_PARTS = 8  # dgamma/dbeta partial sums: fixed, so results do not depend on the thread count
 
 
 def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):
@@ -628,7 +630,7 @@ def heads_bwd(z, gamma, cos, sin, dy):
     """(dz [B, T, s] in z's dtype, dgamma [n, s], dbeta [n, s]) for contiguous fp32 or bf16 dy [B, T, n, s]."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]
-    parts = max(1, min(_HEADS_PARTS, B * T))
+    parts = _row_parts(B * T)
     dz = torch.empty(B, T, s, dtype=z.dtype)
     dg = torch.zeros(parts, n, s, dtype=torch.float32)
     db = torch.zeros(parts, n, s, dtype=torch.float32)
