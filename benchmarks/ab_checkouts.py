@@ -21,12 +21,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The child is the fresh process: it measures in place (isolate=False) with the allocator setting
+# train_step_throughput's own fresh process would have applied.
 _CHILD = """
 import json, sys
 from transnormer.bench.train_step import train_step_throughput
+from transnormer.runtime import tune_allocator
 if __name__ == "__main__":
+    tune_allocator()
     preset, T, dtype, vocab, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    r = train_step_throughput(preset, T, dtype=dtype, tokens_per_step=T, vocab_size=vocab, steps=steps, threads=2)
+    r = train_step_throughput(preset, T, dtype=dtype, tokens_per_step=T, vocab_size=vocab, steps=steps, threads=2,
+                              isolate=False)
     print(json.dumps(r["step_s"]))
 """
 
