@@ -160,15 +160,18 @@ def _prefix_adjoint(dprefix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return _exclusive_cumsum((dprefix * scales[..., None]).flip(1)).flip(1)
 
 
+def _by_chunk(C: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each [B, T, X] of ``xs`` as [B·G, C, X] (views where the rows allow it), G = T / C."""
+    return tuple(x.reshape(-1, C, x.shape[-1]) for x in xs)
+
+
 def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
     """out [B, T, e] of both causal branches and what the backward keeps (see _CausalFlashCore)."""
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
     with torch.autocast(v.device.type, enabled=False):
-        qlc, klc = (x.reshape(B * G, C, s) for x in (ql, kl))
-        qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
-        vc = v.reshape(B * G, C, e)
+        qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         scores = torch.bmm(qlc / C, klc.transpose(1, 2))  # [BG, C, C]
         if bias is not None:
             scores = scores + bias.to(cdt)
@@ -196,9 +199,7 @@ def _core_backward(saved, dout, C: int, bias_dtype):
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
     with torch.autocast(v.device.type, enabled=False):
         g = dout.to(cdt).reshape(B * G, C, e)
-        qlc, klc = (x.reshape(B * G, C, s) for x in (ql, kl))
-        qgc, kgc = (x.reshape(B * G, C, s) for x in (qg, kg))
-        vc = v.reshape(B * G, C, e)
+        qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r
         dv = torch.bmm(at, g)
         ds = torch.bmm(g, vc.transpose(1, 2)).mul_(r).mul_(2.0)
