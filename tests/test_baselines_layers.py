@@ -251,12 +251,14 @@ def test_errors():
         TransNormerForCausalLM(small_lm("performer", {"nb_features": 8}))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-input"])
 @pytest.mark.parametrize("T, C, rel_bias", [(64, 16, "toeplitz"), (96, 32, "none"), (16, 16, "toeplitz")])
 def test_flash_layer_fused_mixer_matches_composed_ops(monkeypatch, dtype, T, C, rel_bias):
-    """A causal FLASH layer through _CausalFlashMixer (the gate read from the pre-activation, u
-    never written) against the same layer through silu_split, the heads, the core and u * o:
-    output and the gradients of x and of every parameter."""
+    """A causal FLASH layer through _CausalFlashMixer (the projection inside, its gradient's
+    transposed copy written by the kernels; the gate read from the pre-activation, u never
+    written) against the same layer through F.linear, silu_split, the heads, the core and u * o:
+    output and the gradients of x and of every parameter. bf16-input: a bf16 x under autocast,
+    as a pre-norm block feeds it."""
     import transnormer.ops.flash as flash_mod
     from transnormer.ops import _native
 
@@ -274,8 +276,8 @@ def test_flash_layer_fused_mixer_matches_composed_ops(monkeypatch, dtype, T, C, 
         monkeypatch.setattr(flash_mod, "_FUSED_MIXER", fused)
         calls = []
         monkeypatch.setattr(flash_mod._CausalFlashMixer, "apply", _counting(flash_mod._CausalFlashMixer.apply, calls))
-        xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        xi = (x.bfloat16() if dtype == "bf16-input" else x.clone()).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != "fp32"):
             y, _ = layer(xi)
         params = [p for p in layer.parameters() if p.requires_grad]
         grads = torch.autograd.grad(y, [xi, *params], gy.to(y.dtype), allow_unused=True)
@@ -297,8 +299,8 @@ def _counting(fn, calls):
 
 
 def test_flash_layer_projects_once_when_the_fused_mixer_does_not_apply(monkeypatch):
-    """The fallback (here: the PyTorch kernel backend) reuses the projection the fast-path check
-    computed (a second one had doubled the layer's projection FLOPs)."""
+    """The fallback (here: the PyTorch kernel backend) projects once: the fast-path check does not
+    project (it once did, and the fallback's second projection doubled the layer's FLOPs)."""
     import types
 
     import transnormer.layers.gau as gau_mod

@@ -185,6 +185,64 @@ def test_transpose_accumulate_is_exact(R, C):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,C", [(2176, 512), (7, 33), (16, 16), (17, 1), (1, 40), (40, 64)])
+def test_cast_transpose_is_the_rounded_transpose(dtype, R, C):
+    for src in (torch.randn(R, C), torch.randn(R, C).bfloat16()):
+        got = _native.cast_transpose(src, dtype)
+        assert got.is_contiguous() and torch.equal(got, src.T.to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 17, 64, 1024, 4101])
+@pytest.mark.parametrize("e,s", [(64, 32), (40, 24)])
+def test_projection_gradient_kernels_write_the_transposed_copy(dtype, N, e, s):
+    """silu_mul_bwd / silu_split_bwd with dpre_t: the same d(pre), d(bias) and do as without it, and
+    dpre_t exactly d(pre)ᵀ (N = 1024: whole 64-byte blocks, the streamed stores; 4101: ragged)."""
+    W = 2 * e + s
+    pre = torch.randn(N, W, dtype=dtype)
+    bias = torch.randn(W)
+    o, dy, dv = (torch.randn(N, e, dtype=dtype) for _ in range(3))
+    dz = torch.randn(N, s, dtype=dtype)
+    plain, both = torch.empty(N, W, dtype=dtype), torch.empty(N, W, dtype=dtype)
+    dpre_t = torch.full((W, N), float("nan"), dtype=dtype)
+    ref = _native.silu_mul_bwd(pre[:, :e], bias[:e], o, dy, plain[:, :e], bias_grad=True)
+    got = _native.silu_mul_bwd(pre[:, :e], bias[:e], o, dy, both[:, :e], bias_grad=True, dpre_t=dpre_t[:e])
+    ref += _native.silu_split_bwd(pre[:, e:], [dv, dz], [e, s], bias[e:], bias_grad=True, dpre=plain[:, e:])
+    got += _native.silu_split_bwd(pre[:, e:], [dv, dz], [e, s], bias[e:], bias_grad=True, dpre=both[:, e:],
+                                  dpre_t=dpre_t[e:])
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert torch.equal(plain, both) and torch.equal(dpre_t, plain.T)
+    with pytest.raises(ValueError, match="dpre_t must be"):
+        _native.silu_mul_bwd(pre[:, :e], bias[:e], o, dy, both[:, :e], bias_grad=False, dpre_t=dpre_t[:e].T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,C", [(3, 16), (2, 24), (4, 256), (1, 1), (2, 40)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_relu2_kernels_equal_the_pytorch_form(dtype, n, C, with_bias):
+    """FLASH's local branch between its products: r, a = r², aᵀ forward and dS = 2 r dA backward,
+    bit for bit as PyTorch's element-wise ops compute them."""
+    scores = torch.randn(n, C, C, dtype=dtype)
+    scores[0, -1, 0] = float("nan")  # a NaN score stays NaN, as torch.relu keeps it
+    bias = torch.randn(C, C) if with_bias else None
+    r, a, at = _native.relu2_fwd(scores, bias, causal=True)
+    full = scores + bias.to(dtype) if with_bias else scores
+    r0 = torch.relu(full).masked_fill_(~torch.ones(C, C, dtype=torch.bool).tril(), 0.0)
+    a0 = r0 * r0
+
+    def same(x, y):  # bit-equal, NaN where NaN
+        return torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) and torch.equal(x.isnan(), y.isnan())
+
+    assert same(r, r0) and same(a, a0) and same(at, a0.transpose(1, 2)) and at.is_contiguous()
+    da = torch.randn(n, C, C, dtype=dtype)
+    want = da.clone().mul_(r0).mul_(2.0)
+    assert same(_native.relu2_bwd_(da, r0), want)
+
+
+@needs_kernel
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("V,N,chunk", [(33, 50, 16), (1000, 300, 128), (1000, 7, 1000)])
 def test_linear_cross_entropy_fused_equals_torch_form(backend_mode, autocast, V, N, chunk):

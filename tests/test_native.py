@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,21 @@ def test_kernel_builds_when_a_compiler_exists():
     if os.environ.get("TRANSNORMER_NATIVE") == "0":
         pytest.skip("the kernels are switched off (TRANSNORMER_NATIVE=0)")
     assert _native.load() is not None, _native._error
+
+
+def test_a_build_without_the_fast_flags_says_why(monkeypatch, tmp_path):
+    """A compile error under -march=native must not pass silently as a portable (slow) build."""
+    def run(cmd, **kw):
+        if "-march=native" in cmd:
+            return subprocess.CompletedProcess(cmd, 1, "", "x.cpp:3:1: error: 'round_to' was not declared")
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(_native.subprocess, "run", run)
+    monkeypatch.setattr(_native, "_compiler", lambda: "c++")
+    with pytest.warns(RuntimeWarning, match="without -fopenmp -march=native.*round_to"):
+        _native._compile(tmp_path / "lib.so")
+    assert (tmp_path / "lib.so").exists()
 
 
 def _case(B, T, H, D, E, dtype=torch.float64):

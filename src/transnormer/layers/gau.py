@@ -188,12 +188,11 @@ class _GatedUnit(TokenMixer):
     # its product, in the heads' dtype, and keeps fp32 heads.
     heads_in_autocast_dtype = False
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, pre: torch.Tensor | None = None):
-        """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``);
-        ``pre``: the projection x W (no bias) when the caller has it already."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``)."""
         # the bias is added by the fused SiLU (ops/rowwise.py), not by an addmm (a copy of it into
         # every row forward, a sum over rows backward)
-        pre = F.linear(x, self.proj.weight) if pre is None else pre
+        pre = F.linear(x, self.proj.weight)
         u, v, z = silu_split(pre, [self.e, self.e, self.s], self.proj.bias)
         if self.rope is None:
             return u, v, z[:, :, None, :] * self.gamma + self.beta
@@ -318,17 +317,18 @@ class FLASH(_GatedUnit):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
-        pre = F.linear(x, self.proj.weight)
         if (self.causal and self.local_branch and self.global_branch and mask is None and not use_cache
                 and T % self.chunk_size == 0 and self._dropout() == 0.0 and self.rope is not None
-                and flash_mixer_usable(pre, self.proj.bias) and self.gamma.dtype == self.beta.dtype == torch.float32):
+                and flash_mixer_usable(x, self.proj.weight, self.proj.bias)
+                and self.gamma.dtype == self.beta.dtype == torch.float32):
             cos, sin = self.rope.tables(positions)
             if not (cos.requires_grad or sin.requires_grad):
-                # the whole layer between its two projections in one Function (ops/flash.py)
-                y = causal_flash_mixer(pre, self.proj.bias, self.gamma, self.beta, cos, sin, self.local_bias(x.device),
-                                       e=self.e, chunk_size=self.chunk_size, normalizer=self.normalizer)
+                # the layer from its input projection to the gate in one Function (ops/flash.py)
+                y = causal_flash_mixer(x, self.proj.weight, self.proj.bias, self.gamma, self.beta, cos, sin,
+                                       self.local_bias(x.device), e=self.e, chunk_size=self.chunk_size,
+                                       normalizer=self.normalizer)
                 return self.out_proj(y), None
-        u, v, heads = self.project(x, positions, pre)
+        u, v, heads = self.project(x, positions)
         ql, kl, qg, kg = heads.unbind(2)
         if use_cache and not self.causal:
             raise ValueError("use_cache needs a causal FLASH (decoding is causal)")

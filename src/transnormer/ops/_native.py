@@ -37,12 +37,14 @@ from ._dtypes import state_dtype_for
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
-    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp", "_native_prefix.cpp"))
+    "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp", "_native_prefix.cpp",
+    "_native_flash.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h",
                                                       "_native_gemm.h", "_native_softmax_walk.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
+_FLAGS_TRIED_FIRST = ("-fopenmp", "-march=native")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 8
+_ABI = 9
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -79,13 +81,19 @@ def _compile(out: Path) -> None:
     try:
         # -fopenmp: share PyTorch's OpenMP threads (_native_common.h); some compilers lack it, and
         # some compilers (or CPUs) reject -march=native
-        for extra in (["-fopenmp", "-march=native"], ["-march=native"], ["-fopenmp"], []):
+        first_error = None
+        for extra in (list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], []):
             proc = subprocess.run([compiler, *_FLAGS, *extra, *map(str, _SOURCES), "-o", tmp], capture_output=True,
                                   text=True)
             if proc.returncode == 0:
                 break
+            first_error = first_error or proc.stderr
         else:
             raise RuntimeError(f"compiling {' '.join(f.name for f in _SOURCES)} failed:\n{proc.stderr[-2000:]}")
+        if first_error is not None:  # a portable build runs, slowly: say why the fast one did not
+            lines = [ln for ln in first_error.splitlines() if "error" in ln] or first_error.splitlines()
+            warnings.warn(f"the CPU kernels were built without {' '.join(_FLAGS_TRIED_FIRST)} (slower): "
+                          f"{lines[0] if lines else 'compiler failed'}", RuntimeWarning, stacklevel=2)
         os.replace(tmp, out)  # atomic: concurrent ranks never load a half-written library
     finally:
         if os.path.exists(tmp):
@@ -112,12 +120,15 @@ _SIGNATURES = {
     "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
     "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
-    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _I64, _I64, _I64, _I64]),
+    "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _P] + [_I64] * 5),
     "tn_silu_mul_fwd": (("f32", "bf16"), [_P] * 4 + [_I64] * 3),
-    "tn_silu_mul_bwd": (("f32", "bf16"), [_P] * 7 + [_I64] * 5),
+    "tn_silu_mul_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6),
+    "tn_cast_transpose": (("f32", "bf16"), [_P, _I32, _P, _I64, _I64]),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32, _I64]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
+    "tn_relu2_fwd": (("f32", "bf16"), [_P] * 5 + [_I64] * 2 + [_I32]),
+    "tn_relu2_bwd": (("f32", "bf16"), [_P] * 2 + [_I64]),
 }
 
 
@@ -567,16 +578,30 @@ def _row_parts(rows: int) -> int:
     return max(1, min(_ROW_PARTS, rows))
 
 
+def _transposed_rows(dpre_t: torch.Tensor | None, W: int, N: int) -> int:
+    """Row stride of ``dpre_t``, the [W, N] transposed copy of a gradient (rows unit-strided)."""
+    if dpre_t is None:
+        return N
+    if dpre_t.dim() != 2 or dpre_t.shape != (W, N) or dpre_t.stride(1) != 1 or dpre_t.stride(0) < N:
+        raise ValueError(f"dpre_t must be [{W}, {N}] with unit-strided rows, got {tuple(dpre_t.shape)} "
+                         f"strides {dpre_t.stride()}")
+    return dpre_t.stride(0)
+
+
 def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: list[int],
-                   bias: torch.Tensor | None = None, bias_grad: bool = False, dpre: torch.Tensor | None = None):
+                   bias: torch.Tensor | None = None, bias_grad: bool = False, dpre: torch.Tensor | None = None,
+                   dpre_t: torch.Tensor | None = None):
     """(d(pre), d(bias) fp32 [W] or None) from the groups' contiguous gradients (None = zero);
-    d(pre) is written into ``dpre`` when given (a [..., W] block with uniformly spaced rows)."""
+    d(pre) is written into ``dpre`` when given (a [..., W] block with uniformly spaced rows) and,
+    when ``dpre_t`` [W, N] is given, also transposed into it (the same rounded values)."""
     n, N = len(widths), pre.numel() // max(pre.shape[-1], 1)
     dpre = torch.empty_like(pre, memory_format=torch.contiguous_format) if dpre is None else dpre
     parts = _row_parts(N)
     db = torch.zeros(parts, pre.shape[-1], dtype=torch.float32) if bias_grad else None
+    ldt = _transposed_rows(dpre_t, pre.shape[-1], N)
     _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
-          (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(db), N, _row_block(pre), _row_block(dpre), parts)
+          (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(dpre_t), _ptr(db), N, _row_block(pre), _row_block(dpre),
+          ldt, parts)
     return dpre, None if db is None else db.sum(0)
 
 
@@ -589,17 +614,28 @@ def silu_mul_fwd(pre: torch.Tensor, bias: torch.Tensor | None, o: torch.Tensor) 
     return y
 
 
-def silu_mul_bwd(pre, bias, o, dy, dpre: torch.Tensor, bias_grad: bool):
+def silu_mul_bwd(pre, bias, o, dy, dpre: torch.Tensor, bias_grad: bool, dpre_t: torch.Tensor | None = None):
     """(do, d(bias) fp32 [F] or None) of :func:`silu_mul_fwd` for contiguous dy; d(pre) is written
-    into ``dpre`` (a [..., F] block with uniformly spaced rows)."""
+    into ``dpre`` (a [..., F] block with uniformly spaced rows) and, when ``dpre_t`` [F, N] is
+    given, also transposed into it."""
     F = pre.shape[-1]
     N = o.numel() // F
     do = torch.empty_like(o)
     parts = _row_parts(N)
     db = torch.zeros(parts, F, dtype=torch.float32) if bias_grad else None
-    _call("tn_silu_mul_bwd", pre.dtype, _ptr(pre), _ptr(bias), _ptr(o), _ptr(dy), _ptr(do), _ptr(dpre), _ptr(db), N, F,
-          _row_block(pre), _row_block(dpre), parts)
+    ldt = _transposed_rows(dpre_t, F, N)
+    _call("tn_silu_mul_bwd", pre.dtype, _ptr(pre), _ptr(bias), _ptr(o), _ptr(dy), _ptr(do), _ptr(dpre), _ptr(dpre_t),
+          _ptr(db), N, F, _row_block(pre), _row_block(dpre), ldt, parts)
     return do, None if db is None else db.sum(0)
+
+
+def cast_transpose(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """wᵀ [C, R] contiguous in ``dtype`` (fp32 or bf16; rounded once) from contiguous fp32 or bf16
+    w [R, C] (``_native_glu.cpp``)."""
+    R, C = w.shape
+    out = torch.empty(C, R, dtype=dtype)
+    _call("tn_cast_transpose", dtype, _ptr(w), int(w.dtype == torch.bfloat16), _ptr(out), R, C)
+    return out
 
 
 def chunk_prefix(x: torch.Tensor, scales: torch.Tensor, *, reverse: bool) -> torch.Tensor:
@@ -611,6 +647,25 @@ def chunk_prefix(x: torch.Tensor, scales: torch.Tensor, *, reverse: bool) -> tor
     sc = scales.float().contiguous()  # held here: the kernel reads it through a raw pointer
     _call("tn_chunk_prefix", x.dtype, _ptr(x), _ptr(y), _ptr(sc), B, G, n, int(reverse))
     return y
+
+
+def relu2_fwd(scores: torch.Tensor, bias: torch.Tensor | None, *, causal: bool):
+    """(r, a, aᵀ), each [n, C, C] in scores' dtype, of FLASH's local branch from contiguous scores
+    [n, C, C]: r = relu(scores + bias) (0 above the diagonal when ``causal``), a = r², aᵀ per
+    chunk; bias [C, C] is rounded to the scores' dtype first, as PyTorch's add of bias.to(dtype)
+    (``_native_flash.cpp``)."""
+    n, C, _ = scores.shape
+    b = None if bias is None else bias.to(scores.dtype).float().contiguous()
+    r, a, at = (torch.empty_like(scores) for _ in range(3))
+    _call("tn_relu2_fwd", scores.dtype, _ptr(scores), _ptr(b), _ptr(r), _ptr(a), _ptr(at), n, C, int(causal))
+    return r, a, at
+
+
+def relu2_bwd_(da: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """da ← 2 r da in place (contiguous, one dtype; rounded as PyTorch's da.mul_(r).mul_(2)): the
+    gradient of the scores from that of a = r²."""
+    _call("tn_relu2_bwd", da.dtype, _ptr(da), _ptr(r), da.numel())
+    return da
 
 
 def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):

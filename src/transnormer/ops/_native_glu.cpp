@@ -132,6 +132,47 @@ TN_GLU_DEFINE(bf16, bf16)
 // ---------------------------------------------------------------------------------------------
 namespace {
 
+// A gradient block of a projection's output written for both of the projection's products: row by
+// row (dX = dY W) and, when dst_t is given, transposed, column c at dst_t + c * ldt (dW = dYᵀ X with
+// dYᵀ contiguous: oneDNN's bf16 GEMM reads a transposed dY at about half its rate, and a separate
+// transposed copy costs another pass over dY). grad(r, j, k) is the fp32 gradient of row r, columns
+// [j, j + 16) under mask k; it is stored at dst + r * ldd + j in T and added into db[j..] (fp32, or
+// null) with the rows in order. Rows go in blocks of 64 bytes' worth of dst_t, each block transposed
+// from dst while it is still in cache: the copy holds exactly the values stored.
+template <typename T, typename Grad>
+inline void write_grad_rows(idx r0, idx r1, idx w, T* dst, idx ldd, float* db, T* dst_t, idx ldt, Grad grad) {
+    constexpr idx kRows = 64 / sizeof(T);
+    for (idx rb = r0; rb < r1; rb += kRows) {
+        const idx nr = std::min<idx>(kRows, r1 - rb);
+        for (idx r = rb; r < rb + nr; ++r) {
+#if defined(TN_AVX512)
+            for (idx j = 0; j < w; j += 16) {
+                const __mmask16 k = tail_mask(w - j);
+                const __m512 d = grad(r, j, k);
+                store16(dst + r * ldd + j, d, k);
+                if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
+            }
+#else
+            for (idx j = 0; j < w; ++j) {
+                const float d = grad(r, j);
+                from_float(d, dst + r * ldd + j);
+                if (db) db[j] += d;
+            }
+#endif
+        }
+        if (!dst_t) continue;
+#if defined(TN_AVX512)
+        transpose_rows(dst + rb * ldd, ldd, nr, w, dst_t + rb, ldt);
+#else
+        for (idx r = rb; r < rb + nr; ++r)
+            for (idx j = 0; j < w; ++j) dst_t[j * ldt + r] = dst[r * ldd + j];
+#endif
+    }
+#if defined(TN_AVX512)
+    if (dst_t) _mm_sfence();  // the streamed lines are visible before the caller returns
+#endif
+}
+
 // silu of one group row: src[0..w) (+ bias) -> dst (vectorized where AVX-512 is there)
 template <typename T>
 inline void silu_row(const T* src, const float* bias, idx w, T* dst) {
@@ -149,27 +190,6 @@ inline void silu_row(const T* src, const float* bias, idx w, T* dst) {
     }
 }
 
-// d(pre) of one group row: go * silu'(pre + bias), or 0 without a gradient; added to db (fp32)
-template <typename T>
-inline void silu_grad_row(const T* src, const float* bias, const T* go, idx w, T* dst, float* db) {
-    idx j = 0;
-#if defined(TN_AVX512)
-    for (; j < w; j += 16) {
-        const __mmask16 k = tail_mask(w - j);
-        const __m512 a = load_biased16(src + j, bias ? bias + j : nullptr, k);
-        const __m512 d = go ? _mm512_mul_ps(load16(go + j, k), silu_grad16(a, sigmoid16(a))) : _mm512_setzero_ps();
-        store16(dst + j, d, k);
-        if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
-    }
-#endif
-    for (; j < w; ++j) {
-        const float a = to_float(src[j]) + (bias ? bias[j] : 0.0f), s = sigmoid(a);
-        const float d = go ? to_float(go[j]) * s * (1.0f + a * (1.0f - s)) : 0.0f;
-        from_float(d, dst + j);
-        if (db) db[j] += d;
-    }
-}
-
 template <typename T>
 void silu_split_rows(const T* pre, idx ldp, const float* bias, int ng, const idx* widths, T* const* outs, idx r0,
                      idx r1) {
@@ -183,18 +203,32 @@ void silu_split_rows(const T* pre, idx ldp, const float* bias, int ng, const idx
     }
 }
 
+// d(pre) = go * silu'(pre + bias) of each group's columns (0 where the group has no gradient)
 template <typename T>
 void silu_split_bwd_rows(const T* pre, idx ldp, const float* bias, int ng, const idx* widths, const T* const* douts,
-                         T* dpre, idx ldd, float* db, idx r0, idx r1) {
-    for (idx r = r0; r < r1; ++r) {
-        const T* p = pre + r * ldp;
-        T* d = dpre + r * ldd;
-        idx c = 0;
-        for (int g = 0; g < ng; ++g) {
-            silu_grad_row(p + c, bias ? bias + c : nullptr, douts[g] ? douts[g] + r * widths[g] : nullptr, widths[g],
-                          d + c, db ? db + c : nullptr);
-            c += widths[g];
-        }
+                         T* dpre, idx ldd, T* dpre_t, idx ldt, float* db, idx r0, idx r1) {
+    idx c = 0;
+    for (int g = 0; g < ng; ++g) {
+        const T* p = pre + c;
+        const T* go = douts[g];
+        const float* b = bias ? bias + c : nullptr;
+        const idx w = widths[g];
+#if defined(TN_AVX512)
+        auto grad = [&](idx r, idx j, __mmask16 k) {
+            if (!go) return _mm512_setzero_ps();
+            const __m512 a = load_biased16(p + r * ldp + j, b ? b + j : nullptr, k);
+            return _mm512_mul_ps(load16(go + r * w + j, k), silu_grad16(a, sigmoid16(a)));
+        };
+#else
+        auto grad = [&](idx r, idx j) {
+            if (!go) return 0.0f;
+            const float a = to_float(p[r * ldp + j]) + (b ? b[j] : 0.0f), s = sigmoid(a);
+            return to_float(go[r * w + j]) * s * (1.0f + a * (1.0f - s));
+        };
+#endif
+        write_grad_rows(r0, r1, w, dpre + c, ldd, db ? db + c : nullptr, dpre_t ? dpre_t + c * ldt : nullptr, ldt,
+                        grad);
+        c += w;
     }
 }
 
@@ -216,16 +250,17 @@ extern "C" {
     }                                                                                                          \
     /* dbias: [parts, W] zeroed (or null); part p sums the rows [N p / parts, N (p + 1) / parts) */           \
     int tn_silu_split_bwd_##SUFFIX(const void* pre, const float* bias, const void* const* douts, const idx* widths, \
-                                   int ng, void* dpre, float* dbias, idx N, idx ldp, idx ldd, idx parts,       \
-                                   int nthreads) {                                                            \
+                                   int ng, void* dpre, void* dpre_t, float* dbias, idx N, idx ldp, idx ldd,    \
+                                   idx ldt, idx parts, int nthreads) {                                        \
         idx W = 0;                                                                                             \
         for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
-        if (N < 0 || ng < 1 || ldp < W || ldd < W || parts < 1) return 1;                                      \
+        if (N < 0 || ng < 1 || ldp < W || ldd < W || (dpre_t && ldt < N) || parts < 1) return 1;               \
         parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
             for (idx p = p0; p < p1; ++p)                                                                      \
                 silu_split_bwd_rows(static_cast<const T*>(pre), ldp, bias, ng, widths,                         \
                                     reinterpret_cast<const T* const*>(douts), static_cast<T*>(dpre), ldd,      \
-                                    dbias ? dbias + p * W : nullptr, N * p / parts, N * (p + 1) / parts);      \
+                                    static_cast<T*>(dpre_t), ldt, dbias ? dbias + p * W : nullptr,             \
+                                    N * p / parts, N * (p + 1) / parts);                                       \
         });                                                                                                    \
         return 0;                                                                                              \
     }
@@ -267,30 +302,23 @@ void silu_mul_rows(const T* pre, idx ldp, const float* bias, const T* o, T* y, i
 
 template <typename T>
 void silu_mul_bwd_rows(const T* pre, idx ldp, const float* bias, const T* o, const T* dy, T* dout, T* dpre, idx ldd,
-                       float* db, idx F, idx r0, idx r1) {
-    for (idx r = r0; r < r1; ++r) {
-        const T *p = pre + r * ldp, *orow = o + r * F, *g = dy + r * F;
-        T *dor = dout + r * F, *dp = dpre + r * ldd;
-        idx j = 0;
+                       T* dpre_t, idx ldt, float* db, idx F, idx r0, idx r1) {
 #if defined(TN_AVX512)
-        for (; j < F; j += 16) {
-            const __mmask16 k = tail_mask(F - j);
-            const __m512 a = load_biased16(p + j, bias ? bias + j : nullptr, k);
-            const __m512 s = sigmoid16(a), gv = load16(g + j, k);
-            store16(dor + j, _mm512_mul_ps(gv, _mm512_mul_ps(a, s)), k);
-            const __m512 d = _mm512_mul_ps(_mm512_mul_ps(gv, load16(orow + j, k)), silu_grad16(a, s));
-            store16(dp + j, d, k);
-            if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
-        }
+    auto grad = [&](idx r, idx j, __mmask16 k) {  // writes do as it goes; returns d(pre)
+        const __m512 a = load_biased16(pre + r * ldp + j, bias ? bias + j : nullptr, k);
+        const __m512 s = sigmoid16(a), gv = load16(dy + r * F + j, k);
+        store16(dout + r * F + j, _mm512_mul_ps(gv, _mm512_mul_ps(a, s)), k);
+        return _mm512_mul_ps(_mm512_mul_ps(gv, load16(o + r * F + j, k)), silu_grad16(a, s));
+    };
+#else
+    auto grad = [&](idx r, idx j) {
+        const float a = to_float(pre[r * ldp + j]) + (bias ? bias[j] : 0.0f), s = sigmoid(a);
+        const float gv = to_float(dy[r * F + j]);
+        from_float(gv * a * s, dout + r * F + j);
+        return gv * to_float(o[r * F + j]) * s * (1.0f + a * (1.0f - s));
+    };
 #endif
-        for (; j < F; ++j) {
-            const float a = to_float(p[j]) + (bias ? bias[j] : 0.0f), s = sigmoid(a), gv = to_float(g[j]);
-            from_float(gv * a * s, dor + j);
-            const float d = gv * to_float(orow[j]) * s * (1.0f + a * (1.0f - s));
-            from_float(d, dp + j);
-            if (db) db[j] += d;
-        }
-    }
+    write_grad_rows(r0, r1, F, dpre, ldd, db, dpre_t, ldt, grad);
 }
 
 }  // namespace
@@ -309,14 +337,15 @@ extern "C" {
     }                                                                                                          \
     /* dbias: [parts, F] zeroed (or null); part p sums the rows [N p / parts, N (p + 1) / parts) */           \
     int tn_silu_mul_bwd_##SUFFIX(const void* pre, const float* bias, const void* o, const void* dy, void* dout, \
-                                 void* dpre, float* dbias, idx N, idx F, idx ldp, idx ldd, idx parts,         \
-                                 int nthreads) {                                                              \
-        if (N < 0 || F < 1 || ldp < F || ldd < F || parts < 1) return 1;                                       \
+                                 void* dpre, void* dpre_t, float* dbias, idx N, idx F, idx ldp, idx ldd,      \
+                                 idx ldt, idx parts, int nthreads) {                                          \
+        if (N < 0 || F < 1 || ldp < F || ldd < F || (dpre_t && ldt < N) || parts < 1) return 1;                \
         parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
             for (idx p = p0; p < p1; ++p)                                                                      \
                 silu_mul_bwd_rows(static_cast<const T*>(pre), ldp, bias, static_cast<const T*>(o),             \
                                   static_cast<const T*>(dy), static_cast<T*>(dout), static_cast<T*>(dpre), ldd,  \
-                                  dbias ? dbias + p * F : nullptr, F, N * p / parts, N * (p + 1) / parts);     \
+                                  static_cast<T*>(dpre_t), ldt, dbias ? dbias + p * F : nullptr, F,            \
+                                  N * p / parts, N * (p + 1) / parts);                                         \
         });                                                                                                    \
         return 0;                                                                                              \
     }
@@ -324,4 +353,58 @@ extern "C" {
 TN_SILU_MUL_DEFINE(f32, float)
 TN_SILU_MUL_DEFINE(bf16, bf16)
 
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// A projection's weight W [R, C] (fp32 or bf16) as the contiguous Wᵀ [C, R] of the compute dtype,
+// rounded once: the operand of X Wᵀ as a plain row-major B, which oneDNN's bf16 GEMM runs faster
+// than a transposed view, made in one pass where a cast and PyTorch's transposing copy take two
+// slow ones. Columns of W (rows of Wᵀ) are split over the threads in blocks of 16.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+template <typename Ts, typename Td>
+void cast_transpose_cols(const Ts* src, idx R, idx C, Td* dst, idx c0, idx c1) {
+#if defined(TN_AVX512)
+    alignas(64) float blk[16][16], blk_t[16][16];
+    for (idx cb = c0; cb < c1; cb += 16) {
+        const idx nc = std::min<idx>(16, c1 - cb);
+        const __mmask16 kc = tail_mask(nc);
+        for (idx rb = 0; rb < R; rb += 16) {
+            const idx nr = std::min<idx>(16, R - rb);
+            for (idx i = 0; i < 16; ++i)
+                _mm512_store_ps(blk[i], i < nr ? load16(src + (rb + i) * C + cb, kc) : _mm512_setzero_ps());
+            transpose16(&blk[0][0], 16, &blk_t[0][0], 16);
+            for (idx c = 0; c < nc; ++c) store16(dst + (cb + c) * R + rb, _mm512_load_ps(blk_t[c]), tail_mask(nr));
+        }
+    }
+#else
+    for (idx c = c0; c < c1; ++c)
+        for (idx r = 0; r < R; ++r) from_float(to_float(src[r * C + c]), dst + c * R + r);
+#endif
+}
+
+template <typename Td>
+int cast_transpose(const void* src, int src_bf16, Td* dst, idx R, idx C, int nthreads) {
+    if (R < 0 || C < 0) return 1;
+    parallel_ranges((C + 15) / 16, nthreads, [&](idx b0, idx b1) {
+        const idx c0 = b0 * 16, c1 = std::min(C, b1 * 16);
+        if (src_bf16)
+            cast_transpose_cols(static_cast<const bf16*>(src), R, C, dst, c0, c1);
+        else
+            cast_transpose_cols(static_cast<const float*>(src), R, C, dst, c0, c1);
+    });
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+// dst [C, R] (the suffix's dtype) = srcᵀ for contiguous src [R, C], fp32 or (src_bf16) bf16
+int tn_cast_transpose_f32(const void* src, int src_bf16, void* dst, idx R, idx C, int nthreads) {
+    return cast_transpose(src, src_bf16, static_cast<float*>(dst), R, C, nthreads);
+}
+int tn_cast_transpose_bf16(const void* src, int src_bf16, void* dst, idx R, idx C, int nthreads) {
+    return cast_transpose(src, src_bf16, static_cast<bf16*>(dst), R, C, nthreads);
+}
 }  // extern "C"

@@ -29,6 +29,25 @@ inline void store16(bf16* p, __m512 x, __mmask16 m) {  // round to nearest even;
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
+// x rounded as store16 rounds it to bf16, held in fp32 (low 16 bits zero; a NaN stays a quiet NaN)
+inline __m512 round_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+// x rounded to the storage type of the pointer's pointee (fp32: unchanged)
+inline __m512 round_to(const float*, __m512 x) { return x; }
+inline __m512 round_to(const bf16*, __m512 x) { return round_bf16(x); }
+
+// stores of values already representable in the storage type (read back from it): no rounding
+inline void store16_rounded(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+inline void store16_rounded(bf16* p, __m512 x, __mmask16 m) {  // the top halves: exact for such values
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+
 // exp(x) for x <= 0 (a row minus its max): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-7
 // Taylor polynomial (truncation < 6e-9 relative), times 2^n by scalef (underflows to 0 cleanly).
 inline __m512 exp16(__m512 x) {
@@ -118,6 +137,51 @@ inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
     for (int j = 0; j < 8; ++j) {
         _mm512_storeu_ps(dst + j * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
         _mm512_storeu_ps(dst + (j + 8) * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+    }
+}
+
+}  // namespace tn
+#endif
+
+#if defined(TN_AVX512)
+namespace tn {
+
+// The first nr <= 64 / sizeof(T) rows of src (rows lds apart, w columns, values of T) stored
+// transposed: column c at dst + c * ldt. Blocks of 64 bytes of dst (16 fp32 or 32 bf16 rows) are written as whole cache
+// lines, streamed past the cache when aligned: dst's rows are a multiple of 4 KB apart at the usual
+// lengths, so cached partial-line stores all fall in one L1 set, and the copy is read only by a
+// later product.
+template <typename T>
+inline void transpose_rows(const T* src, idx lds, idx nr, idx w, T* dst, idx ldt) {
+    constexpr idx kRows = 64 / sizeof(T);
+    alignas(64) float blk[16][16], lo[16][16], hi[16][16];
+    for (idx j = 0; j < w; j += 16) {
+        const __mmask16 k = tail_mask(w - j);
+        for (idx h = 0; h < kRows; h += 16) {
+            for (idx i = 0; i < 16; ++i)
+                _mm512_store_ps(blk[i], h + i < nr ? load16(src + (h + i) * lds + j, k) : _mm512_setzero_ps());
+            transpose16(&blk[0][0], 16, h ? &hi[0][0] : &lo[0][0], 16);
+        }
+        for (idx c = 0; c < std::min<idx>(16, w - j); ++c) {
+            T* d = dst + (j + c) * ldt;
+            const bool line = nr == kRows && (reinterpret_cast<uintptr_t>(d) & 63) == 0;
+            if constexpr (sizeof(T) == 4) {
+                const __m512 v = _mm512_load_ps(lo[c]);
+                if (line)
+                    _mm512_stream_ps(reinterpret_cast<float*>(d), v);
+                else
+                    store16_rounded(d, v, tail_mask(nr));
+            } else {  // the top halves of 32 fp32 lanes: 32 bf16
+                const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31,
+                                                     29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+                const __m512i v = _mm512_permutex2var_epi16(_mm512_castps_si512(_mm512_load_ps(lo[c])), odd,
+                                                            _mm512_castps_si512(_mm512_load_ps(hi[c])));
+                if (line)
+                    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), v);
+                else
+                    _mm512_mask_storeu_epi16(d, nr >= 32 ? ~__mmask32(0) : (__mmask32(1) << nr) - 1u, v);
+            }
+        }
     }
 }
 

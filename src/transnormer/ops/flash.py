@@ -170,20 +170,24 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
+    native = _native.rows_usable(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         scores = torch.bmm(qlc / C, klc.transpose(1, 2))  # [BG, C, C]
-        if bias is not None:
-            scores = scores + bias.to(cdt)
-        tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-        r = torch.relu(scores).masked_fill_(~tril, 0.0)
-        a = r * r
+        if native:  # one pass (_native_flash.cpp), the same roundings
+            r, a, at = _native.relu2_fwd(scores, bias, causal=True)
+        else:
+            if bias is not None:
+                scores = scores + bias.to(cdt)
+            tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+            r = torch.relu(scores).masked_fill_(~tril, 0.0)
+            a = r * r
+            at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
         out = torch.bmm(a, vc)
-        at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
         states = torch.bmm(kgc.transpose(1, 2), vc).view(B, G, s * e)
         full = torch.full((1, G), float(C), dtype=sdt, device=v.device)  # whole chunks, no padding
         scales = _chunk_scales(full, causal=True, normalizer=normalizer, C=C)[0]  # [G]
-        if _native.rows_usable(cdt, v.device):  # one pass, fp32 sums (_native_prefix.cpp)
+        if native:  # one pass, fp32 sums (_native_prefix.cpp)
             prefix = _native.chunk_prefix(states, scales, reverse=False).view(B * G, s, e)
         else:
             prefix = _prefix(states.to(sdt), scales).to(cdt).view(B * G, s, e)
@@ -197,19 +201,21 @@ def _core_backward(saved, dout, C: int, bias_dtype):
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
+    native = _native.rows_usable(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
         g = dout.to(cdt).reshape(B * G, C, e)
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r
         dv = torch.bmm(at, g)
-        ds = torch.bmm(g, vc.transpose(1, 2)).mul_(r).mul_(2.0)
+        ds = torch.bmm(g, vc.transpose(1, 2))
+        ds = _native.relu2_bwd_(ds, r) if native else ds.mul_(r).mul_(2.0)
         dbias = None if bias_dtype is None else ds.sum(0).to(bias_dtype)
         dql = torch.bmm(ds, klc) / C
         dkl = torch.bmm(ds.transpose(1, 2), qlc / C)
         # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
         dqg = torch.bmm(g, prefix.transpose(1, 2))
         dprefix = torch.bmm(qgc.transpose(1, 2), g).view(B, G, s * e)
-        if _native.rows_usable(cdt, v.device):
+        if native:
             dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
         else:
             dstates = _prefix_adjoint(dprefix.to(sdt), scales).to(cdt).view(B * G, s, e)
@@ -244,64 +250,95 @@ class _CausalFlashCore(torch.autograd.Function):
 
 
 class _CausalFlashMixer(torch.autograd.Function):
-    """A causal FLASH layer from its projection to the gated output, for the CPU kernels:
-    [u | v | z] = silu(pre + b), heads = RoPE(z γ_h + β_h), y = u ⊙ (both branches).
+    """A causal FLASH layer from its input projection to the gated output, for the CPU kernels:
+    pre = x Wᵀ, [u | v | z] = silu(pre + b), heads = RoPE(z γ_h + β_h), y = u ⊙ (both branches).
 
     One Function so that u is never materialised: the gate reads the pre-activation
     (``_native.silu_mul_fwd``) and, backward, writes its block of d(pre) and of d(b) itself, the
-    split SiLU writing the v and z blocks beside it. The composed forms (silu_split, heads,
-    _CausalFlashCore, u * o) are the oracle.
+    split SiLU writing the v and z blocks beside it. The projection is inside so that those kernels
+    also write d(pre)ᵀ for W's gradient: dW = d(pre)ᵀ x ran at ~1 TFLOP/s on a transposed view of
+    d(pre) against ~2 on a contiguous d(pre)ᵀ (bf16, T = 4096, 512 → 2176), and the forward reads
+    Wᵀ contiguous, made in the pass that casts W anyway. The composed forms (F.linear, silu_split,
+    heads, _CausalFlashCore, u * o) are the oracle.
 
-    pre: [B, T, 2e + s] (the projection without its bias, contiguous, fp32 or bf16); bias: fp32
-    [2e + s]; gamma, beta: fp32 [4, s]; cos, sin: fp32 [B, T, P] contiguous; local_bias [C, C] or
-    None. Returns y [B, T, e] in pre's dtype.
+    x: [B, T, d] (fp32 or bf16); weight: [2e + s, d] (fp32 or bf16); cdt: the compute dtype
+    (autocast's, or x's); bias: fp32 [2e + s]; gamma, beta: fp32 [4, s]; cos, sin: fp32 [B, T, P]
+    contiguous; local_bias [C, C] or None. Returns y [B, T, e] in cdt.
     """
 
     @staticmethod
-    def forward(ctx, pre, bias, gamma, beta, cos, sin, local_bias, e: int, C: int, normalizer: str):
-        W = pre.shape[-1]
+    def forward(ctx, x, weight, bias, gamma, beta, cos, sin, local_bias, e: int, C: int, normalizer: str, cdt):
+        B, T, d = x.shape
+        W = weight.shape[0]
         s = W - 2 * e
-        pu, pvz = pre[..., :e], pre[..., e:]
-        v, z = _native.silu_split_fwd(pvz, [e, s], bias[e:])
-        heads = _native.heads_fwd(z, gamma, beta, cos, sin, pre.dtype)  # [B, T, 4, s], head-major
-        o, saved = _core_forward(*heads.unbind(2), v, local_bias, C, normalizer)
-        y = _native.silu_mul_fwd(pu, bias[:e], o)
-        ctx.save_for_backward(pre, bias, gamma, cos, sin, z, o, *saved)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(B * T, d).to(cdt)
+            # Wᵀ: a view where W needs no cast, else one cast-and-transpose pass
+            wt = weight.t() if weight.dtype == cdt else _native.cast_transpose(weight.contiguous(), cdt)
+            pre = torch.mm(x2, wt).view(B, T, W)
+            pu, pvz = pre[..., :e], pre[..., e:]
+            v, z = _native.silu_split_fwd(pvz, [e, s], bias[e:])
+            heads = _native.heads_fwd(z, gamma, beta, cos, sin, cdt)  # [B, T, 4, s], head-major
+            o, saved = _core_forward(*heads.unbind(2), v, local_bias, C, normalizer)
+            y = _native.silu_mul_fwd(pu, bias[:e], o)
+        ctx.save_for_backward(x2, wt, pre, bias, gamma, cos, sin, z, o, *saved)
         ctx.e, ctx.C, ctx.bias_dtype = e, C, None if local_bias is None else local_bias.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        pre, bias, gamma, cos, sin, z, o, *saved = ctx.saved_tensors
+        x2, wt, pre, bias, gamma, cos, sin, z, o, *saved = ctx.saved_tensors
         e = ctx.e
-        s = pre.shape[-1] - 2 * e
+        N, W = x2.shape[0], pre.shape[-1]
+        s = W - 2 * e
         dpre = torch.empty_like(pre)
+        # d(pre)ᵀ [W, N], written by the same kernels from the same rounded values
+        dpre_t = torch.empty(W, N, dtype=pre.dtype) if ctx.needs_input_grad[1] else None
         do, db_u = _native.silu_mul_bwd(pre[..., :e], bias[:e], o, dy.to(pre.dtype).contiguous(), dpre[..., :e],
-                                        bias_grad=True)
+                                        bias_grad=True, dpre_t=None if dpre_t is None else dpre_t[:e])
         dql, dkl, dqg, dkg, dv, dlocal = _core_backward(saved, do, ctx.C, ctx.bias_dtype)
         dheads = torch.stack((dql, dkl, dqg, dkg), 2)  # [B, T, 4, s], what the heads kernel reads
         dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dheads)
         _, db_vz = _native.silu_split_bwd(pre[..., e:], [dv, dz], [e, s], bias[e:], bias_grad=True,
-                                          dpre=dpre[..., e:])
-        return dpre, torch.cat((db_u, db_vz)), dgamma, dbeta, None, None, dlocal, None, None, None
+                                          dpre=dpre[..., e:], dpre_t=None if dpre_t is None else dpre_t[e:])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(dpre.view(N, W), wt.t()).view(ctx.x_shape).to(ctx.x_dtype)
+        if dpre_t is not None:
+            dw = torch.mm(dpre_t, x2).to(ctx.w_dtype)
+        return (dx, dw, torch.cat((db_u, db_vz)), dgamma, dbeta, None, None, dlocal, None, None, None, None)
 
 
-def causal_flash_mixer(pre, bias, gamma, beta, cos, sin, local_bias, *, e: int, chunk_size: int,
+def _mixer_dtype(x: torch.Tensor) -> torch.dtype:
+    """The projection's compute dtype: autocast's where it is on for x's device, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def causal_flash_mixer(x, weight, bias, gamma, beta, cos, sin, local_bias, *, e: int, chunk_size: int,
                        normalizer: str) -> torch.Tensor:
     """u ⊙ FLASH(heads, v) for a causal layer without padding or dropout, T a multiple of the chunk
-    size, from the projection ``pre`` [B, T, 2e + s] (no bias) and its ``bias``; see
-    :class:`_CausalFlashMixer` for the shapes. The caller checks :func:`flash_mixer_usable`."""
-    return _CausalFlashMixer.apply(pre.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(),
-                                   cos.float().expand(pre.shape[0], -1, -1).contiguous(),
-                                   sin.float().expand(pre.shape[0], -1, -1).contiguous(), local_bias, e, chunk_size,
-                                   normalizer)
+    size, from the layer input ``x`` [B, T, d], the projection's ``weight`` [2e + s, d] and its
+    ``bias``; see :class:`_CausalFlashMixer` for the shapes. The caller checks
+    :func:`flash_mixer_usable`."""
+    return _CausalFlashMixer.apply(x, weight, bias.contiguous(), gamma.contiguous(), beta.contiguous(),
+                                   cos.float().expand(x.shape[0], -1, -1).contiguous(),
+                                   sin.float().expand(x.shape[0], -1, -1).contiguous(), local_bias, e, chunk_size,
+                                   normalizer, _mixer_dtype(x))
 
 
-def flash_mixer_usable(pre: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`causal_flash_mixer` can take ``pre`` (the CPU kernels for its dtype, fp32 bias)."""
-    return (_FUSED_MIXER and _native.rows_usable(pre.dtype, pre.device) and bias is not None
-            and bias.dtype == torch.float32 and pre.numel() > 0)
+def flash_mixer_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`causal_flash_mixer` can take ``x`` [B, T, d] and the projection ``weight``,
+    ``bias``: the CPU kernels for the compute dtype, fp32 or bf16 operands (of one dtype without
+    autocast, as F.linear needs), an fp32 bias."""
+    if not (_FUSED_MIXER and bias is not None and bias.dtype == torch.float32 and x.numel() > 0):
+        return False
+    cdt = _mixer_dtype(x)
+    floats = (torch.float32, torch.bfloat16)
+    return (_native.rows_usable(cdt, x.device) and x.dtype in floats and weight.dtype in floats
+            and weight.device == x.device and (torch.is_autocast_enabled(x.device.type) or x.dtype == weight.dtype))
 
 
 def quad_normalizer(mode: str, *, causal: bool, valid: torch.Tensor, fixed_len: int, dtype: torch.dtype):
