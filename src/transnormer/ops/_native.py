@@ -125,7 +125,7 @@ _SIGNATURES = {
     "tn_silu_mul_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6),
     "tn_cast_transpose": (("f32", "bf16"), [_P, _I32, _P, _I64, _I64]),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32, _I64]),
-    "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32]),
+    "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32, _I64]),
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_relu2_fwd": (("f32", "bf16"), [_P] * 5 + [_I64] * 2 + [_I32]),
     "tn_relu2_bwd": (("f32", "bf16"), [_P] * 2 + [_I64]),
@@ -671,24 +671,28 @@ def relu2_bwd_(da: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):
     """RoPE(z * gamma_h + beta_h) [B, T, n, s] in ``out_dtype`` (fp32 or bf16, rounded once) from z
     [B, T, s] (see :func:`token_rows_ok`), fp32 gamma, beta [n, s] and cos, sin [B, T, P]
-    contiguous (``_native_heads.cpp``). Stored head-major (a [B, n, T, s] tensor seen as
-    [B, T, n, s]), so that each head ``y[:, :, h]`` is contiguous."""
+    contiguous (``_native_heads.cpp``). Stored head-outer (an [n, B, T, s] tensor seen as
+    [B, T, n, s]), so that each head ``y[:, :, h]`` is contiguous and reshapes to chunks as a view."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]
-    y = torch.empty(B, n, T, s, dtype=out_dtype)
+    y = torch.empty(n, B, T, s, dtype=out_dtype)
     _call("tn_heads_fwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(beta), _ptr(cos), _ptr(sin), _ptr(y), B * T, n, s, P,
-          z.stride(1), int(out_dtype == torch.bfloat16), T)
-    return y.transpose(1, 2)
+          z.stride(1), int(out_dtype == torch.bfloat16), B * T)
+    return y.permute(1, 2, 0, 3)
 
 
 def heads_bwd(z, gamma, cos, sin, dy):
-    """(dz [B, T, s] in z's dtype, dgamma [n, s], dbeta [n, s]) for contiguous fp32 or bf16 dy [B, T, n, s]."""
+    """(dz [B, T, s] in z's dtype, dgamma [n, s], dbeta [n, s]) for fp32 or bf16 dy [B, T, n, s],
+    contiguous or head-outer (as :func:`heads_fwd` stores its output)."""
     B, T, s = z.shape
     n, P = gamma.shape[0], cos.shape[-1]
+    head_outer = not dy.is_contiguous() and dy.permute(2, 0, 1, 3).is_contiguous()
+    if not (head_outer or dy.is_contiguous()):
+        raise ValueError(f"dy must be contiguous or head-outer, got strides {dy.stride()}")
     parts = _row_parts(B * T)
     dz = torch.empty(B, T, s, dtype=z.dtype)
     dg = torch.zeros(parts, n, s, dtype=torch.float32)
     db = torch.zeros(parts, n, s, dtype=torch.float32)
     _call("tn_heads_bwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(cos), _ptr(sin), _ptr(dy), _ptr(dz), _ptr(dg), _ptr(db),
-          B * T, n, s, P, z.stride(1), parts, int(dy.dtype == torch.bfloat16))
+          B * T, n, s, P, z.stride(1), parts, int(dy.dtype == torch.bfloat16), B * T if head_outer else 0)
     return dz, dg.sum(0), db.sum(0)

@@ -359,40 +359,34 @@ TN_SILU_MUL_DEFINE(bf16, bf16)
 // A projection's weight W [R, C] (fp32 or bf16) as the contiguous Wᵀ [C, R] of the compute dtype,
 // rounded once: the operand of X Wᵀ as a plain row-major B, which oneDNN's bf16 GEMM runs faster
 // than a transposed view, made in one pass where a cast and PyTorch's transposing copy take two
-// slow ones. Columns of W (rows of Wᵀ) are split over the threads in blocks of 16.
+// slow ones. Rows of W (columns of Wᵀ) are split over the threads in blocks of one line of Wᵀ.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
+// rows [r0, r1) of src [R, C] into the columns [r0, r1) of dst [C, R]
 template <typename Ts, typename Td>
-void cast_transpose_cols(const Ts* src, idx R, idx C, Td* dst, idx c0, idx c1) {
+void cast_transpose_rows(const Ts* src, idx R, idx C, Td* dst, idx r0, idx r1) {
 #if defined(TN_AVX512)
-    alignas(64) float blk[16][16], blk_t[16][16];
-    for (idx cb = c0; cb < c1; cb += 16) {
-        const idx nc = std::min<idx>(16, c1 - cb);
-        const __mmask16 kc = tail_mask(nc);
-        for (idx rb = 0; rb < R; rb += 16) {
-            const idx nr = std::min<idx>(16, R - rb);
-            for (idx i = 0; i < 16; ++i)
-                _mm512_store_ps(blk[i], i < nr ? load16(src + (rb + i) * C + cb, kc) : _mm512_setzero_ps());
-            transpose16(&blk[0][0], 16, &blk_t[0][0], 16);
-            for (idx c = 0; c < nc; ++c) store16(dst + (cb + c) * R + rb, _mm512_load_ps(blk_t[c]), tail_mask(nr));
-        }
-    }
+    constexpr idx kRows = 64 / sizeof(Td);
+    for (idx rb = r0; rb < r1; rb += kRows) transpose_rows(src + rb * C, C, std::min(kRows, r1 - rb), C, dst + rb, R);
+    _mm_sfence();
 #else
-    for (idx c = c0; c < c1; ++c)
-        for (idx r = 0; r < R; ++r) from_float(to_float(src[r * C + c]), dst + c * R + r);
+    for (idx r = r0; r < r1; ++r)
+        for (idx c = 0; c < C; ++c) from_float(to_float(src[r * C + c]), dst + c * R + r);
 #endif
 }
 
 template <typename Td>
 int cast_transpose(const void* src, int src_bf16, Td* dst, idx R, idx C, int nthreads) {
     if (R < 0 || C < 0) return 1;
-    parallel_ranges((C + 15) / 16, nthreads, [&](idx b0, idx b1) {
-        const idx c0 = b0 * 16, c1 = std::min(C, b1 * 16);
+    // whole rows of src per thread (long contiguous reads), in blocks of one cache line of dst
+    constexpr idx kRows = 64 / sizeof(Td);
+    parallel_ranges((R + kRows - 1) / kRows, nthreads, [&](idx b0, idx b1) {
+        const idx r0 = b0 * kRows, r1 = std::min(R, b1 * kRows);
         if (src_bf16)
-            cast_transpose_cols(static_cast<const bf16*>(src), R, C, dst, c0, c1);
+            cast_transpose_rows(static_cast<const bf16*>(src), R, C, dst, r0, r1);
         else
-            cast_transpose_cols(static_cast<const float*>(src), R, C, dst, c0, c1);
+            cast_transpose_rows(static_cast<const float*>(src), R, C, dst, r0, r1);
     });
     return 0;
 }

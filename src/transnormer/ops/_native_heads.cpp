@@ -13,8 +13,8 @@
 // Layouts: z [N, s] with rows ldz >= s elements apart (a slice of the projection), fp32 or bf16;
 // gamma, beta [n, s] fp32; cos, sin [N, P] fp32, rotating pairs (i, i + P) of the first 2P <= s
 // channels (rotate-half), the rest passing through; y [N, n, s] or head-major [N / T, n, T, s]
-// (each head's rows contiguous: the products that read one head take it without a copy) and
-// dy [N, n, s], contiguous, fp32 or bf16
+// (each head's rows contiguous: the products that read one head take it without a copy; T = N is
+// [n, N, s]), and dy in either layout, fp32 or bf16
 // (ybf16: the heads' consumer runs under bf16 autocast; they are rounded once, as its cast would);
 // dz [N, s] contiguous in z's dtype; dgamma, dbeta partials [parts, n, s] fp32.
 //   x = z * gamma_h + beta_h,  y_i = x_i c_i - x_i+P s_i,  y_i+P = x_i+P c_i + x_i s_i  (i < P)
@@ -64,7 +64,7 @@ void backward_rows(const Shape& sh, const T* z, const float* gamma, const float*
         for (idx j = 0; j < s; ++j) acc[j] = 0.0f;
         const float *c = cos + r * P, *sn = sin + r * P;
         for (idx h = 0; h < n; ++h) {
-            const Y* gr = dy + (r * n + h) * s;
+            const Y* gr = dy + sh.y_row(r, h);
             for (idx j = 0; j < s; ++j) g[j] = to_float(gr[j]);
             for (idx i = 0; i < P; ++i) {  // the rotation transposed
                 dx[i] = g[i] * c[i] + g[i + P] * sn[i];
@@ -106,9 +106,9 @@ extern "C" {
     /* dg, db: [parts, n, s] zeroed; part p sums the rows [N p / parts, N (p + 1) / parts) */                  \
     int tn_heads_bwd_##SUFFIX(const void* z, const float* gamma, const float* cos, const float* sin,            \
                               const void* dy, void* dz, float* dg, float* db, idx N, idx n, idx s, idx P,        \
-                              idx ldz, idx parts, int ybf16, int nthreads) {                                    \
-        const Shape sh{N, n, s, P, ldz, 0};                                                                     \
-        if (bad(sh) || parts < 1) return 1;                                                                     \
+                              idx ldz, idx parts, int ybf16, idx head_major_T, int nthreads) {                  \
+        const Shape sh{N, n, s, P, ldz, head_major_T};                                                          \
+        if (bad(sh) || parts < 1 || head_major_T < 0 || (head_major_T && N % head_major_T)) return 1;           \
         parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                  \
             for (idx p = p0; p < p1; ++p) {                                                                     \
                 const idx r0 = N * p / parts, r1 = N * (p + 1) / parts;                                         \

@@ -146,26 +146,28 @@ inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
 #if defined(TN_AVX512)
 namespace tn {
 
-// The first nr <= 64 / sizeof(T) rows of src (rows lds apart, w columns, values of T) stored
-// transposed: column c at dst + c * ldt. Blocks of 64 bytes of dst (16 fp32 or 32 bf16 rows) are written as whole cache
-// lines, streamed past the cache when aligned: dst's rows are a multiple of 4 KB apart at the usual
-// lengths, so cached partial-line stores all fall in one L1 set, and the copy is read only by a
-// later product.
-template <typename T>
-inline void transpose_rows(const T* src, idx lds, idx nr, idx w, T* dst, idx ldt) {
-    constexpr idx kRows = 64 / sizeof(T);
+// The first nr <= 64 / sizeof(Td) rows of src (rows lds apart, w columns) stored transposed in Td
+// (rounded once where Td is narrower): column c at dst + c * ldt. Blocks of 64 bytes of dst (16
+// fp32 or 32 bf16 rows) are written as whole cache lines, streamed past the cache when aligned:
+// dst's rows are a multiple of 4 KB apart at the usual lengths, so cached partial-line stores all
+// fall in one L1 set, and the copy is read only by a later product. The caller ends its stores
+// with _mm_sfence().
+template <typename Ts, typename Td>
+inline void transpose_rows(const Ts* src, idx lds, idx nr, idx w, Td* dst, idx ldt) {
+    constexpr idx kRows = 64 / sizeof(Td);
     alignas(64) float blk[16][16], lo[16][16], hi[16][16];
     for (idx j = 0; j < w; j += 16) {
         const __mmask16 k = tail_mask(w - j);
         for (idx h = 0; h < kRows; h += 16) {
             for (idx i = 0; i < 16; ++i)
-                _mm512_store_ps(blk[i], h + i < nr ? load16(src + (h + i) * lds + j, k) : _mm512_setzero_ps());
+                _mm512_store_ps(blk[i], h + i < nr ? round_to(dst, load16(src + (h + i) * lds + j, k))
+                                                   : _mm512_setzero_ps());
             transpose16(&blk[0][0], 16, h ? &hi[0][0] : &lo[0][0], 16);
         }
         for (idx c = 0; c < std::min<idx>(16, w - j); ++c) {
-            T* d = dst + (j + c) * ldt;
+            Td* d = dst + (j + c) * ldt;
             const bool line = nr == kRows && (reinterpret_cast<uintptr_t>(d) & 63) == 0;
-            if constexpr (sizeof(T) == 4) {
+            if constexpr (sizeof(Td) == 4) {
                 const __m512 v = _mm512_load_ps(lo[c]);
                 if (line)
                     _mm512_stream_ps(reinterpret_cast<float*>(d), v);

@@ -165,15 +165,17 @@ def _by_chunk(C: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.reshape(-1, C, x.shape[-1]) for x in xs)
 
 
-def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
-    """out [B, T, e] of both causal branches and what the backward keeps (see _CausalFlashCore)."""
+def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str, ql_scaled: bool = False):
+    """out [B, T, e] of both causal branches and what the backward keeps (see _CausalFlashCore).
+    ``ql_scaled``: ql arrives divided by C already (the mixer folds 1/C into its heads)."""
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
     native = _native.rows_usable(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
-        scores = torch.bmm(qlc / C, klc.transpose(1, 2))  # [BG, C, C]
+        qs = qlc if ql_scaled else qlc / C
+        scores = torch.bmm(qs, klc.transpose(1, 2))  # [BG, C, C]
         if native:  # one pass (_native_flash.cpp), the same roundings
             r, a, at = _native.relu2_fwd(scores, bias, causal=True)
         else:
@@ -195,8 +197,10 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str):
     return out.view(B, T, e), (ql, kl, qg, kg, v, r, at, prefix, scales)
 
 
-def _core_backward(saved, dout, C: int, bias_dtype):
-    """(dql, dkl, dqg, dkg [B, T, s], dv [B, T, e], d bias [C, C] or None) from dout [B, T, e]."""
+def _core_backward(saved, dout, C: int, bias_dtype, ql_scaled: bool = False):
+    """(dheads [B, T, 4, s] = (dql, dkl, dqg, dkg) stored head-outer as heads_fwd stores the heads,
+    dv [B, T, e], d bias [C, C] or None) from dout [B, T, e]; with ``ql_scaled``, dql is the
+    gradient of ql / C (see _core_forward)."""
     ql, kl, qg, kg, v, r, at, prefix, scales = saved
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
@@ -210,18 +214,23 @@ def _core_backward(saved, dout, C: int, bias_dtype):
         ds = torch.bmm(g, vc.transpose(1, 2))
         ds = _native.relu2_bwd_(ds, r) if native else ds.mul_(r).mul_(2.0)
         dbias = None if bias_dtype is None else ds.sum(0).to(bias_dtype)
-        dql = torch.bmm(ds, klc) / C
-        dkl = torch.bmm(ds.transpose(1, 2), qlc / C)
+        # the four heads' gradients in one [4, B·T, s] block: each a contiguous product output
+        dh = torch.empty(4, B * G, C, s, dtype=cdt, device=v.device)
+        dql, dkl, dqg, dkg = dh.unbind(0)
+        torch.bmm(ds, klc, out=dql)
+        if not ql_scaled:
+            dql.div_(C)
+        torch.bmm(ds.transpose(1, 2), qlc if ql_scaled else qlc / C, out=dkl)
         # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
-        dqg = torch.bmm(g, prefix.transpose(1, 2))
+        torch.bmm(g, prefix.transpose(1, 2), out=dqg)
         dprefix = torch.bmm(qgc.transpose(1, 2), g).view(B, G, s * e)
         if native:
             dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
         else:
             dstates = _prefix_adjoint(dprefix.to(sdt), scales).to(cdt).view(B * G, s, e)
-        dkg = torch.bmm(vc, dstates.transpose(1, 2))
+        torch.bmm(vc, dstates.transpose(1, 2), out=dkg)
         dv.baddbmm_(kgc, dstates)
-    return dql.view(B, T, s), dkl.view(B, T, s), dqg.view(B, T, s), dkg.view(B, T, s), dv.view(B, T, e), dbias
+    return dh.view(4, B, T, s).permute(1, 2, 0, 3), dv.view(B, T, e), dbias
 
 
 class _CausalFlashCore(torch.autograd.Function):
@@ -246,7 +255,8 @@ class _CausalFlashCore(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        return (*_core_backward(ctx.saved_tensors, dout, ctx.C, ctx.bias_dtype), None, None)
+        dheads, dv, dbias = _core_backward(ctx.saved_tensors, dout, ctx.C, ctx.bias_dtype)
+        return (*dheads.unbind(2), dv, dbias, None, None)
 
 
 class _CausalFlashMixer(torch.autograd.Function):
@@ -278,8 +288,11 @@ class _CausalFlashMixer(torch.autograd.Function):
             pre = torch.mm(x2, wt).view(B, T, W)
             pu, pvz = pre[..., :e], pre[..., e:]
             v, z = _native.silu_split_fwd(pvz, [e, s], bias[e:])
-            heads = _native.heads_fwd(z, gamma, beta, cos, sin, cdt)  # [B, T, 4, s], head-major
-            o, saved = _core_forward(*heads.unbind(2), v, local_bias, C, normalizer)
+            # the local queries' 1/C folded into their scale and offset (RoPE is linear): ql / C
+            # comes out of the heads kernel, rounded once, with no division pass either way
+            gamma, beta = _scaled_first_head(gamma, 1.0 / C), _scaled_first_head(beta, 1.0 / C)
+            heads = _native.heads_fwd(z, gamma, beta, cos, sin, cdt)  # [B, T, 4, s], head-outer
+            o, saved = _core_forward(*heads.unbind(2), v, local_bias, C, normalizer, ql_scaled=True)
             y = _native.silu_mul_fwd(pu, bias[:e], o)
         ctx.save_for_backward(x2, wt, pre, bias, gamma, cos, sin, z, o, *saved)
         ctx.e, ctx.C, ctx.bias_dtype = e, C, None if local_bias is None else local_bias.dtype
@@ -298,9 +311,9 @@ class _CausalFlashMixer(torch.autograd.Function):
         dpre_t = torch.empty(W, N, dtype=pre.dtype) if ctx.needs_input_grad[1] else None
         do, db_u = _native.silu_mul_bwd(pre[..., :e], bias[:e], o, dy.to(pre.dtype).contiguous(), dpre[..., :e],
                                         bias_grad=True, dpre_t=None if dpre_t is None else dpre_t[:e])
-        dql, dkl, dqg, dkg, dv, dlocal = _core_backward(saved, do, ctx.C, ctx.bias_dtype)
-        dheads = torch.stack((dql, dkl, dqg, dkg), 2)  # [B, T, 4, s], what the heads kernel reads
+        dheads, dv, dlocal = _core_backward(saved, do, ctx.C, ctx.bias_dtype, ql_scaled=True)
         dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dheads)
+        dgamma, dbeta = _scaled_first_head(dgamma, 1.0 / ctx.C), _scaled_first_head(dbeta, 1.0 / ctx.C)
         _, db_vz = _native.silu_split_bwd(pre[..., e:], [dv, dz], [e, s], bias[e:], bias_grad=True,
                                           dpre=dpre[..., e:], dpre_t=None if dpre_t is None else dpre_t[e:])
         dx = dw = None
@@ -309,6 +322,13 @@ class _CausalFlashMixer(torch.autograd.Function):
         if dpre_t is not None:
             dw = torch.mm(dpre_t, x2).to(ctx.w_dtype)
         return (dx, dw, torch.cat((db_u, db_vz)), dgamma, dbeta, None, None, dlocal, None, None, None, None)
+
+
+def _scaled_first_head(p: torch.Tensor, c: float) -> torch.Tensor:
+    """p [n, s] with its first row (the local queries' head) times c: a copy."""
+    p = p.clone()
+    p[0] *= c
+    return p
 
 
 def _mixer_dtype(x: torch.Tensor) -> torch.dtype:
