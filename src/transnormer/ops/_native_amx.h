@@ -158,7 +158,7 @@ inline void unpair(idx C2, idx R, const w32* v, bf* dst) {
 
 enum Mask { kNone, kLower, kUpper };  // keep j <= i / j >= i
 
-inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }  // nearest even, NaN stays NaN
+using tn::to_bf16;  // one instruction here: AMX comes with AVX512-BF16
 
 // dst [R x C] bf16 (row stride ldd) = src [R x C] fp32 (lds), rounded, optionally masked to a triangle.
 inline void to_bf16_rows(idx R, idx C, const float* src, idx lds, bf* dst, idx ldd, Mask mask = kNone) {

@@ -20,23 +20,29 @@ inline __m512 load16(const bf16* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
-inline void store16(bf16* p, __m512 x, __mmask16 m) {  // round to nearest even; NaN stays NaN
+// fp32 -> bf16, round to nearest even, a NaN stays a quiet NaN. With AVX512-BF16 one instruction
+// (vcvtneps2bf16, which rounds as PyTorch does except that it reads fp32 subnormals, |x| < 1.2e-38,
+// as zero, as AMX's bf16 products do); without it the rounding is done on the bits. The row kernels
+// are bound by their instruction count, and this was ~8 of the ~55 per vector of the SiLU gate's
+// backward: 17% of those kernels' time.
+#if defined(__AVX512BF16__)
+inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#else
+inline __m256i to_bf16(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
 }
+#endif
+inline void store16(bf16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(x)); }
 
-// x rounded as store16 rounds it to bf16, held in fp32 (low 16 bits zero; a NaN stays a quiet NaN)
+// x rounded as store16 rounds it, held in fp32 (the low 16 bits zero), so that one rounded value
+// can be stored in more than one layout
 inline __m512 round_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
 // x rounded to the storage type of the pointer's pointee (fp32: unchanged)
 inline __m512 round_to(const float*, __m512 x) { return x; }
