@@ -188,9 +188,11 @@ def test_transpose_accumulate_is_exact(R, C):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,C", [(2176, 512), (7, 33), (16, 16), (17, 1), (1, 40), (40, 64)])
 def test_cast_transpose_is_the_rounded_transpose(dtype, R, C):
-    for src in (torch.randn(R, C), torch.randn(R, C).bfloat16()):
+    for src in (torch.randn(R, C), torch.randn(R, C).bfloat16(), torch.randn(3, R, C)):
         got = _native.cast_transpose(src, dtype)
-        assert got.is_contiguous() and torch.equal(got, src.T.to(dtype))
+        assert got.is_contiguous() and torch.equal(got, src.transpose(-2, -1).to(dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.cast_transpose(torch.randn(4, 6)[:, ::2], dtype)
 
 
 @needs_kernel

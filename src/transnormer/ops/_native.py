@@ -123,7 +123,7 @@ _SIGNATURES = {
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _P] + [_I64] * 5),
     "tn_silu_mul_fwd": (("f32", "bf16"), [_P] * 4 + [_I64] * 3),
     "tn_silu_mul_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6),
-    "tn_cast_transpose": (("f32", "bf16"), [_P, _I32, _P, _I64, _I64]),
+    "tn_cast_transpose": (("f32", "bf16"), [_P, _I32, _P, _I64, _I64, _I64]),
     "tn_heads_fwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 5 + [_I32, _I64]),
     "tn_heads_bwd": (("f32", "bf16"), [_P] * 8 + [_I64] * 6 + [_I32, _I64]),
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
@@ -630,11 +630,13 @@ def silu_mul_bwd(pre, bias, o, dy, dpre: torch.Tensor, bias_grad: bool, dpre_t: 
 
 
 def cast_transpose(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """wᵀ [C, R] contiguous in ``dtype`` (fp32 or bf16; rounded once) from contiguous fp32 or bf16
-    w [R, C] (``_native_glu.cpp``)."""
-    R, C = w.shape
-    out = torch.empty(C, R, dtype=dtype)
-    _call("tn_cast_transpose", dtype, _ptr(w), int(w.dtype == torch.bfloat16), _ptr(out), R, C)
+    """w.transpose(-2, -1) contiguous in ``dtype`` (fp32 or bf16; rounded once) from contiguous fp32
+    or bf16 w [R, C] or [nb, R, C] (``_native_glu.cpp``)."""
+    if w.dim() not in (2, 3) or not w.is_contiguous():
+        raise ValueError(f"cast_transpose needs a contiguous [R, C] or [nb, R, C] tensor, got {tuple(w.shape)}")
+    *nb, R, C = w.shape
+    out = torch.empty(*nb, C, R, dtype=dtype)
+    _call("tn_cast_transpose", dtype, _ptr(w), int(w.dtype == torch.bfloat16), _ptr(out), nb[0] if nb else 1, R, C)
     return out
 
 

@@ -376,17 +376,21 @@ void cast_transpose_rows(const Ts* src, idx R, idx C, Td* dst, idx r0, idx r1) {
 #endif
 }
 
+// each of nb matrices: dst[b] [C, R] = src[b] [R, C]ᵀ
 template <typename Td>
-int cast_transpose(const void* src, int src_bf16, Td* dst, idx R, idx C, int nthreads) {
-    if (R < 0 || C < 0) return 1;
+int cast_transpose(const void* src, int src_bf16, Td* dst, idx nb, idx R, idx C, int nthreads) {
+    if (nb < 0 || R < 0 || C < 0) return 1;
     // whole rows of src per thread (long contiguous reads), in blocks of one cache line of dst
     constexpr idx kRows = 64 / sizeof(Td);
-    parallel_ranges((R + kRows - 1) / kRows, nthreads, [&](idx b0, idx b1) {
-        const idx r0 = b0 * kRows, r1 = std::min(R, b1 * kRows);
-        if (src_bf16)
-            cast_transpose_rows(static_cast<const bf16*>(src), R, C, dst, r0, r1);
-        else
-            cast_transpose_rows(static_cast<const float*>(src), R, C, dst, r0, r1);
+    const idx blocks = (R + kRows - 1) / kRows;
+    parallel_ranges(nb * blocks, nthreads, [&](idx k0, idx k1) {
+        for (idx k = k0; k < k1; ++k) {
+            const idx b = k / blocks, r0 = k % blocks * kRows, r1 = std::min(R, r0 + kRows);
+            if (src_bf16)
+                cast_transpose_rows(static_cast<const bf16*>(src) + b * R * C, R, C, dst + b * R * C, r0, r1);
+            else
+                cast_transpose_rows(static_cast<const float*>(src) + b * R * C, R, C, dst + b * R * C, r0, r1);
+        }
     });
     return 0;
 }
@@ -394,11 +398,11 @@ int cast_transpose(const void* src, int src_bf16, Td* dst, idx R, idx C, int nth
 }  // namespace
 
 extern "C" {
-// dst [C, R] (the suffix's dtype) = srcᵀ for contiguous src [R, C], fp32 or (src_bf16) bf16
-int tn_cast_transpose_f32(const void* src, int src_bf16, void* dst, idx R, idx C, int nthreads) {
-    return cast_transpose(src, src_bf16, static_cast<float*>(dst), R, C, nthreads);
+// dst [nb, C, R] (the suffix's dtype) = each srcᵀ for contiguous src [nb, R, C], fp32 or (src_bf16) bf16
+int tn_cast_transpose_f32(const void* src, int src_bf16, void* dst, idx nb, idx R, idx C, int nthreads) {
+    return cast_transpose(src, src_bf16, static_cast<float*>(dst), nb, R, C, nthreads);
 }
-int tn_cast_transpose_bf16(const void* src, int src_bf16, void* dst, idx R, idx C, int nthreads) {
-    return cast_transpose(src, src_bf16, static_cast<bf16*>(dst), R, C, nthreads);
+int tn_cast_transpose_bf16(const void* src, int src_bf16, void* dst, idx nb, idx R, idx C, int nthreads) {
+    return cast_transpose(src, src_bf16, static_cast<bf16*>(dst), nb, R, C, nthreads);
 }
 }  // extern "C"

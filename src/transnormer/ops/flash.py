@@ -186,7 +186,9 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str, ql_scaled: b
             a = r * r
             at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
         out = torch.bmm(a, vc)
-        states = torch.bmm(kgc.transpose(1, 2), vc).view(B, G, s * e)
+        # Kgᵀ per chunk as a plain row-major operand (a transposed view runs ~1.4x slower)
+        kgt = _native.cast_transpose(kgc.contiguous(), cdt) if native else kgc.transpose(1, 2)
+        states = torch.bmm(kgt, vc).view(B, G, s * e)
         full = torch.full((1, G), float(C), dtype=sdt, device=v.device)  # whole chunks, no padding
         scales = _chunk_scales(full, causal=True, normalizer=normalizer, C=C)[0]  # [G]
         if native:  # one pass, fp32 sums (_native_prefix.cpp)
@@ -223,7 +225,8 @@ def _core_backward(saved, dout, C: int, bias_dtype, ql_scaled: bool = False):
         torch.bmm(ds.transpose(1, 2), qlc if ql_scaled else qlc / C, out=dkl)
         # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
         torch.bmm(g, prefix.transpose(1, 2), out=dqg)
-        dprefix = torch.bmm(qgc.transpose(1, 2), g).view(B, G, s * e)
+        qgt = _native.cast_transpose(qgc.contiguous(), cdt) if native else qgc.transpose(1, 2)
+        dprefix = torch.bmm(qgt, g).view(B, G, s * e)
         if native:
             dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
         else:
