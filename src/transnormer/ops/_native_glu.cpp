@@ -128,7 +128,8 @@ TN_GLU_DEFINE(bf16, bf16)
 // so the sum does not depend on the thread count).
 //   pre [N, W] with rows ldp >= W apart; out_g / dout_g [N, w_g] contiguous; dpre [N, W] contiguous;
 //   dbias [parts, W] fp32, zeroed by the caller. dpre rows may be ldd >= W apart (a column block of
-//   a wider gradient).
+//   a wider gradient). dpre_t (or null): d(pre)ᵀ, column j of d(pre) at dpre_t + j * ldt, ldt >= N
+//   (see write_grad_rows; the gate's backward below takes the same two arguments).
 // ---------------------------------------------------------------------------------------------
 namespace {
 
