@@ -218,6 +218,9 @@ def test_projection_gradient_kernels_write_the_transposed_copy(dtype, N, e, s):
     assert torch.equal(plain, both) and torch.equal(dpre_t, plain.T)
     with pytest.raises(ValueError, match="dpre_t must be"):
         _native.silu_mul_bwd(pre[:, :e], bias[:e], o, dy, both[:, :e], bias_grad=False, dpre_t=dpre_t[:e].T)
+    with pytest.raises(TypeError, match="dpre_t must be"):
+        _native.silu_mul_bwd(pre[:, :e], bias[:e], o, dy, both[:, :e], bias_grad=False,
+                             dpre_t=dpre_t[:e].to(torch.float64))
 
 
 @needs_kernel

@@ -578,13 +578,15 @@ def _row_parts(rows: int) -> int:
     return max(1, min(_ROW_PARTS, rows))
 
 
-def _transposed_rows(dpre_t: torch.Tensor | None, W: int, N: int) -> int:
+def _transposed_rows(dpre_t: torch.Tensor | None, W: int, N: int, dtype: torch.dtype) -> int:
     """Row stride of ``dpre_t``, the [W, N] transposed copy of a gradient (rows unit-strided)."""
     if dpre_t is None:
         return N
     if dpre_t.dim() != 2 or dpre_t.shape != (W, N) or dpre_t.stride(1) != 1 or dpre_t.stride(0) < N:
         raise ValueError(f"dpre_t must be [{W}, {N}] with unit-strided rows, got {tuple(dpre_t.shape)} "
                          f"strides {dpre_t.stride()}")
+    if dpre_t.dtype != dtype:
+        raise TypeError(f"dpre_t must be {dtype} like the gradient it copies, got {dpre_t.dtype}")
     return dpre_t.stride(0)
 
 
@@ -598,7 +600,7 @@ def silu_split_bwd(pre: torch.Tensor, grads: list[torch.Tensor | None], widths: 
     dpre = torch.empty_like(pre, memory_format=torch.contiguous_format) if dpre is None else dpre
     parts = _row_parts(N)
     db = torch.zeros(parts, pre.shape[-1], dtype=torch.float32) if bias_grad else None
-    ldt = _transposed_rows(dpre_t, pre.shape[-1], N)
+    ldt = _transposed_rows(dpre_t, pre.shape[-1], N, pre.dtype)
     _call("tn_silu_split_bwd", pre.dtype, _ptr(pre), _ptr(bias), (ctypes.c_void_p * n)(*[_ptr(g) for g in grads]),
           (ctypes.c_long * n)(*widths), n, _ptr(dpre), _ptr(dpre_t), _ptr(db), N, _row_block(pre), _row_block(dpre),
           ldt, parts)
@@ -623,7 +625,7 @@ def silu_mul_bwd(pre, bias, o, dy, dpre: torch.Tensor, bias_grad: bool, dpre_t: 
     do = torch.empty_like(o)
     parts = _row_parts(N)
     db = torch.zeros(parts, F, dtype=torch.float32) if bias_grad else None
-    ldt = _transposed_rows(dpre_t, F, N)
+    ldt = _transposed_rows(dpre_t, F, N, pre.dtype)
     _call("tn_silu_mul_bwd", pre.dtype, _ptr(pre), _ptr(bias), _ptr(o), _ptr(dy), _ptr(do), _ptr(dpre), _ptr(dpre_t),
           _ptr(db), N, F, _row_block(pre), _row_block(dpre), ldt, parts)
     return do, None if db is None else db.sum(0)
