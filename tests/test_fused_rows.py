@@ -339,6 +339,61 @@ def test_glu_merged_projection_equals_two_linears(backend_mode):
         assert rel_err(a, b) < 1e-5
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,F_", [(1, 16), (17, 40), (64, 24), (1024, 48), (4101, 8)])
+def test_silu_gate_kernel_with_bias_and_transposed_copy(dtype, N, F_):
+    """The gate with its two biases (fp32, added before the activation) against the formula, and
+    the transposed copy of d(ab) exactly d(ab)ᵀ (N = 1024: whole streamed lines; 4101: ragged)."""
+    g = torch.Generator().manual_seed(N + F_)
+    ab = (torch.randn(N, 2 * F_, generator=g) * 3).to(dtype)
+    bias = torch.randn(2 * F_, generator=g)
+    dh = torch.randn(N, F_, generator=g).to(dtype)
+    h = _native.silu_gate_fwd(ab, bias)
+    x = (ab.double() + bias.double()).requires_grad_()
+    ref = torch.nn.functional.silu(x[:, :F_]) * x[:, F_:]
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(h.double(), ref) < tol
+    (want,) = torch.autograd.grad(ref, x, dh.double())
+    dab_t = torch.full((2 * F_, N), float("nan"), dtype=dtype)
+    dab, db = _native.silu_gate_bwd(ab, dh, bias, bias_grad=True, dab_t=dab_t)
+    assert rel_err(dab.double(), want) < tol and rel_err(db.double(), want.sum(0)) < tol
+    assert torch.equal(dab_t, dab.T)
+    plain, none = _native.silu_gate_bwd(ab, dh, bias)
+    assert torch.equal(plain, dab) and none is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-input"])
+def test_glu_projected_gate_matches_the_composed_form(monkeypatch, mode):
+    """GLU's input side through _ProjectedSiluGate (one product on [W1 | W2]ᵀ, biases in the gate,
+    d(ab)ᵀ for the weights' gradient) against F.linear on the concatenated weights and the gate:
+    output and the gradients of x and of every parameter."""
+    import transnormer.ops.rowwise as rowwise
+    from transnormer.modules.ffn import GLU
+
+    torch.manual_seed(0)
+    glu = GLU(48, 72)
+    x = torch.randn(2, 37, 48)
+    gy = torch.randn(2, 37, 48)
+    results = []
+    for fused in (True, False):
+        calls = []
+        original = rowwise._ProjectedSiluGate.apply
+        monkeypatch.setattr(rowwise._ProjectedSiluGate, "apply", lambda *a, _c=calls, _f=original: _c.append(1) or _f(*a))
+        if not fused:
+            monkeypatch.setattr(rowwise, "fused_projection_ok", lambda *a: False)
+        xi = (x.bfloat16() if mode == "bf16-input" else x.clone()).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "fp32"):
+            y = glu(xi)
+        grads = torch.autograd.grad(y, [xi, *glu.parameters()], gy.to(y.dtype))
+        assert len(calls) == int(fused) and xi.grad is None and grads[0].dtype == xi.dtype
+        results.append((y, *grads))
+    tol = 1e-5 if mode == "fp32" else 2e-2
+    for a, b in zip(*results):
+        assert rel_err(a.double(), b.double()) < tol
+
+
 # ------------------------------------------------------------------------------------------------
 # GAU / FLASH query-key heads: RoPE(z * gamma_h + beta_h)
 # ------------------------------------------------------------------------------------------------

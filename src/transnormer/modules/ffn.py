@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.rowwise import silu_gate
+from ..ops.rowwise import projected_silu_gate
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -36,10 +36,10 @@ class GLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_name == "silu":
-            # one GEMM for both input projections, then the fused gate (ops/rowwise.py): x is cast
+            # one GEMM for both input projections and the fused gate (ops/rowwise.py): x is cast
             # and read once, and backward has no sum of two input gradients
-            ab = F.linear(x, torch.cat((self.l1.weight, self.l2.weight)), torch.cat((self.l1.bias, self.l2.bias)))
-            return self.l3(self.dropout(silu_gate(ab)))
+            h = projected_silu_gate(x, self.l1.weight, self.l2.weight, self.l1.bias, self.l2.bias)
+            return self.l3(self.dropout(h))
         return self.l3(self.dropout(self.act(self.l1(x)) * self.l2(x)))
 
 

@@ -44,7 +44,7 @@ _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_nat
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS_TRIED_FIRST = ("-fopenmp", "-march=native")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 9
+_ABI = 10
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -117,8 +117,8 @@ _SIGNATURES = {
     "tn_srms_fwd": (("f32", "bf16"), [_P] * 2 + [_I64, _I64, _F32, _I32, _F32, _I32]),
     "tn_srms_bwd": (("f32", "bf16"), [_P] * 3 + [_I64, _I64, _F32, _I32, _F32, _P, _I32]),
     "tn_add_upcast": (("f32",), [_P] * 3 + [_I64]),
-    "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 2 + [_I64] * 2),
-    "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
+    "tn_silu_gate_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 2),
+    "tn_silu_gate_bwd": (("f32", "bf16"), [_P] * 6 + [_I64] * 4),
     "tn_silu_split_fwd": (("f32", "bf16"), [_P] * 4 + [_I32, _I64, _I64]),
     "tn_silu_split_bwd": (("f32", "bf16"), [_P] * 4 + [_I32, _P, _P, _P] + [_I64] * 5),
     "tn_silu_mul_fwd": (("f32", "bf16"), [_P] * 4 + [_I64] * 3),
@@ -535,19 +535,28 @@ def add_upcast(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_gate_fwd(ab: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b for contiguous ab = [..., 2F] = [a | b] (``_native_glu.cpp``)."""
+def silu_gate_fwd(ab: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(a + b₁) * (b + b₂) for contiguous ab = [..., 2F] = [a | b] and bias = [b₁ | b₂]
+    (contiguous fp32 [2F]) or None (``_native_glu.cpp``)."""
     F = ab.shape[-1] // 2
     h = torch.empty(*ab.shape[:-1], F, dtype=ab.dtype)
-    _call("tn_silu_gate_fwd", ab.dtype, _ptr(ab), _ptr(h), h.numel() // max(F, 1), F)
+    _call("tn_silu_gate_fwd", ab.dtype, _ptr(ab), _ptr(bias), _ptr(h), h.numel() // max(F, 1), F)
     return h
 
 
-def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+def silu_gate_bwd(ab: torch.Tensor, dh: torch.Tensor, bias: torch.Tensor | None = None, bias_grad: bool = False,
+                  dab_t: torch.Tensor | None = None):
+    """(d(ab) [..., 2F], d(bias) fp32 [2F] or None) of :func:`silu_gate_fwd` for contiguous dh;
+    with ``dab_t`` [2F, N], d(ab)ᵀ is written into it too (the same rounded values)."""
     F = ab.shape[-1] // 2
+    N = dh.numel() // max(F, 1)
     dab = torch.empty_like(ab)
-    _call("tn_silu_gate_bwd", ab.dtype, _ptr(ab), _ptr(dh), _ptr(dab), dh.numel() // max(F, 1), F)
-    return dab
+    parts = _row_parts(N)
+    db = torch.zeros(parts, 2 * F, dtype=torch.float32) if bias_grad else None
+    ldt = _transposed_rows(dab_t, 2 * F, N, ab.dtype)
+    _call("tn_silu_gate_bwd", ab.dtype, _ptr(ab), _ptr(bias), _ptr(dh), _ptr(dab), _ptr(dab_t), _ptr(db), N, F, ldt,
+          parts)
+    return dab, None if db is None else db.sum(0)
 
 
 def _row_block(x: torch.Tensor) -> int:

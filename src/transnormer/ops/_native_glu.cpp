@@ -43,52 +43,76 @@ inline __m512 silu_grad16(__m512 a, __m512 s) {
 }
 
 template <typename T>
-void forward_rows(const T* ab, T* h, idx F, idx r0, idx r1) {
+void forward_rows(const T* ab, const float* bias, T* h, idx F, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T *a = ab + r * 2 * F, *b = a + F;
         T* o = h + r * F;
         for (idx j = 0; j < F; j += 16) {
             const __mmask16 k = tn::tail_mask(F - j);
-            const __m512 av = tn::load16(a + j, k);
-            tn::store16(o + j, _mm512_mul_ps(_mm512_mul_ps(av, sigmoid16(av)), tn::load16(b + j, k)), k);
+            const __m512 av = load_biased16(a + j, bias ? bias + j : nullptr, k);
+            const __m512 bv = load_biased16(b + j, bias ? bias + F + j : nullptr, k);
+            tn::store16(o + j, _mm512_mul_ps(_mm512_mul_ps(av, sigmoid16(av)), bv), k);
         }
     }
 }
 
+// rows [r0, r1): dab (and, with dab_t, its transpose, in blocks of one cache line of dab_t, from
+// the rows just stored) and the bias gradient's fp32 sums db [2F] (or null) with the rows in order
 template <typename T>
-void backward_rows(const T* ab, const T* dh, T* dab, idx F, idx r0, idx r1) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (idx r = r0; r < r1; ++r) {
-        const T *a = ab + r * 2 * F, *b = a + F, *g = dh + r * F;
-        T *da = dab + r * 2 * F, *db = da + F;
-        for (idx j = 0; j < F; j += 16) {
-            const __mmask16 k = tn::tail_mask(F - j);
-            const __m512 av = tn::load16(a + j, k), gv = tn::load16(g + j, k);
-            const __m512 s = sigmoid16(av);
-            const __m512 ds = _mm512_fmadd_ps(_mm512_mul_ps(av, s), _mm512_sub_ps(one, s), s);  // silu'(a)
-            tn::store16(da + j, _mm512_mul_ps(_mm512_mul_ps(gv, tn::load16(b + j, k)), ds), k);
-            tn::store16(db + j, _mm512_mul_ps(gv, _mm512_mul_ps(av, s)), k);
+void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t, idx ldt, float* db, idx F, idx r0,
+                   idx r1) {
+    constexpr idx kRows = 64 / sizeof(T);
+    for (idx rb = r0; rb < r1; rb += kRows) {
+        const idx nr = std::min<idx>(kRows, r1 - rb);
+        for (idx r = rb; r < rb + nr; ++r) {
+            const T *a = ab + r * 2 * F, *b = a + F, *g = dh + r * F;
+            T *da = dab + r * 2 * F, *dbr = da + F;
+            for (idx j = 0; j < F; j += 16) {
+                const __mmask16 k = tn::tail_mask(F - j);
+                const __m512 av = load_biased16(a + j, bias ? bias + j : nullptr, k), gv = tn::load16(g + j, k);
+                const __m512 bv = load_biased16(b + j, bias ? bias + F + j : nullptr, k);
+                const __m512 s = sigmoid16(av);
+                const __m512 ga = _mm512_mul_ps(_mm512_mul_ps(gv, bv), silu_grad16(av, s));
+                const __m512 gb = _mm512_mul_ps(gv, _mm512_mul_ps(av, s));
+                tn::store16(da + j, ga, k);
+                tn::store16(dbr + j, gb, k);
+                if (db) {
+                    _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), ga));
+                    _mm512_mask_storeu_ps(db + F + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + F + j), gb));
+                }
+            }
         }
+        if (dab_t) transpose_rows(dab + rb * 2 * F, 2 * F, nr, 2 * F, dab_t + rb, ldt);
     }
+    if (dab_t) _mm_sfence();
 }
 #else
 template <typename T>
-void forward_rows(const T* ab, T* h, idx F, idx r0, idx r1) {
+void forward_rows(const T* ab, const float* bias, T* h, idx F, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r)
         for (idx j = 0; j < F; ++j) {
-            const float a = to_float(ab[r * 2 * F + j]), b = to_float(ab[r * 2 * F + F + j]);
+            const float a = to_float(ab[r * 2 * F + j]) + (bias ? bias[j] : 0.0f);
+            const float b = to_float(ab[r * 2 * F + F + j]) + (bias ? bias[F + j] : 0.0f);
             from_float(a * sigmoid(a) * b, h + r * F + j);
         }
 }
 
 template <typename T>
-void backward_rows(const T* ab, const T* dh, T* dab, idx F, idx r0, idx r1) {
+void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t, idx ldt, float* db, idx F, idx r0,
+                   idx r1) {
     for (idx r = r0; r < r1; ++r)
         for (idx j = 0; j < F; ++j) {
-            const float a = to_float(ab[r * 2 * F + j]), b = to_float(ab[r * 2 * F + F + j]);
+            const float a = to_float(ab[r * 2 * F + j]) + (bias ? bias[j] : 0.0f);
+            const float b = to_float(ab[r * 2 * F + F + j]) + (bias ? bias[F + j] : 0.0f);
             const float g = to_float(dh[r * F + j]), s = sigmoid(a);
-            from_float(g * b * s * (1.0f + a * (1.0f - s)), dab + r * 2 * F + j);
-            from_float(g * a * s, dab + r * 2 * F + F + j);
+            const float ga = g * b * s * (1.0f + a * (1.0f - s)), gb = g * a * s;
+            from_float(ga, dab + r * 2 * F + j);
+            from_float(gb, dab + r * 2 * F + F + j);
+            if (db) db[j] += ga, db[F + j] += gb;
+            if (dab_t) {
+                dab_t[j * ldt + r] = dab[r * 2 * F + j];
+                dab_t[(F + j) * ldt + r] = dab[r * 2 * F + F + j];
+            }
         }
 }
 #endif
@@ -97,18 +121,24 @@ void backward_rows(const T* ab, const T* dh, T* dab, idx F, idx r0, idx r1) {
 
 extern "C" {
 
+/* bias: fp32 [2F] (b1 | b2) or null; dbias: [parts, 2F] zeroed (or null), part p summing the rows \
+   [N p / parts, N (p + 1) / parts); dab_t: d(ab)ᵀ [2F, N] with rows ldt >= N apart, or null */        \
 #define TN_GLU_DEFINE(SUFFIX, T)                                                                        \
-    int tn_silu_gate_fwd_##SUFFIX(const void* ab, void* h, idx N, idx F, int nthreads) {                 \
+    int tn_silu_gate_fwd_##SUFFIX(const void* ab, const float* bias, void* h, idx N, idx F, int nthreads) { \
         if (N < 0 || F < 1) return 1;                                                                   \
         tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                          \
-            forward_rows(static_cast<const T*>(ab), static_cast<T*>(h), F, r0, r1);                     \
+            forward_rows(static_cast<const T*>(ab), bias, static_cast<T*>(h), F, r0, r1);               \
         });                                                                                             \
         return 0;                                                                                       \
     }                                                                                                   \
-    int tn_silu_gate_bwd_##SUFFIX(const void* ab, const void* dh, void* dab, idx N, idx F, int nthreads) { \
-        if (N < 0 || F < 1) return 1;                                                                   \
-        tn::parallel_ranges(N, nthreads, [&](idx r0, idx r1) {                                          \
-            backward_rows(static_cast<const T*>(ab), static_cast<const T*>(dh), static_cast<T*>(dab), F, r0, r1); \
+    int tn_silu_gate_bwd_##SUFFIX(const void* ab, const float* bias, const void* dh, void* dab, void* dab_t, \
+                                  float* dbias, idx N, idx F, idx ldt, idx parts, int nthreads) {       \
+        if (N < 0 || F < 1 || parts < 1 || (dab_t && ldt < N)) return 1;                                \
+        tn::parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                      \
+            for (idx p = p0; p < p1; ++p)                                                               \
+                backward_rows(static_cast<const T*>(ab), bias, static_cast<const T*>(dh), static_cast<T*>(dab), \
+                              static_cast<T*>(dab_t), ldt, dbias ? dbias + p * 2 * F : nullptr, F,      \
+                              N * p / parts, N * (p + 1) / parts);                                      \
         });                                                                                             \
         return 0;                                                                                       \
     }

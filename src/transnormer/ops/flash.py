@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _native
 from ._checks import check_key_padding_mask, check_positive_int
+from ._dtypes import fused_projection_ok, projection_dtype
 from .norm_linear import state_dtype_for
 
 QUAD_NORMALIZERS = ("seq_len", "fixed", "visible", "none")  # N_q, flash.md §1.1
@@ -334,12 +335,6 @@ def _scaled_first_head(p: torch.Tensor, c: float) -> torch.Tensor:
     return p
 
 
-def _mixer_dtype(x: torch.Tensor) -> torch.dtype:
-    """The projection's compute dtype: autocast's where it is on for x's device, else x's."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 def causal_flash_mixer(x, weight, bias, gamma, beta, cos, sin, local_bias, *, e: int, chunk_size: int,
                        normalizer: str) -> torch.Tensor:
     """u ⊙ FLASH(heads, v) for a causal layer without padding or dropout, T a multiple of the chunk
@@ -349,19 +344,15 @@ def causal_flash_mixer(x, weight, bias, gamma, beta, cos, sin, local_bias, *, e:
     return _CausalFlashMixer.apply(x, weight, bias.contiguous(), gamma.contiguous(), beta.contiguous(),
                                    cos.float().expand(x.shape[0], -1, -1).contiguous(),
                                    sin.float().expand(x.shape[0], -1, -1).contiguous(), local_bias, e, chunk_size,
-                                   normalizer, _mixer_dtype(x))
+                                   normalizer, projection_dtype(x))
 
 
 def flash_mixer_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`causal_flash_mixer` can take ``x`` [B, T, d] and the projection ``weight``,
     ``bias``: the CPU kernels for the compute dtype, fp32 or bf16 operands (of one dtype without
     autocast, as F.linear needs), an fp32 bias."""
-    if not (_FUSED_MIXER and bias is not None and bias.dtype == torch.float32 and x.numel() > 0):
-        return False
-    cdt = _mixer_dtype(x)
-    floats = (torch.float32, torch.bfloat16)
-    return (_native.rows_usable(cdt, x.device) and x.dtype in floats and weight.dtype in floats
-            and weight.device == x.device and (torch.is_autocast_enabled(x.device.type) or x.dtype == weight.dtype))
+    return (_FUSED_MIXER and bias is not None and bias.dtype == torch.float32 and x.numel() > 0
+            and _native.rows_usable(projection_dtype(x), x.device) and fused_projection_ok(x, weight))
 
 
 def quad_normalizer(mode: str, *, causal: bool, valid: torch.Tensor, fixed_len: int, dtype: torch.dtype):
