@@ -99,4 +99,14 @@ void parallel_ranges(long N, int nthreads, F body) {
 #endif
 }
 
+// body(p, r0, r1) for each of `parts` fixed row ranges [N p / parts, N (p + 1) / parts), the parts
+// spread over the threads: a kernel that sums a parameter's gradient over rows keeps one partial
+// sum per part, so its result does not depend on the thread count
+template <typename F>
+void parallel_row_parts(long N, long parts, int nthreads, F body) {
+    parallel_ranges(parts, nthreads, [&](long p0, long p1) {
+        for (long p = p0; p < p1; ++p) body(p, N * p / parts, N * (p + 1) / parts);
+    });
+}
+
 }  // namespace tn

@@ -20,6 +20,30 @@ namespace {
 
 using namespace tn;
 
+// Rows [r0, r1) of a projection's gradient, written by write_rows(ra, rb) in blocks of 64 bytes'
+// worth of dst_t's rows. With dst_t, each block is then transposed from dst (w columns, rows ldd
+// apart) into dst_t (column c at dst_t + c * ldt) while it is still in cache, so the copy holds
+// exactly the values stored. The copy serves dW = dYᵀ X with dYᵀ contiguous: oneDNN's bf16 GEMM
+// reads a transposed dY at about half its rate, and a separate transposed copy costs another pass.
+template <typename T, typename Rows>
+inline void rows_with_transpose(idx r0, idx r1, const T* dst, idx ldd, idx w, T* dst_t, idx ldt, Rows write_rows) {
+    constexpr idx kRows = 64 / sizeof(T);
+    for (idx rb = r0; rb < r1; rb += kRows) {
+        const idx nr = std::min<idx>(kRows, r1 - rb);
+        write_rows(rb, rb + nr);
+        if (!dst_t) continue;
+#if defined(TN_AVX512)
+        transpose_rows(dst + rb * ldd, ldd, nr, w, dst_t + rb, ldt);
+#else
+        for (idx r = rb; r < rb + nr; ++r)
+            for (idx j = 0; j < w; ++j) dst_t[j * ldt + r] = dst[r * ldd + j];
+#endif
+    }
+#if defined(TN_AVX512)
+    if (dst_t) _mm_sfence();  // the streamed lines are visible before the caller returns
+#endif
+}
+
 #if defined(TN_AVX512)
 // sigmoid through exp(-|a|) <= 1, so exp never overflows: a >= 0: 1 / (1 + e), a < 0: e / (1 + e)
 inline __m512 sigmoid16(__m512 a) {
@@ -56,15 +80,13 @@ void forward_rows(const T* ab, const float* bias, T* h, idx F, idx r0, idx r1) {
     }
 }
 
-// rows [r0, r1): dab (and, with dab_t, its transpose, in blocks of one cache line of dab_t, from
-// the rows just stored) and the bias gradient's fp32 sums db [2F] (or null) with the rows in order
+// rows [r0, r1): dab (and, with dab_t, its transpose: rows_with_transpose) and the bias gradient's
+// fp32 sums db [2F] (or null) with the rows in order
 template <typename T>
 void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t, idx ldt, float* db, idx F, idx r0,
                    idx r1) {
-    constexpr idx kRows = 64 / sizeof(T);
-    for (idx rb = r0; rb < r1; rb += kRows) {
-        const idx nr = std::min<idx>(kRows, r1 - rb);
-        for (idx r = rb; r < rb + nr; ++r) {
+    rows_with_transpose(r0, r1, dab, 2 * F, 2 * F, dab_t, ldt, [&](idx ra, idx rb) {
+        for (idx r = ra; r < rb; ++r) {
             const T *a = ab + r * 2 * F, *b = a + F, *g = dh + r * F;
             T *da = dab + r * 2 * F, *dbr = da + F;
             for (idx j = 0; j < F; j += 16) {
@@ -82,9 +104,7 @@ void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t
                 }
             }
         }
-        if (dab_t) transpose_rows(dab + rb * 2 * F, 2 * F, nr, 2 * F, dab_t + rb, ldt);
-    }
-    if (dab_t) _mm_sfence();
+    });
 }
 #else
 template <typename T>
@@ -100,20 +120,18 @@ void forward_rows(const T* ab, const float* bias, T* h, idx F, idx r0, idx r1) {
 template <typename T>
 void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t, idx ldt, float* db, idx F, idx r0,
                    idx r1) {
-    for (idx r = r0; r < r1; ++r)
-        for (idx j = 0; j < F; ++j) {
-            const float a = to_float(ab[r * 2 * F + j]) + (bias ? bias[j] : 0.0f);
-            const float b = to_float(ab[r * 2 * F + F + j]) + (bias ? bias[F + j] : 0.0f);
-            const float g = to_float(dh[r * F + j]), s = sigmoid(a);
-            const float ga = g * b * s * (1.0f + a * (1.0f - s)), gb = g * a * s;
-            from_float(ga, dab + r * 2 * F + j);
-            from_float(gb, dab + r * 2 * F + F + j);
-            if (db) db[j] += ga, db[F + j] += gb;
-            if (dab_t) {
-                dab_t[j * ldt + r] = dab[r * 2 * F + j];
-                dab_t[(F + j) * ldt + r] = dab[r * 2 * F + F + j];
+    rows_with_transpose(r0, r1, dab, 2 * F, 2 * F, dab_t, ldt, [&](idx ra, idx rb) {
+        for (idx r = ra; r < rb; ++r)
+            for (idx j = 0; j < F; ++j) {
+                const float a = to_float(ab[r * 2 * F + j]) + (bias ? bias[j] : 0.0f);
+                const float b = to_float(ab[r * 2 * F + F + j]) + (bias ? bias[F + j] : 0.0f);
+                const float g = to_float(dh[r * F + j]), s = sigmoid(a);
+                const float ga = g * b * s * (1.0f + a * (1.0f - s)), gb = g * a * s;
+                from_float(ga, dab + r * 2 * F + j);
+                from_float(gb, dab + r * 2 * F + F + j);
+                if (db) db[j] += ga, db[F + j] += gb;
             }
-        }
+    });
 }
 #endif
 
@@ -134,11 +152,9 @@ extern "C" {
     int tn_silu_gate_bwd_##SUFFIX(const void* ab, const float* bias, const void* dh, void* dab, void* dab_t, \
                                   float* dbias, idx N, idx F, idx ldt, idx parts, int nthreads) {       \
         if (N < 0 || F < 1 || parts < 1 || (dab_t && ldt < N)) return 1;                                \
-        tn::parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                      \
-            for (idx p = p0; p < p1; ++p)                                                               \
-                backward_rows(static_cast<const T*>(ab), bias, static_cast<const T*>(dh), static_cast<T*>(dab), \
-                              static_cast<T*>(dab_t), ldt, dbias ? dbias + p * 2 * F : nullptr, F,      \
-                              N * p / parts, N * (p + 1) / parts);                                      \
+        tn::parallel_row_parts(N, parts, nthreads, [&](idx p, idx r0, idx r1) {                         \
+            backward_rows(static_cast<const T*>(ab), bias, static_cast<const T*>(dh), static_cast<T*>(dab),   \
+                          static_cast<T*>(dab_t), ldt, dbias ? dbias + p * 2 * F : nullptr, F, r0, r1);       \
         });                                                                                             \
         return 0;                                                                                       \
     }
@@ -163,19 +179,14 @@ TN_GLU_DEFINE(bf16, bf16)
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// A gradient block of a projection's output written for both of the projection's products: row by
-// row (dX = dY W) and, when dst_t is given, transposed, column c at dst_t + c * ldt (dW = dYᵀ X with
-// dYᵀ contiguous: oneDNN's bf16 GEMM reads a transposed dY at about half its rate, and a separate
-// transposed copy costs another pass over dY). grad(r, j, k) is the fp32 gradient of row r, columns
-// [j, j + 16) under mask k; it is stored at dst + r * ldd + j in T and added into db[j..] (fp32, or
-// null) with the rows in order. Rows go in blocks of 64 bytes' worth of dst_t, each block transposed
-// from dst while it is still in cache: the copy holds exactly the values stored.
+// A gradient block of a projection's output, written row by row (dX = dY W) and, with dst_t, also
+// transposed (rows_with_transpose). grad(r, j, k) is the fp32 gradient of row r, columns [j, j + 16)
+// under mask k; it is stored at dst + r * ldd + j in T and added into db[j..] (fp32, or null) with
+// the rows in order.
 template <typename T, typename Grad>
 inline void write_grad_rows(idx r0, idx r1, idx w, T* dst, idx ldd, float* db, T* dst_t, idx ldt, Grad grad) {
-    constexpr idx kRows = 64 / sizeof(T);
-    for (idx rb = r0; rb < r1; rb += kRows) {
-        const idx nr = std::min<idx>(kRows, r1 - rb);
-        for (idx r = rb; r < rb + nr; ++r) {
+    rows_with_transpose(r0, r1, dst, ldd, w, dst_t, ldt, [&](idx ra, idx rb) {
+        for (idx r = ra; r < rb; ++r) {
 #if defined(TN_AVX512)
             for (idx j = 0; j < w; j += 16) {
                 const __mmask16 k = tail_mask(w - j);
@@ -191,17 +202,7 @@ inline void write_grad_rows(idx r0, idx r1, idx w, T* dst, idx ldd, float* db, T
             }
 #endif
         }
-        if (!dst_t) continue;
-#if defined(TN_AVX512)
-        transpose_rows(dst + rb * ldd, ldd, nr, w, dst_t + rb, ldt);
-#else
-        for (idx r = rb; r < rb + nr; ++r)
-            for (idx j = 0; j < w; ++j) dst_t[j * ldt + r] = dst[r * ldd + j];
-#endif
-    }
-#if defined(TN_AVX512)
-    if (dst_t) _mm_sfence();  // the streamed lines are visible before the caller returns
-#endif
+    });
 }
 
 // silu of one group row: src[0..w) (+ bias) -> dst (vectorized where AVX-512 is there)
@@ -286,12 +287,10 @@ extern "C" {
         idx W = 0;                                                                                             \
         for (int g = 0; g < ng; ++g) W += widths[g];                                                           \
         if (N < 0 || ng < 1 || ldp < W || ldd < W || (dpre_t && ldt < N) || parts < 1) return 1;               \
-        parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
-            for (idx p = p0; p < p1; ++p)                                                                      \
-                silu_split_bwd_rows(static_cast<const T*>(pre), ldp, bias, ng, widths,                         \
-                                    reinterpret_cast<const T* const*>(douts), static_cast<T*>(dpre), ldd,      \
-                                    static_cast<T*>(dpre_t), ldt, dbias ? dbias + p * W : nullptr,             \
-                                    N * p / parts, N * (p + 1) / parts);                                       \
+        parallel_row_parts(N, parts, nthreads, [&](idx p, idx r0, idx r1) {                                    \
+            silu_split_bwd_rows(static_cast<const T*>(pre), ldp, bias, ng, widths,                             \
+                                reinterpret_cast<const T* const*>(douts), static_cast<T*>(dpre), ldd,          \
+                                static_cast<T*>(dpre_t), ldt, dbias ? dbias + p * W : nullptr, r0, r1);        \
         });                                                                                                    \
         return 0;                                                                                              \
     }
@@ -371,12 +370,10 @@ extern "C" {
                                  void* dpre, void* dpre_t, float* dbias, idx N, idx F, idx ldp, idx ldd,      \
                                  idx ldt, idx parts, int nthreads) {                                          \
         if (N < 0 || F < 1 || ldp < F || ldd < F || (dpre_t && ldt < N) || parts < 1) return 1;                \
-        parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                 \
-            for (idx p = p0; p < p1; ++p)                                                                      \
-                silu_mul_bwd_rows(static_cast<const T*>(pre), ldp, bias, static_cast<const T*>(o),             \
-                                  static_cast<const T*>(dy), static_cast<T*>(dout), static_cast<T*>(dpre), ldd,  \
-                                  static_cast<T*>(dpre_t), ldt, dbias ? dbias + p * F : nullptr, F,            \
-                                  N * p / parts, N * (p + 1) / parts);                                         \
+        parallel_row_parts(N, parts, nthreads, [&](idx p, idx r0, idx r1) {                                    \
+            silu_mul_bwd_rows(static_cast<const T*>(pre), ldp, bias, static_cast<const T*>(o),                 \
+                              static_cast<const T*>(dy), static_cast<T*>(dout), static_cast<T*>(dpre), ldd,      \
+                              static_cast<T*>(dpre_t), ldt, dbias ? dbias + p * F : nullptr, F, r0, r1);       \
         });                                                                                                    \
         return 0;                                                                                              \
     }

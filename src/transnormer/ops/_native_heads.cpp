@@ -109,17 +109,14 @@ extern "C" {
                               idx ldz, idx parts, int ybf16, idx head_major_T, int nthreads) {                  \
         const Shape sh{N, n, s, P, ldz, head_major_T};                                                          \
         if (bad(sh) || parts < 1 || head_major_T < 0 || (head_major_T && N % head_major_T)) return 1;           \
-        parallel_ranges(parts, nthreads, [&](idx p0, idx p1) {                                                  \
-            for (idx p = p0; p < p1; ++p) {                                                                     \
-                const idx r0 = N * p / parts, r1 = N * (p + 1) / parts;                                         \
-                float *dgp = dg + p * n * s, *dbp = db + p * n * s;                                             \
-                if (ybf16)                                                                                      \
-                    backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, static_cast<const bf16*>(dy),  \
-                                  static_cast<T*>(dz), dgp, dbp, r0, r1);                                       \
-                else                                                                                            \
-                    backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, static_cast<const float*>(dy), \
-                                  static_cast<T*>(dz), dgp, dbp, r0, r1);                                       \
-            }                                                                                                   \
+        parallel_row_parts(N, parts, nthreads, [&](idx p, idx r0, idx r1) {                                     \
+            float *dgp = dg + p * n * s, *dbp = db + p * n * s;                                                 \
+            if (ybf16)                                                                                          \
+                backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, static_cast<const bf16*>(dy),      \
+                              static_cast<T*>(dz), dgp, dbp, r0, r1);                                           \
+            else                                                                                                \
+                backward_rows(sh, static_cast<const T*>(z), gamma, cos, sin, static_cast<const float*>(dy),     \
+                              static_cast<T*>(dz), dgp, dbp, r0, r1);                                           \
         });                                                                                                     \
         return 0;                                                                                               \
     }

@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _native
 from ._checks import check_key_padding_mask, check_positive_int
-from ._dtypes import fused_projection_ok, projection_dtype
+from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .norm_linear import state_dtype_for
 
 QUAD_NORMALIZERS = ("seq_len", "fixed", "visible", "none")  # N_q, flash.md §1.1
@@ -286,10 +286,8 @@ class _CausalFlashMixer(torch.autograd.Function):
         W = weight.shape[0]
         s = W - 2 * e
         with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(B * T, d).to(cdt)
-            # Wᵀ: a view where W needs no cast, else one cast-and-transpose pass
-            wt = weight.t() if weight.dtype == cdt else _native.cast_transpose(weight.contiguous(), cdt)
-            pre = torch.mm(x2, wt).view(B, T, W)
+            x2, wt, pre = project(x, weight, cdt)
+            pre = pre.view(B, T, W)
             pu, pvz = pre[..., :e], pre[..., e:]
             v, z = _native.silu_split_fwd(pvz, [e, s], bias[e:])
             # the local queries' 1/C folded into their scale and offset (RoPE is linear): ql / C
@@ -320,11 +318,8 @@ class _CausalFlashMixer(torch.autograd.Function):
         dgamma, dbeta = _scaled_first_head(dgamma, 1.0 / ctx.C), _scaled_first_head(dbeta, 1.0 / ctx.C)
         _, db_vz = _native.silu_split_bwd(pre[..., e:], [dv, dz], [e, s], bias[e:], bias_grad=True,
                                           dpre=dpre[..., e:], dpre_t=None if dpre_t is None else dpre_t[e:])
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.mm(dpre.view(N, W), wt.t()).view(ctx.x_shape).to(ctx.x_dtype)
-        if dpre_t is not None:
-            dw = torch.mm(dpre_t, x2).to(ctx.w_dtype)
+        dx, dw = project_backward(dpre.view(N, W), dpre_t, x2, wt, x_shape=ctx.x_shape, x_dtype=ctx.x_dtype,
+                                  w_dtype=ctx.w_dtype, need_x=ctx.needs_input_grad[0])
         return (dx, dw, torch.cat((db_u, db_vz)), dgamma, dbeta, None, None, dlocal, None, None, None, None)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _native
-from ._dtypes import fused_projection_ok, projection_dtype
+from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .norm_linear import state_dtype_for
 
 
@@ -138,16 +138,10 @@ class _ProjectedSiluGate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, b1, b2, cdt):
-        d, F_ = x.shape[-1], w1.shape[0]
+        F_ = w1.shape[0]
         with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, d).to(cdt)
-            if w1.dtype == cdt:
-                wt = torch.cat((w1, w2)).t()  # [d, 2F]: a view of the one copy the concatenation makes
-            else:
-                wt = torch.cat((_native.cast_transpose(w1.contiguous(), cdt),
-                                _native.cast_transpose(w2.contiguous(), cdt)), 1)
+            x2, wt, ab = project(x, torch.cat((w1, w2)), cdt)
             bias = torch.cat((b1, b2))
-            ab = torch.mm(x2, wt)
             h = _native.silu_gate_fwd(ab, bias)
         ctx.save_for_backward(x2, wt, ab, bias)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w1.dtype
@@ -163,12 +157,10 @@ class _ProjectedSiluGate(torch.autograd.Function):
         dab_t = torch.empty(F2, N, dtype=ab.dtype) if need_w else None  # d(ab)ᵀ, from the same kernel
         dab, db = _native.silu_gate_bwd(ab, dh.reshape(N, F_).to(ab.dtype).contiguous(), bias,
                                         bias_grad=ctx.needs_input_grad[3] or ctx.needs_input_grad[4], dab_t=dab_t)
-        dx = dw1 = dw2 = db1 = db2 = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.mm(dab, wt.t()).view(ctx.x_shape).to(ctx.x_dtype)
-        if need_w:
-            dw = torch.mm(dab_t, x2).to(ctx.w_dtype)
-            dw1, dw2 = dw[:F_], dw[F_:]
+        dx, dw = project_backward(dab, dab_t, x2, wt, x_shape=ctx.x_shape, x_dtype=ctx.x_dtype, w_dtype=ctx.w_dtype,
+                                  need_x=ctx.needs_input_grad[0])
+        dw1, dw2 = (None, None) if dw is None else (dw[:F_], dw[F_:])
+        db1 = db2 = None
         if db is not None:
             db1, db2 = db[:F_], db[F_:]
         return dx, dw1, dw2, db1, db2, None
