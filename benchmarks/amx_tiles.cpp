@@ -5,7 +5,9 @@
 // 1. Where the operands live. A product C [64 x 32] = A [64 x 64] B [64 x 32] (M x N x K =
 //    64 x 32 x 64: one forward score block, keys x queries over D = 64; 16 TDPBF16PS on 32 x 32
 //    blocks of C) is repeated over 1, 64 or 512 distinct operand sets (12 KB each: L1, L2,
-//    beyond L2), with C zeroed or loaded first.
+//    beyond L2), with C zeroed or loaded first, and with every operand either on a 64-byte
+//    (cache-line) boundary or 16 bytes past one, where malloc puts a large block (then each
+//    64-byte row of a tile load spans two lines).
 // 2. Whether tile products overlap with AVX-512 work. The softmax kernels alternate the two (a
 //    score block on tiles, then its exponentials in vectors). Timed: the tiles alone, an
 //    exp-like vector pass alone, both in sequence, and both interleaved at a fine grain (what
@@ -19,6 +21,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -84,6 +88,21 @@ inline __m512 vector_rows(const float* x, __m512 acc) {
     return acc;
 }
 
+// n elements of T, `offset` bytes past a cache line, every element `fill`
+template <typename T>
+struct Buffer {
+    void* raw;
+    T* p;
+    Buffer(size_t n, size_t offset, T fill)
+        : raw(std::aligned_alloc(64, (n * sizeof(T) + offset + 63) / 64 * 64)),
+          p(reinterpret_cast<T*>(static_cast<char*>(raw) + offset)) {
+        for (size_t i = 0; i < n; ++i) p[i] = fill;
+    }
+    ~Buffer() { std::free(raw); }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+};
+
 template <typename F>
 double ns_per_call(long reps, F f) {
     for (long i = 0; i < reps / 10; ++i) f(i);
@@ -103,38 +122,45 @@ int main() {
     const long reps = 200000;
 
     std::puts("1. A 64x32x64 product (16 TDPBF16PS) over distinct operand sets");
-    std::puts("| operand sets | resident in | C | ns / TDPBF16PS |");
-    std::puts("|---|---|---|---|");
+    std::puts("| operand sets | resident in | C | ns / TDPBF16PS, 64-byte aligned | 16 bytes past a line |");
+    std::puts("|---|---|---|---|---|");
     for (long sets : {1L, 64L, 512L})
         for (bool load_c : {false, true}) {
-            std::vector<uint16_t> a(sets * kM * kK, 0x3f80);       // bf16 1.0
-            std::vector<uint32_t> b(sets * kK / 2 * kN, 0x3f803f80);  // pairs of 1.0
-            std::vector<float> c(kM * kN, 0.0f);
-            const double ns = ns_per_call(reps, [&](long i) {
-                const long s = i % sets;
-                product(a.data() + s * kM * kK, b.data() + s * kK / 2 * kN, c.data(), load_c);
-            });
-            std::printf("| %ld (%ld KB) | %s | %s | %.1f |\n", sets, sets * 12, sets == 1 ? "L1" : sets == 64 ? "L2" : "L3/DRAM",
-                        load_c ? "loaded" : "zeroed", ns / 16);
+            double ns[2];
+            for (int off = 0; off < 2; ++off) {
+                Buffer<uint16_t> a(sets * kM * kK, 16 * off, 0x3f80);         // bf16 1.0
+                Buffer<uint32_t> b(sets * kK / 2 * kN, 16 * off, 0x3f803f80);  // pairs of 1.0
+                Buffer<float> c(kM * kN, 16 * off, 0.0f);
+                ns[off] = ns_per_call(reps, [&](long i) {
+                    const long s = i % sets;
+                    product(a.p + s * kM * kK, b.p + s * kK / 2 * kN, c.p, load_c);
+                });
+            }
+            std::printf("| %ld (%ld KB) | %s | %s | %.1f | %.1f |\n", sets, sets * 12,
+                        sets == 1 ? "L1" : sets == 64 ? "L2" : "L3/DRAM", load_c ? "loaded" : "zeroed", ns[0] / 16,
+                        ns[1] / 16);
         }
 
-    std::vector<uint16_t> a(kM * kK, 0x3f80);
-    std::vector<uint32_t> b(kK / 2 * kN, 0x3f803f80);
-    std::vector<float> c(kM * kN, 0.0f), x(64 * 32);
-    for (size_t i = 0; i < x.size(); ++i) x[i] = 0.01f * float(i % 7);
+    Buffer<uint16_t> ab(kM * kK, 0, 0x3f80);
+    Buffer<uint32_t> bb(kK / 2 * kN, 0, 0x3f803f80);
+    Buffer<float> cb(kM * kN, 0, 0.0f), xb(64 * 32, 0, 0.0f);
+    for (long i = 0; i < 64 * 32; ++i) xb.p[i] = 0.01f * float(i % 7);
+    uint16_t* a = ab.p;
+    uint32_t* b = bb.p;
+    float *c = cb.p, *x = xb.p;
     __m512 acc = _mm512_setzero_ps();
-    const double tiles = ns_per_call(reps, [&](long) { product(a.data(), b.data(), c.data(), false); });
+    const double tiles = ns_per_call(reps, [&](long) { product(a, b, c, false); });
     const double vec = ns_per_call(reps, [&](long) {
-        for (int r = 0; r < 64; r += 2) acc = vector_rows(x.data() + r * 32, acc);
+        for (int r = 0; r < 64; r += 2) acc = vector_rows(x + r * 32, acc);
     });
     const double seq = ns_per_call(reps, [&](long) {
-        product(a.data(), b.data(), c.data(), false);
-        for (int r = 0; r < 64; r += 2) acc = vector_rows(x.data() + r * 32, acc);
+        product(a, b, c, false);
+        for (int r = 0; r < 64; r += 2) acc = vector_rows(x + r * 32, acc);
     });
     const double inter = ns_per_call(reps, [&](long) {
         for (int r = 0; r < 64; r += 2) {
-            if (r % 16 == 0) block_step(a.data(), b.data(), c.data(), r / 16, false);
-            acc = vector_rows(x.data() + r * 32, acc);
+            if (r % 16 == 0) block_step(a, b, c, r / 16, false);
+            acc = vector_rows(x + r * 32, acc);
         }
     });
     std::puts("\n2. Tile products against AVX-512 work (64 x 32 scores: 16 TDPBF16PS; their exp-like pass)");

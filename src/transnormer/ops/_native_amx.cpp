@@ -47,9 +47,9 @@ struct Worker {
     idx lo, hi;
     const idx c, D, E, W;  // W: the wider of D, E
     // zero-padded rows of a short last chunk; VNNI operands; a transposed operand; scores; states
-    std::vector<bf> qa, ka, va, ga, ta, pa, sb;
-    std::vector<w32> t1, t2, v1, v2, sv, sv2;
-    std::vector<float> af, of;
+    tn::buffer<bf> qa, ka, va, ga, ta, pa, sb;
+    tn::buffer<w32> t1, t2, v1, v2, sv, sv2;
+    tn::buffer<float> af, of;
 
     Worker(const Shape& s_, idx lo_, idx hi_)
         : s(s_), lo(lo_), hi(hi_), c(s_.c), D(s_.D), E(s_.E), W(std::max(s_.D, s_.E)),
@@ -65,7 +65,7 @@ struct Worker {
     idx nchunks() const { return (s.T + c - 1) / c; }
     idx rows(idx g) const { return std::min(c, s.T - g * c); }
     idx offset(idx n, idx t0, idx width) const { return ((n / s.H) * s.T + t0) * s.H * width + (n % s.H) * width; }
-    Rows chunk(const bf* x, idx n, idx g, idx width, std::vector<bf>& pad) const {
+    Rows chunk(const bf* x, idx n, idx g, idx width, tn::buffer<bf>& pad) const {
         const idx L = rows(g), ld = s.H * width;
         if (L == c) return {x + offset(n, g * c, width), ld};
         pack(L, c, width, x + offset(n, g * c, width), ld, pad.data());
@@ -83,9 +83,9 @@ struct Worker {
     }
 
     // states[(n - lo)] = init (optionally transposed to [E x D]) or zeros.
-    std::vector<float> load_states(const float* init, bool transposed = false) const {
+    tn::buffer<float> load_states(const float* init, bool transposed = false) const {
         const idx DE = D * E;
-        std::vector<float> st((hi - lo) * DE, 0.0f);
+        tn::buffer<float> st((hi - lo) * DE, 0.0f);
         if (init && !transposed) std::copy(init + lo * DE, init + hi * DE, st.begin());
         if (init && transposed)
             for (idx n = lo; n < hi; ++n)
@@ -94,12 +94,12 @@ struct Worker {
                         tn::transpose16(init + n * DE + r0 * E + c0, E, st.data() + (n - lo) * DE + c0 * D + r0, D);
         return st;
     }
-    void store_states(const std::vector<float>& st, float* out) const {
+    void store_states(const tn::buffer<float>& st, float* out) const {
         if (out) std::copy(st.begin(), st.end(), out + lo * D * E);
     }
 
     void forward(const bf* q, const bf* k, const bf* v, bf* o, const float* init, float* fin) {
-        std::vector<float> states = load_states(init);
+        tn::buffer<float> states = load_states(init);
         const idx G = nchunks();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
@@ -126,7 +126,7 @@ struct Worker {
         // Chunk order: the prefix states S give dQ. S is kept transposed, [E x D], the operand
         // dQ = dO S^T needs (S^T += V^T K).
         {
-            std::vector<float> St = load_states(init, true);
+            tn::buffer<float> St = load_states(init, true);
             for (idx g = 0; g < G; ++g)
                 for (idx n = lo; n < hi; ++n) {
                     float* st = St.data() + (n - lo) * DE;
@@ -145,7 +145,7 @@ struct Worker {
                 }
         }
         // Reverse order: R = dS_final + the suffix sums of Q^T dO give dK and dV.
-        std::vector<float> Rs = load_states(dfin);
+        tn::buffer<float> Rs = load_states(dfin);
         for (idx g = G - 1; g >= 0; --g)
             for (idx n = lo; n < hi; ++n) {
                 float* R = Rs.data() + (n - lo) * DE;
@@ -176,8 +176,8 @@ struct Worker {
 
     // Per head of this thread (X: the thread's first head, fp32 [D x E] each): the VNNI form of
     // bf16(X), of X itself ([D/2 x E]) or of X^T ([E/2 x D]).
-    std::vector<w32> vnni_states(const float* X, bool transposed) {
-        std::vector<w32> out((hi - lo) * D * E / 2);
+    tn::buffer<w32> vnni_states(const float* X, bool transposed) {
+        tn::buffer<w32> out((hi - lo) * D * E / 2);
         for (idx n = lo; n < hi; ++n) {
             w32* o = out.data() + (n - lo) * D * E / 2;
             state_operands(X + (n - lo) * D * E, D, E, transposed ? nullptr : o, transposed ? o : nullptr);
@@ -196,13 +196,13 @@ struct Worker {
     // Bidirectional form, per head: S = S_0 + K^T V (all rows), O = Q S; one pass over the
     // chunks for S, one for O.
     void bidir_forward(const bf* q, const bf* k, const bf* v, bf* o, const float* init, float* fin) {
-        std::vector<float> states = load_states(init);
+        tn::buffer<float> states = load_states(init);
         const idx G = nchunks(), DE = D * E;
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 add_outer(chunk(k, n, g, D, ka), chunk(v, n, g, E, va), states.data() + (n - lo) * DE);  // K^T V
             }
-        const std::vector<w32> Sv = vnni_states(states.data(), false);
+        const tn::buffer<w32> Sv = vnni_states(states.data(), false);
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const Rows Q = chunk(q, n, g, D, qa);
@@ -216,9 +216,9 @@ struct Worker {
     // (dO read once), then dK = V dS^T, dV = K dS; dS_0 = dS.
     void bidir_backward(const bf* q, const bf* k, const bf* v, const bf* dout, const float* S, const float* dfin,
                         bf* dq, bf* dk, bf* dv, float* dinit) {
-        std::vector<float> dS = load_states(dfin);
+        tn::buffer<float> dS = load_states(dfin);
         const idx G = nchunks(), DE = D * E;
-        const std::vector<w32> St = vnni_states(S + lo * DE, true);  // VNNI(S^T) [E/2 x D]
+        const tn::buffer<w32> St = vnni_states(S + lo * DE, true);  // VNNI(S^T) [E/2 x D]
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const Rows dO = chunk(dout, n, g, E, ga);
@@ -226,7 +226,7 @@ struct Worker {
                 gemm(c, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, of.data(), D, false);
                 write(of.data(), dq, n, g, D);  // dQ = dO S^T
             }
-        const std::vector<w32> dSt = vnni_states(dS.data(), true), dSv = vnni_states(dS.data(), false);
+        const tn::buffer<w32> dSt = vnni_states(dS.data(), true), dSv = vnni_states(dS.data(), false);
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const idx h = (n - lo) * DE / 2;

@@ -35,7 +35,7 @@ template <typename T, typename Y>
 void forward_rows(const Shape& sh, const T* z, const float* gamma, const float* beta, const float* cos,
                   const float* sin, Y* y, idx r0, idx r1) {
     const idx n = sh.n, s = sh.s, P = sh.P;
-    std::vector<float> zr(s), x(s), out(s);
+    tn::buffer<float> zr(s), x(s), out(s);
     for (idx r = r0; r < r1; ++r) {
         for (idx j = 0; j < s; ++j) zr[j] = to_float(z[r * sh.ldz + j]);
         const float *c = cos + r * P, *sn = sin + r * P;
@@ -58,7 +58,7 @@ template <typename T, typename Y>
 void backward_rows(const Shape& sh, const T* z, const float* gamma, const float* cos, const float* sin,
                    const Y* dy, T* dz, float* dg, float* db, idx r0, idx r1) {
     const idx n = sh.n, s = sh.s, P = sh.P;
-    std::vector<float> zr(s), dx(s), acc(s), g(s);
+    tn::buffer<float> zr(s), dx(s), acc(s), g(s);
     for (idx r = r0; r < r1; ++r) {
         for (idx j = 0; j < s; ++j) zr[j] = to_float(z[r * sh.ldz + j]);
         for (idx j = 0; j < s; ++j) acc[j] = 0.0f;

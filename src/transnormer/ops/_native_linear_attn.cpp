@@ -80,7 +80,7 @@ struct Shape {
 // contiguous tiles (one read from memory), and results are written back once.
 template <typename T>
 struct Scratch {
-    std::vector<T> q, k, v, g, o, o2, kt, vt, a, da, rt;
+    tn::buffer<T> q, k, v, g, o, o2, kt, vt, a, da, rt;
     explicit Scratch(const Shape& s)
         : q(s.c * s.D), k(s.c * s.D), v(s.c * s.E), g(s.c * s.E), o(s.c * s.D), o2(s.c * s.E), kt(s.D * s.c),
           vt(s.E * s.c), a(s.c * s.c), da(s.c * s.c), rt(s.E * s.D) {}
@@ -149,9 +149,9 @@ struct Worker {
     idx rows(idx g) const { return std::min(s.c, s.T - g * s.c); }
 
     // states[(n - lo)] = init (optionally transposed to [E x D]) or zeros.
-    std::vector<T> load_states(const T* init, bool transposed) const {
+    tn::buffer<T> load_states(const T* init, bool transposed) const {
         const idx DE = s.D * s.E;
-        std::vector<T> st((hi - lo) * DE, T(0));
+        tn::buffer<T> st((hi - lo) * DE, T(0));
         if (init)
             for (idx n = lo; n < hi; ++n) {
                 if (transposed) transpose<T>(s.D, s.E, init + n * DE, s.E, st.data() + (n - lo) * DE, s.D);
@@ -159,13 +159,13 @@ struct Worker {
             }
         return st;
     }
-    void store_states(const std::vector<T>& st, T* out) const {
+    void store_states(const tn::buffer<T>& st, T* out) const {
         if (out) std::copy(st.begin(), st.end(), out + lo * s.D * s.E);
     }
 
     void forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
-        std::vector<T> states = load_states(init, false);
+        tn::buffer<T> states = load_states(init, false);
         T *q_ = w.q.data(), *v_ = w.v.data(), *o_ = w.o2.data(), *a_ = w.a.data(), *kt = w.kt.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
@@ -190,10 +190,10 @@ struct Worker {
         T *q_ = w.q.data(), *k_ = w.k.data(), *g_ = w.g.data();  // g_: a chunk of dO
         T *o_ = w.o.data(), *o2_ = w.o2.data(), *a_ = w.a.data(), *da_ = w.da.data();
         T *rt_ = w.rt.data(), *kt = w.kt.data(), *vt = w.vt.data();
-        std::vector<T> Rs = load_states(dfin, false);  // R = dS_final + suffix sums of Q^T dO
+        tn::buffer<T> Rs = load_states(dfin, false);  // R = dS_final + suffix sums of Q^T dO
         // Forward order: prefix states give dQ. S is kept transposed ([E x D]) because that is
         // the operand dQ = dO S^T needs: S^T += V^T K.
-        std::vector<T> St = load_states(init, true);
+        tn::buffer<T> St = load_states(init, true);
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const idx t0 = g * c, L = rows(g);
@@ -237,7 +237,7 @@ struct Worker {
     // chunks of c as above (one pass for S, one for O), so each tile is read once per pass.
     void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
-        std::vector<T> states = load_states(init, false);
+        tn::buffer<T> states = load_states(init, false);
         T *k_ = w.k.data(), *v_ = w.v.data(), *q_ = w.q.data(), *o_ = w.o2.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
@@ -261,7 +261,7 @@ struct Worker {
     void bidir_backward(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin, T* dq, T* dk,
                         T* dv, T* dinit) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks(), DE = D * E;
-        std::vector<T> dS = load_states(dfin, false), St = load_states(S, true);  // S^T: [E x D]
+        tn::buffer<T> dS = load_states(dfin, false), St = load_states(S, true);  // S^T: [E x D]
         T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data(), *o_ = w.o.data(), *o2_ = w.o2.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
@@ -272,7 +272,7 @@ struct Worker {
                 gemm<T>(L, D, E, g_, E, 1, St.data() + h, D, o_, D, false);  // dQ = dO S^T
                 unpack(L, D, o_, rd(dq, n, t0), ldd_);
             }
-        std::vector<T> dSt((hi - lo) * DE);
+        tn::buffer<T> dSt((hi - lo) * DE);
         for (idx n = lo; n < hi; ++n) transpose<T>(D, E, dS.data() + (n - lo) * DE, E, dSt.data() + (n - lo) * DE, D);
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {

@@ -65,7 +65,7 @@ inline void reflect(const Args& a, const T* x, float* z) {
 template <typename T>
 void forward_rows(const Args& a, const T* x, T* y, idx r0, idx r1) {
     const idx H = a.H, D = a.D, P = D / 2;
-    std::vector<float> z(D);
+    tn::buffer<float> z(D);
     for (idx r = r0; r < r1; ++r) {
         const float *c = a.cos + r * P, *s = a.sin + r * P;
         for (idx h = 0; h < H; ++h) {
@@ -83,7 +83,7 @@ void forward_rows(const Args& a, const T* x, T* y, idx r0, idx r1) {
 template <typename T>
 void backward_rows(const Args& a, const T* x, const T* dy, T* dx, float* dcos, float* dsin, idx r0, idx r1) {
     const idx H = a.H, D = a.D, P = D / 2;
-    std::vector<float> z(D), g(D), dz(D);
+    tn::buffer<float> z(D), g(D), dz(D);
     for (idx r = r0; r < r1; ++r) {
         const float *c = a.cos + r * P, *s = a.sin + r * P;
         float *dc = dcos + r * P, *ds = dsin + r * P;

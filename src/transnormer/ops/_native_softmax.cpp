@@ -39,7 +39,7 @@ constexpr idx kGroupK = 4;  // backward: key steps that take each query block in
 
 struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to 64
-    std::vector<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, lse_d;
+    tn::buffer<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, lse_d;
 
     Worker(const Shape& s_, bool backward)
         : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),

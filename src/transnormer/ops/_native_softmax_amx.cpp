@@ -69,9 +69,9 @@ inline void store_row(bf* dst, const __m512* a, int nh) {
 
 struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to kK
-    std::vector<bf> qp, kp, vp, gp, kt, vt, pt, dt;
-    std::vector<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
-    std::vector<float> st, dpt, acc, ml, dqt, dkv, tb, lse_d;
+    tn::buffer<bf> qp, kp, vp, gp, kt, vt, pt, dt;
+    tn::buffer<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
+    tn::buffer<float> st, dpt, acc, ml, dqt, dkv, tb, lse_d;
 
     Worker(const Shape& s_, bool backward)
         : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), qp(Tp * D), kp(Tp * D), vp(Tp * E),

@@ -77,7 +77,7 @@ void row_scale(const float* e, idx V, float scale, T* g) {
 template <typename T>
 void rows(T* x, idx r0, idx r1, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
           float* target, bool write_grad) {
-    std::vector<float> e(V);
+    tn::buffer<float> e(V);
     for (idx i = r0; i < r1; ++i) {
         T* row = x + i * ld;
         float mx, sum;
