@@ -110,11 +110,30 @@ def test_block_attention_matches_fp64_reference_as_well_as_the_torch_form(mode, 
 
     mode("auto")
     got = _run(fn, *case, torch.bfloat16)
-    assert kernel_calls == [block if T > block else 0]  # one block: every key, the plain kernel
+    # whole blocks run as sequences of their own (window 0), as does a single block; a ragged
+    # last block keeps the windowed walk
+    assert kernel_calls == [block if T > block and T % block else 0]
     mode("torch")
     torch_form = _run(fn, *case, torch.bfloat16)
     ref = _run(lambda q, k, v: block_attn_reference(q, k, v, block_size=block, causal=causal), *case, torch.float64)
     _check(got, ref, torch_form)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_whole_blocks_as_sequences_equal_the_windowed_kernel(mode, kernel_calls, dtype, causal):
+    """block_attn over whole blocks runs each block as a sequence of its own; the windowed walk
+    over the same rows is the same arithmetic, so outputs and gradients agree bit for bit."""
+    if not _native.softmax_usable(*(torch.zeros(1, 64, 1, 64, dtype=dtype) for _ in range(3)), window=64):
+        pytest.skip("no fused softmax kernel for this dtype here")
+    q, k, v, go = _case(2, 192, 3, 64, 64)
+    mode("auto")
+    blocks = _run(lambda q, k, v: block_attn(q, k, v, block_size=64, causal=causal), q, k, v, go, dtype)
+    windowed = _run(lambda q, k, v: _native.native_softmax_attn(q, k, v, causal=causal, scale=0.125, window=64),
+                    q, k, v, go, dtype)
+    assert kernel_calls == [0, 64]
+    for a, b in zip(blocks, windowed):
+        assert torch.equal(a, b)
 
 
 @needs_amx
