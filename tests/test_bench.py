@@ -99,3 +99,23 @@ def test_counted_flops_include_the_in_place_products():
         c.addmm_(a, b)
         c3.baddbmm_(a3, b3)
     assert counter.get_total_flops() == 2 * 6 * 5 * 4 * (1 + 3)
+
+
+def test_warm_up_runs_until_a_step_faults_in_little_fresh_memory():
+    from transnormer.bench.train_step import _warm_up
+
+    def run(per_step_mb, reading=True, **kw):
+        faulted, calls = [0.0], []
+
+        def step():
+            faulted[0] += per_step_mb[len(calls)]
+            calls.append(None)
+            return len(calls)
+
+        return _warm_up(step, (lambda: faulted[0]) if reading else None, **kw)
+
+    assert run([3200, 423, 41, 69, 0, 0, 0]) == (5, 5)  # the t2-lm heap growth measured
+    assert run([3200, 10, 500]) == (2, 2)  # at least two steps, then the first quiet one
+    assert run([3200, 400, 400, 400, 400, 400, 400, 400]) == (6, 6)  # capped
+    assert run([3200, 400, 400], reading=False) == (2, 2)  # no reading (GPU): the minimum
+    assert run([100, 100, 100, 0], steady_mb=150) == (2, 2)

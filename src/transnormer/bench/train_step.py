@@ -36,6 +36,35 @@ def lm_loss(model, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+_MAX_WARMUP = 6  # warm-up steps at most
+_STEADY_FAULT_MB = 32  # a step that faults in less fresh memory than this counts as steady
+
+
+def _faulted_mb() -> float:
+    """Memory this process has faulted in so far (minor page faults), MB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize() / 2**20
+
+
+def _warm_up(step, faulted_mb, *, min_steps: int = 2, max_steps: int = _MAX_WARMUP,
+             steady_mb: float = _STEADY_FAULT_MB):
+    """Run ``step`` until the process is in its steady state; returns (its last result, steps run).
+
+    The optimizer state appears in the first step; glibc's heap then grows for a few more (t2-lm,
+    bf16, T = 512: 3,200, 423, 41, 69, then 0 MB of fresh pages faulted in per step), and a step
+    that faults pages in runs 3-7% slower. So ``min_steps``, then more until one step faults in
+    under ``steady_mb`` (``faulted_mb`` None: no such reading, ``min_steps`` only), ``max_steps``
+    at most.
+    """
+    for n in range(1, max_steps + 1):
+        before = None if faulted_mb is None else faulted_mb()
+        result = step()
+        if n >= min_steps and (before is None or faulted_mb() - before < steady_mb):
+            break
+    return result, n
+
+
 def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_size: int | None, steps: int,
              threads: int | None, overrides: dict, mode: str = "train") -> dict:
     import resource
@@ -71,8 +100,7 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
             torch.cuda.synchronize()
         return float(loss.detach())
 
-    for _ in range(2):  # warm-up: optimizer state, and the allocator's heap reaching its steady size
-        loss = step()
+    loss, warmup = _warm_up(step, _faulted_mb if dev == "cpu" else None)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -85,7 +113,7 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
     params = sum(p.numel() for p in model.parameters())
     return {"preset": preset, "mode": mode, "seq_len": seq_len, "batch": batch, "dtype": dtype, "step_s": t,
             "tokens_per_s": batch * seq_len / t, "peak_mem_mb": peak, "loss": loss,
-            "params": params, "finite": bool(torch.isfinite(torch.tensor(loss)))}
+            "params": params, "finite": bool(torch.isfinite(torch.tensor(loss))), "warmup_steps": warmup}
 
 
 def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tokens_per_step: int = 8192,
