@@ -132,6 +132,35 @@ def test_lrpe_reads_strided_rows_in_place(backend_mode):
     assert torch.equal(y, y2) and torch.equal(g[:, :, 1], g2) and (g[:, :, 0] == 0).all()
 
 
+def _one_token_rows(B, width, layout, dtype, generator):
+    """[B, 1, *width] rows of one token per sequence (a decode step), laid out as a fused
+    projection's view (rows at the batch stride, wider than a row) or with the length-1 dim moved
+    from the end, which PyTorch calls contiguous although its stride(1) is 1."""
+    if layout == "fused":
+        return torch.randn(B, 1, 3, *width, generator=generator).to(dtype).unbind(2)[1]
+    x = torch.randn(B, *width, 1, generator=generator).to(dtype).movedim(-1, 1)
+    assert x.is_contiguous() and x.stride(1) == 1
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["fused", "transposed"])
+def test_lrpe_one_token_of_several_sequences(backend_mode, layout, dtype):
+    """T = 1, B > 1: the rows are batch rows, whatever stride PyTorch gives the length-1 dim."""
+    backend_mode("native")
+    g = torch.Generator().manual_seed(3)
+    x = _one_token_rows(3, (4, 16), layout, dtype, g).requires_grad_()
+    ang = torch.randn(3, 1, 8, generator=g)
+    y = lrpe_feature_map(x, ang.cos(), ang.sin(), kernel="1+elu")
+    (gx,) = torch.autograd.grad(y.float().square().sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    ref = lrpe_feature_map_reference(x64, ang.cos().double(), ang.sin().double(), kernel="1+elu")
+    (gref,) = torch.autograd.grad(ref.square().sum(), x64)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(y.double(), ref) < tol and rel_err(gx.double(), gref) < tol
+
+
 def test_lrpe_bad_shapes():
     x = torch.randn(1, 5, 2, 8)
     c = torch.randn(1, 5, 4)
@@ -426,6 +455,26 @@ def test_scale_offset_rope_fused_matches_reference(backend_mode, T, s, P):
         assert got[0].dtype == torch.float32 and got[1].dtype == dtype
         for a, b in zip(got, ref):
             assert rel_err(a.double(), b) < tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["fused", "transposed"])
+def test_scale_offset_rope_one_token_of_several_sequences(backend_mode, layout, dtype):
+    """T = 1, B > 1 (FLASH decoding a batch): z's rows are read at the batch stride."""
+    backend_mode("native")
+    g = torch.Generator().manual_seed(4)
+    B, n, s, P = 3, 4, 32, 8
+    z = _one_token_rows(B, (s,), layout, dtype, g)
+    gamma, beta = torch.randn(n, s, generator=g), torch.randn(n, s, generator=g)
+    ang = torch.randn(B, 1, P, generator=g)
+    gy = torch.randn(B, 1, n, s, generator=g)
+    got = _heads_grads(scale_offset_rope, z, gamma, beta, ang.cos(), ang.sin(), gy, dtype)
+    ref = _heads_grads(scale_offset_rope_reference, z.double(), gamma.double(), beta.double(), ang.cos().double(),
+                       ang.sin().double(), gy, torch.float64)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in zip(got, ref):
+        assert rel_err(a.double(), b) < tol
 
 
 @needs_kernel

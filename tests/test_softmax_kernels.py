@@ -182,6 +182,31 @@ def test_views_of_a_fused_projection_are_read_in_place():
     assert torch.equal(strided, packed)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx),
+                                   pytest.param(torch.float32, marks=needs_f32)])
+@pytest.mark.parametrize("layout", ["fused", "transposed"])
+def test_one_token_of_several_sequences(layout, dtype):
+    """T = 1, B > 1: rows are batch rows, read at the batch stride. A fused projection's views have
+    rows wider than H·D; [B, H, D, 1] with its last dim moved to 1 is "contiguous" to PyTorch with
+    stride(1) = 1."""
+    g = torch.Generator().manual_seed(0)
+    B, H, D = 3, 2, 64
+    if layout == "fused":
+        q, k, v = torch.randn(B, 1, 3, H, D, generator=g).to(dtype).unbind(2)
+    else:
+        q, k, v = (torch.randn(B, H, D, 1, generator=g).to(dtype).movedim(-1, 1) for _ in range(3))
+        assert q.is_contiguous() and q.stride(1) == 1
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = _native.native_softmax_attn(q, k, v, causal=True, scale=0.125)
+    go = torch.randn(B, 1, H, D, generator=g).to(dtype)
+    grads = torch.autograd.grad(o, (q, k, v), go)
+    # one key per query: o = v, dv = do, and the softmax's gradient (zero but for rounding) for q and k;
+    # rows read from the wrong place would be other sequences' values
+    torch.testing.assert_close(o, v.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[2], go, rtol=1e-6, atol=1e-6)
+    assert grads[0].abs().max() < 1e-3 and grads[1].abs().max() < 1e-3
+
+
 @needs_amx
 def test_kernel_rejects_shapes_it_cannot_tile():
     q = torch.zeros(1, 64, 1, 48, dtype=torch.bfloat16)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -360,11 +361,6 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     return False
 
 
-def _row_stride(x: torch.Tensor) -> int:
-    """The token row stride the kernels read x [B, T, H, W] with (a length-1 dim's stride is arbitrary)."""
-    return x.stride(1) if x.shape[1] > 1 else x.shape[2] * x.shape[3]
-
-
 class NativeSoftmaxAttn(torch.autograd.Function):
     """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the AMX kernel, fp32: the AVX-512 one) with
     token rows readable in place (:func:`token_rows_ok`).
@@ -376,7 +372,7 @@ class NativeSoftmaxAttn(torch.autograd.Function):
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
         lse = torch.empty(B, H, T, dtype=torch.float32)
-        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(_row_stride, (q, k, v)), _ptr(o), _ptr(lse),
+        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(token_row_stride, (q, k, v)), _ptr(o), _ptr(lse),
               B, T, H, D, E, window, int(causal), scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (window, int(causal), scale)
@@ -390,7 +386,7 @@ class NativeSoftmaxAttn(torch.autograd.Function):
         E = v.shape[-1]
         do = do.contiguous()
         dq, dk, dv = torch.empty(B, T, H, D, dtype=q.dtype), torch.empty(B, T, H, D, dtype=q.dtype), torch.empty_like(o)
-        _call("tn_softmax_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(_row_stride, (q, k, v)), _ptr(o), _ptr(do),
+        _call("tn_softmax_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(token_row_stride, (q, k, v)), _ptr(o), _ptr(do),
               _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv), B, T, H, D, E, *ctx.args)
         return dq, dk, dv, None, None, None
 
@@ -485,13 +481,24 @@ def token_rows_ok(x: torch.Tensor) -> bool:
             and (B == 1 or x.stride(0) == T * x.stride(1)))
 
 
+def token_row_stride(x: torch.Tensor) -> int:
+    """The stride ld the kernels read x [B, T, ...] with, token row r = b·T + t at r·ld, for x that
+    :func:`token_rows_ok` accepts or that is contiguous. PyTorch leaves a length-1 dim's stride
+    arbitrary even in a contiguous tensor ([B, H, 1, D].transpose(1, 2) has stride(1) = D), so at
+    T = 1 the rows are batch rows: the batch stride, or a row's width when there is one row."""
+    B, T = x.shape[0], x.shape[1]
+    if T > 1:
+        return x.stride(1)
+    return x.stride(0) if B > 1 else math.prod(x.shape[2:])
+
+
 def lrpe_fwd(x, cos, sin, u, scale: float, kernel: str):
     """y [B, T, H, D] (x's dtype, contiguous) from x (see :func:`token_rows_ok`), fp32 cos/sin [B, T, D/2],
     fp32 u [D] or None."""
     B, T, H, D = x.shape
     y = torch.empty(B, T, H, D, dtype=x.dtype)
     _call("tn_lrpe_fwd", x.dtype, _ptr(x), _ptr(y), _ptr(cos), _ptr(sin), _ptr(u), scale, LRPE_KERNELS[kernel],
-          B * T, H, D, x.stride(1))
+          B * T, H, D, token_row_stride(x))
     return y
 
 
@@ -502,7 +509,7 @@ def lrpe_bwd(x, dy, cos, sin, u, scale: float, kernel: str):
     dcos = torch.empty(B, T, D // 2, dtype=torch.float32)
     dsin = torch.empty_like(dcos)
     _call("tn_lrpe_bwd", x.dtype, _ptr(x), _ptr(dy), _ptr(dx), _ptr(dcos), _ptr(dsin), _ptr(cos), _ptr(sin), _ptr(u),
-          scale, LRPE_KERNELS[kernel], B * T, H, D, x.stride(1))
+          scale, LRPE_KERNELS[kernel], B * T, H, D, token_row_stride(x))
     return dx, dcos, dsin
 
 
@@ -690,7 +697,7 @@ def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):
     n, P = gamma.shape[0], cos.shape[-1]
     y = torch.empty(n, B, T, s, dtype=out_dtype)
     _call("tn_heads_fwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(beta), _ptr(cos), _ptr(sin), _ptr(y), B * T, n, s, P,
-          z.stride(1), int(out_dtype == torch.bfloat16), B * T)
+          token_row_stride(z), int(out_dtype == torch.bfloat16), B * T)
     return y.permute(1, 2, 0, 3)
 
 
@@ -707,5 +714,5 @@ def heads_bwd(z, gamma, cos, sin, dy):
     dg = torch.zeros(parts, n, s, dtype=torch.float32)
     db = torch.zeros(parts, n, s, dtype=torch.float32)
     _call("tn_heads_bwd", z.dtype, _ptr(z), _ptr(gamma), _ptr(cos), _ptr(sin), _ptr(dy), _ptr(dz), _ptr(dg), _ptr(db),
-          B * T, n, s, P, z.stride(1), parts, int(dy.dtype == torch.bfloat16), B * T if head_outer else 0)
+          B * T, n, s, P, token_row_stride(z), parts, int(dy.dtype == torch.bfloat16), B * T if head_outer else 0)
     return dz, dg.sum(0), db.sum(0)
