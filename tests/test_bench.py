@@ -1,5 +1,9 @@
 """The benchmark harness's verdict lines (bench/suite.py)."""
 
+import mmap
+
+import pytest
+
 
 def test_ratio_verdict_says_which_side_of_the_ideal():
     from transnormer.bench.suite import ratio_verdict
@@ -119,3 +123,17 @@ def test_warm_up_runs_until_a_step_faults_in_little_fresh_memory():
     assert run([3200, 400, 400, 400, 400, 400, 400, 400]) == (6, 6)  # capped
     assert run([3200, 400, 400], reading=False) == (2, 2)  # no reading (GPU): the minimum
     assert run([100, 100, 100, 0], steady_mb=150) == (2, 2)
+    with pytest.raises(ValueError, match="min_steps"):
+        run([0], max_steps=0)
+
+
+def test_the_fault_reading_sees_fresh_memory():
+    from transnormer.bench.train_step import _faulted_mb
+
+    size = 64 * 2**20
+    block = mmap.mmap(-1, size)  # fresh anonymous pages, none resident until written
+    before = _faulted_mb()
+    for i in range(0, size, 4096):
+        block[i] = 1
+    assert _faulted_mb() - before > 48
+    block.close()

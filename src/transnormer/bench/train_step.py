@@ -41,10 +41,17 @@ _STEADY_FAULT_MB = 32  # a step that faults in less fresh memory than this count
 
 
 def _faulted_mb() -> float:
-    """Memory this process has faulted in so far (minor page faults), MB."""
+    """A reading that grows by the fresh memory a step faults in, MB: the resident set on Linux
+    (with :func:`~transnormer.runtime.tune_allocator` the heap never shrinks, so its growth is the
+    fresh pages); elsewhere minor faults times the page size, which undercounts where one fault
+    maps a transparent huge page."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize() / 2**20
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize() / 2**20
 
 
 def _warm_up(step, faulted_mb, *, min_steps: int = 2, max_steps: int = _MAX_WARMUP,
@@ -57,6 +64,8 @@ def _warm_up(step, faulted_mb, *, min_steps: int = 2, max_steps: int = _MAX_WARM
     under ``steady_mb`` (``faulted_mb`` None: no such reading, ``min_steps`` only), ``max_steps``
     at most.
     """
+    if not 1 <= min_steps <= max_steps:
+        raise ValueError(f"warm-up needs 1 <= min_steps <= max_steps, got {min_steps} and {max_steps}")
     for n in range(1, max_steps + 1):
         before = None if faulted_mb is None else faulted_mb()
         result = step()
