@@ -149,6 +149,9 @@ def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls)
     block_attn(q.float(), q.float(), q.float(), block_size=32, causal=True)  # fp32 windows: multiples of 64
     softmax_attn(q[..., :48], q[..., :48], q[..., :48], causal=True)  # D not a multiple of 32
     block_attn(q, q, q, block_size=48, causal=True)  # window not a multiple of 32
+    r = q[:, :96]  # whole blocks that are not whole tiles: padded to a tile each, they ran 2-7x slower
+    block_attn(r, r, r, block_size=16, causal=True)
+    block_attn(r.float(), r.float(), r.float(), block_size=32, causal=False)
     block_attn(q, q, q, block_size=64, causal=True, key_padding_mask=mask)
     block_attn(q, q, q, block_size=64, causal=True, kernel="relu")
     assert kernel_calls == []
