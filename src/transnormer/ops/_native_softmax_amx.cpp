@@ -128,7 +128,7 @@ struct Worker : Walk {
     // One key step of query block i0: its running max m, sum l (kQ floats each) and O^T (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
         const float inf = std::numeric_limits<float>::infinity();
-        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), one = _mm512_set1_ps(1.0f);
+        const __m512 c = _mm512_set1_ps(s.scale * kLog2e);
         scores(i0, kQ, j0);
         const bool full = all_visible(i0, kQ, j0);
         __m512 mx[2] = {_mm512_loadu_ps(m), _mm512_loadu_ps(m + 16)};  // the max of the raw scores seen
