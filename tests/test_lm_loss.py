@@ -77,3 +77,19 @@ def test_second_backward_raises_clearly():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="used up"):
         loss.backward()
+
+
+def test_a_call_under_inference_mode_leaves_training_calls_working():
+    """The loss keeps scratch buffers across calls; one first made under inference_mode must still
+    be writable by the training steps after it (an evaluation before training)."""
+    from transnormer.modules import lm_loss
+
+    lm_loss._SCRATCH.clear()
+    h, w = torch.randn(8, 16), torch.randn(32, 16)
+    labels = torch.randint(0, 32, (8,))
+    with torch.inference_mode():
+        evaluated = linear_cross_entropy(h, w, labels)
+    h = h.requires_grad_()
+    loss = linear_cross_entropy(h, w, labels)
+    loss.backward()
+    assert torch.equal(loss.detach(), evaluated) and h.grad is not None

@@ -41,7 +41,10 @@ def _scratch(slot: int, rows: int, cols: int, dtype: torch.dtype, device: torch.
     key = (slot, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype)
+        # a normal tensor even when first asked for under inference_mode: an inference tensor
+        # could not be written in place by the training steps that reuse it
+        with torch.inference_mode(False):
+            buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype)
     return buf[:numel].view(rows, cols)
 
 
