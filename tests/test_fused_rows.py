@@ -423,6 +423,26 @@ def test_glu_projected_gate_matches_the_composed_form(monkeypatch, mode):
         assert rel_err(a.double(), b.double()) < tol
 
 
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_glu_projected_gate_bad_shapes(backend_mode, mode):
+    """Mismatched weights or biases raise on both paths (the kernel would read past a short bias)."""
+    from transnormer.ops.rowwise import projected_silu_gate
+
+    backend_mode(mode)
+    x, w, b = torch.randn(2, 3, 8), torch.randn(4, 8), torch.randn(4)
+    with pytest.raises(ValueError, match="b2 must be"):
+        projected_silu_gate(x, w, w, b, torch.randn(1))
+    with pytest.raises(ValueError, match="b1 must be"):
+        projected_silu_gate(x, w, w, torch.randn(3), torch.randn(5))
+    with pytest.raises(ValueError, match="w1 and w2"):
+        projected_silu_gate(x, w, torch.randn(6, 8), b, b)
+    with pytest.raises(ValueError, match="w1 and w2"):
+        projected_silu_gate(x, torch.randn(4, 7), torch.randn(4, 7), b, b)
+    with pytest.raises(ValueError, match="both be given"):
+        projected_silu_gate(x, w, w, b, None)
+    assert projected_silu_gate(x, w, w, None, None).shape == (2, 3, 4)
+
+
 # ------------------------------------------------------------------------------------------------
 # GAU / FLASH query-key heads: RoPE(z * gamma_h + beta_h)
 # ------------------------------------------------------------------------------------------------

@@ -204,3 +204,15 @@ def test_bad_input_errors(call, exc, word):
     q, k, v = qkv(1, 5, 2, 4)
     with pytest.raises(exc, match=word.replace("[", r"\[").replace("]", r"\]")):
         call(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_autocast_leaves_the_op_in_its_inputs_dtype(causal, backend):
+    """Under CPU autocast every path (kernels, PyTorch forms, causal or not) computes in the inputs'
+    dtype with an fp32 state: the layers, not the op, decide the precision."""
+    q, k, v = qkv(2, 64, 2, 32, dtype=torch.float32)
+    plain, s_plain = norm_linear_attn(q, k, v, causal=causal, output_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = norm_linear_attn(q, k, v, causal=causal, output_final_state=True)
+    assert o.dtype == s.dtype == torch.float32
+    assert rel_err(o, plain) < 1e-6 and rel_err(s, s_plain) < 1e-6

@@ -87,13 +87,16 @@ def norm_linear_attn(
         # operands are made contiguous first: oneDNN's bf16 GEMMs on the strided views ran 4.7x
         # slower (T=4096, fwd+bwd); fp32 is fastest on the views (MKL takes the strides; a copy
         # costs more than it saves).
+        # Autocast off, as in the causal form and the kernels: the op computes in its inputs'
+        # dtype (the layers cast them) and keeps the state in the state dtype.
         qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
         if q.dtype in (torch.float16, torch.bfloat16):
             qh, kh, vh = qh.contiguous(), kh.contiguous(), vh.contiguous()
-        state = (kh.transpose(-1, -2) @ vh).to(sdt)
-        if init is not None:
-            state = state + init
-        o = (qh @ state.to(q.dtype)).transpose(1, 2)
+        with torch.autocast(q.device.type, enabled=False):
+            state = (kh.transpose(-1, -2) @ vh).to(sdt)
+            if init is not None:
+                state = state + init
+            o = (qh @ state.to(q.dtype)).transpose(1, 2)
         return o, (state if output_final_state else None)
 
     if T == 0:  # an empty segment: no output, the state passes through

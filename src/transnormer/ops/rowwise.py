@@ -171,11 +171,19 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
     """silu(x W₁ᵀ + b₁) ⊙ (x W₂ᵀ + b₂), the GLU's input side; x [..., d], w1, w2 [F, d], b1, b2
     [F] or None. On the CPU kernels one Function (:class:`_ProjectedSiluGate`), else F.linear on
     the concatenated weights and :func:`silu_gate`."""
+    if w1.dim() != 2 or w1.shape != w2.shape or w1.shape[1] != x.shape[-1]:
+        raise ValueError(f"w1 and w2 must both be [F, d] with d = x.shape[-1] = {x.shape[-1]}, got "
+                         f"{tuple(w1.shape)} and {tuple(w2.shape)}")
+    for name, b in (("b1", b1), ("b2", b2)):
+        if b is not None and b.shape != (w1.shape[0],):
+            raise ValueError(f"{name} must be [F] = [{w1.shape[0]}] or None, got {tuple(b.shape)}")
+    if (b1 is None) != (b2 is None):
+        raise ValueError("b1 and b2 must both be given or both be None")
     if (b1 is not None and b2 is not None and b1.dtype == b2.dtype == torch.float32 and x.numel()
             and w1.dtype == w2.dtype and _native.rows_usable(projection_dtype(x), x.device)
             and fused_projection_ok(x, w1)):
         return _ProjectedSiluGate.apply(x, w1, w2, b1, b2, projection_dtype(x))
-    bias = None if b1 is None or b2 is None else torch.cat((b1, b2))
+    bias = None if b1 is None else torch.cat((b1, b2))
     return silu_gate(F.linear(x, torch.cat((w1, w2)), bias))
 
 
@@ -261,7 +269,8 @@ def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, 
             whose attention runs under bf16 autocast asks for bf16: the same values its products'
             casts would make, without the fp32 copy). None: the promoted dtype of z and γ.
 
-    Returns [B, T, n, s].
+    Returns [B, T, n, s]. On the CPU kernels it is stored head-outer (an [n, B, T, s] tensor
+    seen as [B, T, n, s]: each head contiguous, the whole not), so reshape it rather than view.
     """
     B, T, s = z.shape
     P = cos.shape[-1]
