@@ -99,3 +99,85 @@ def test_baseline_batched_generation_equals_alone(name):
     batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **GEN)
     assert torch.equal(batched[0, 11:], model.generate(p1, max_new_tokens=6, do_sample=False, **GEN)[0, 11:])
     assert torch.equal(batched[1, 11:], model.generate(p2, max_new_tokens=6, do_sample=False, **GEN)[0, 4:])
+
+
+ALL_CAUSAL_TINY = ["t1-lm-tiny", "t2-lm-tiny", *CAUSAL_TINY]
+
+
+@pytest.mark.parametrize("name", ALL_CAUSAL_TINY)
+def test_prompt_as_embeddings_generates_what_the_ids_do(name):
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    ids = torch.randint(3, 61, (2, 10))
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False, **GEN)
+    from_ids = model.generate(ids, max_new_tokens=5, do_sample=False, **GEN)
+    assert torch.equal(from_embeds, from_ids[:, 10:])
+
+
+@pytest.mark.parametrize("name", ALL_CAUSAL_TINY)
+def test_a_cache_passed_with_use_cache_false_is_read_not_advanced(name):
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    ids = torch.randint(3, 61, (3, 50))
+    full = model(ids).logits
+    cache = model(ids[:, :30], use_cache=True).cache
+    length, seen = cache.length, cache.seen.clone()
+    rest = model(ids[:, 30:], cache=cache, use_cache=False)
+    assert rest.cache is None and cache.length == length and torch.equal(cache.seen, seen)
+    assert (rest.logits - full[:, 30:]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="cache holds 3 rows"):
+        model(ids[:1, 30:31], cache=cache, use_cache=True)
+
+
+def test_performer_does_not_redraw_while_decoding_in_train_mode():
+    """generate() leaves the model in train mode if it was: the decoding state was built with the
+    current projection, so cached calls must not draw a new one."""
+    torch.manual_seed(0)
+    model = build_model("performer-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).train()
+    layers = [m for m in model.modules() if hasattr(m, "num_redraws")]
+    for m in layers:
+        m.redraw_interval = 2
+    cache = model(torch.randint(3, 61, (2, 7)), use_cache=True).cache
+    for _ in range(5):
+        cache = model(torch.randint(3, 61, (2, 1)), cache=cache, use_cache=True).cache
+    assert layers and all(int(m.num_redraws) == 0 for m in layers)
+    for _ in range(3):
+        model(torch.randint(3, 61, (2, 7)))  # training calls still redraw
+    assert all(int(m.num_redraws) == 1 for m in layers)
+
+
+def test_flash_decoding_keeps_its_global_state_fp32_under_autocast():
+    torch.manual_seed(0)
+    model = build_model("flash-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model(torch.randint(3, 61, (2, 40)), use_cache=True).cache
+    states = [c[key] for c in cache.layers for key in ("s_prev", "s_cur") if c and key in c]
+    assert states and all(s.dtype == torch.float32 for s in states)
+
+
+def test_a_layer_with_a_cache_needs_positions():
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    layer = model.model.layers[0].mixer
+    x = torch.randn(2, 5, 32)
+    _, layer_cache = layer(x, positions=torch.arange(5).expand(2, 5), use_cache=True)
+    with pytest.raises(ValueError, match="positions must be given with a cache"):
+        layer(x[:, :1], cache=layer_cache, use_cache=True)
+
+
+def test_fp64_decoding_stays_fp64():
+    """Step-by-step decoding in fp64 equals the full forward to fp64 rounding (DiagAttention's
+    cached softmax included)."""
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2,
+                        block_size=8).eval().double()
+    ids = torch.randint(3, 61, (2, 20))
+    full = model(ids).logits
+    cache = model(ids[:, :5], use_cache=True).cache
+    steps = []
+    for t in range(5, 20):
+        out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        cache = out.cache
+        steps.append(out.logits)
+    assert (torch.cat(steps, 1) - full[:, 5:]).abs().max() < 1e-12

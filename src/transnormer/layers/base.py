@@ -95,9 +95,14 @@ def mask_or_none(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if bool(attention_mask.all()) else attention_mask
 
 
-def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None):
-    """A mixer's optional arguments resolved: (key mask [B, T] or None, positions [B, T])."""
+def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
+                       cache: dict | None = None):
+    """A mixer's optional arguments resolved: (key mask [B, T] or None, positions [B, T]).
+    With a cache the positions must be given: counting from 0 again would place every decoded
+    token at the start of the sequence."""
     if positions is None:
+        if cache is not None:
+            raise ValueError("positions must be given with a cache (the tokens' positions in the whole sequence)")
         positions = default_positions(x, attention_mask)
     return mask_or_none(attention_mask), positions
 

@@ -29,7 +29,7 @@ def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel:
     allowed = allowed[:, None]  # [B, 1, T, S]
     s = torch.einsum("bihd,bjhd->bhij", q, K)
     if kernel == "softmax":
-        p = torch.softmax(s.float().masked_fill(~allowed, float("-inf")), -1)
+        p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)).masked_fill(~allowed, float("-inf")), -1)
         p = torch.where(allowed.any(-1, keepdim=True), p, torch.zeros_like(p)).to(q.dtype)
     else:
         p = torch.relu(s) * allowed.to(s.dtype)
@@ -87,7 +87,7 @@ class DiagAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions)
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         new_cache = None
         if use_cache:

@@ -234,7 +234,7 @@ class GAU(_GatedUnit):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions)
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         u, v, heads = self.project(x, positions)
         q, k = heads[:, :, 0], heads[:, :, 1]
@@ -315,7 +315,7 @@ class FLASH(_GatedUnit):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions)
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         if (self.causal and self.local_branch and self.global_branch and mask is None and not use_cache
                 and T % self.chunk_size == 0 and self._dropout() == 0.0 and self.rope is not None
@@ -360,8 +360,9 @@ class FLASH(_GatedUnit):
         w_cur = (valid & (chunk == open_chunk)).to(sdt)[..., None]
         kg, vs = kg.to(sdt), v.to(sdt)
         cache = update_block_cache(None, kl[:, :, None], v[:, :, None], positions, valid, C)
-        cache["s_prev"] = (kg * w_prev).transpose(1, 2) @ vs
-        cache["s_cur"] = (kg * w_cur).transpose(1, 2) @ vs
+        with torch.autocast(kg.device.type, enabled=False):  # the states accumulate in sdt, as in _step
+            cache["s_prev"] = (kg * w_prev).transpose(1, 2) @ vs
+            cache["s_cur"] = (kg * w_cur).transpose(1, 2) @ vs
         return cache
 
     def _step(self, ql, kl, qg, kg, v, pos, valid, cache):

@@ -61,7 +61,7 @@ class KernelLinearAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions)
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         if use_cache and not self.causal:
             raise ValueError(f"use_cache needs a causal {type(self).__name__} (decoding is causal)")
         qf, kf, v = self.featurize(x, positions, mask)

@@ -68,7 +68,7 @@ class NormAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions)
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         state = None if cache is None else cache.get("state")
         if use_cache and not self.causal:

@@ -62,6 +62,7 @@ class Performer(KernelLinearAttention):
         self.register_buffer("proj", torch.empty(m, self.head_dim))
         self.register_buffer("num_redraws", torch.zeros((), dtype=torch.long))
         self._calls_since_redraw = 0
+        self._decoding = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -82,8 +83,17 @@ class Performer(KernelLinearAttention):
         self.num_redraws += 1
         self._draw(self.feature_seed * _SEED_STRIDE + int(self.num_redraws) if seed is None else seed)
 
+    def forward(self, x, *, cache=None, use_cache=False, **kwargs):
+        # A cached call keeps the projection its state was built with (generate() does not switch
+        # the model to eval mode).
+        self._decoding = use_cache or cache is not None
+        try:
+            return super().forward(x, cache=cache, use_cache=use_cache, **kwargs)
+        finally:
+            self._decoding = False
+
     def feature_map(self, q, k, positions, mask):
-        if self.training and self.redraw_interval:
+        if self.training and self.redraw_interval and not self._decoding:
             if self._calls_since_redraw >= self.redraw_interval:
                 self.redraw_features()
             self._calls_since_redraw += 1

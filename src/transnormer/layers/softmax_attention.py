@@ -55,7 +55,7 @@ class SoftmaxAttention(MultiHeadMixer):
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions)
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         if not use_cache:
             o = softmax_attn(q, k, v, causal=self.causal, key_padding_mask=mask,

@@ -192,6 +192,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if use_cache and cache is None:
             cache = TransNormerCache.empty(len(self.layers))
         decoding = cache is not None and cache.seen is not None
+        if decoding and cache.seen.shape[0] != B:
+            raise ValueError(f"the cache holds {cache.seen.shape[0]} rows but the input has B = {B}")
+        # A cache passed with use_cache=False is read, not advanced (as in Hugging Face models): the
+        # layers step a copy of it and no cache is returned.
+        step_layers = use_cache or decoding
+        if decoding and not use_cache:
+            cache = TransNormerCache(layers=list(cache.layers), seen=cache.seen, length=cache.length)
 
         mask = None
         if attention_mask is not None:
@@ -225,13 +232,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
             if hidden_states is not None:
                 hidden_states.append(x)
             layer_cache = cache.layers[i] if cache is not None else None
-            if self.gradient_checkpointing and self.training and not use_cache:
+            if self.gradient_checkpointing and self.training and not step_layers:
                 # Keep only each block's input; recompute its activations in the backward.
                 x, new_layer_cache = self._checkpoint(layer, x, mask, positions)
             else:
                 x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
-                                           use_cache=use_cache)
-            if use_cache:
+                                           use_cache=step_layers)
+            if step_layers:
                 cache.layers[i] = new_layer_cache
         if self.final_norm is not None:
             x = self.final_norm(x, mask)
@@ -327,7 +334,13 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
             cache = TransNormerCache.empty(self.config.num_hidden_layers)
         inputs = {"attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
         if cache is not None and cache.length > 0:
-            inputs["input_ids"] = input_ids[:, cache.length:]
+            # the ids the cache has not seen: HF says how many (next_sequence_length); without it,
+            # count them, remembering that a prompt given as embeddings is not among input_ids
+            n = kwargs.get("next_sequence_length")
+            if n is None:
+                prompt = inputs_embeds.shape[1] if inputs_embeds is not None and input_ids.shape[1] <= cache.length else 0
+                n = input_ids.shape[1] + prompt - cache.length
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - n:]
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
         else:
