@@ -165,3 +165,80 @@ def test_schedules_and_budgets():
         parse_budget("soon")
     with pytest.raises(ValueError, match="schedule"):
         lr_multiplier(0, kind="linear", warmup=1, total_steps=2)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("lr", 0.0, "lr must be > 0"), ("max_steps", 0, "max_steps must be >= 1"), ("eval_batches", 0, "eval_batches"),
+    ("warmup", -5, "warmup must be >= 0"), ("eval_every", -1, "eval_every"), ("save_every", -1, "save_every"),
+    ("keep_last", -2, "keep_last"), ("log_every", 0, "log_every"),
+])
+def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"max_steps": 2, "out_dir": str(tmp_path / "run"), field: value}).check()
+
+
+def test_unusable_out_dir_is_refused_before_training(corpus_dir, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="cannot hold checkpoints"):
+        train(cfg_for(corpus_dir, tmp_path, out_dir=str(tmp_path / "afile" / "run")))
+
+
+def test_resume_refuses_changed_settings_and_a_finished_run_trains_nothing(corpus_dir, tmp_path):
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=4)
+    train(cfg)
+    records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+    with pytest.raises(ValueError, match=r"max_steps: 4 -> 8"):
+        train(cfg_for(corpus_dir, tmp_path, max_steps=8, resume=True))
+    with pytest.raises(ValueError, match=r"lr: 0.003 -> 0.001"):
+        train(cfg_for(corpus_dir, tmp_path, max_steps=4, lr=1e-3, resume=True))
+    summary = train(cfg_for(corpus_dir, tmp_path, max_steps=4, resume=True, eval_every=2))  # reporting may change
+    final_eval = [r for r in records if r["kind"] == "eval"][-1]
+    assert summary["steps"] == 4 and summary["eval"]["loss"] == final_eval["loss"]
+    assert read_metrics(Path(cfg.out_dir) / "metrics.jsonl") == records  # no second evaluation of step 4
+
+
+def test_logged_lr_is_the_one_the_step_used(corpus_dir, tmp_path):
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=3, warmup=2)
+    train(cfg)
+    lrs = [r["lr"] for r in read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if r["kind"] == "train"]
+    assert lrs[0] < lrs[1] == pytest.approx(cfg.lr)  # warm-up: step 1 at a fraction, step 2 at the peak
+
+
+def test_overwriting_a_checkpoint_survives_a_kill(tmp_path):
+    """Re-saving step N moves the old copy aside before the new one is renamed in; a kill between the
+    two leaves the old copy, which the next listing puts back. Stale temporary writes are removed."""
+    from transnormer.presets import build_model
+    from transnormer.train.checkpoint import list_checkpoints, save_checkpoint
+
+    model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
+    root = tmp_path / "checkpoints"
+    ckpt = save_checkpoint(root, 4, model, {"step": 4})
+    (root / ".tmp-step-00000004-999").mkdir()  # a write killed earlier
+    ckpt.rename(root / ".old-step-00000004-999")  # killed between the two renames of an overwrite
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]
+    verify_checkpoint(root / "step-00000004")
+    save_checkpoint(root, 4, model, {"step": 4})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000004"]
+
+
+def test_sampler_refuses_a_state_from_other_data():
+    from transnormer.data.sampler import StepBatchSampler
+
+    state = StepBatchSampler(100, 4, seed=1, world_size=2).state_dict()
+    StepBatchSampler(100, 8, seed=1, world_size=1).load_state_dict(state)  # same global batch: fine
+    for kw, key in ((dict(num_items=100, batch_size=4, seed=2, world_size=2), "seed"),
+                    (dict(num_items=100, batch_size=4, seed=1, world_size=1), "global_batch_size"),
+                    (dict(num_items=90, batch_size=4, seed=1, world_size=2), "num_items")):
+        n = kw.pop("num_items")
+        with pytest.raises(ValueError, match=key):
+            StepBatchSampler(n, **kw).load_state_dict(state)
+
+
+def test_cli_model_dir_skips_a_corrupt_newest_checkpoint(corpus_dir, tmp_path):
+    from transnormer.cli import resolve_model_dir
+
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=4, save_every=2)
+    train(cfg)
+    weights = Path(cfg.out_dir) / "checkpoints" / "step-00000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert resolve_model_dir(cfg.out_dir).name == "step-00000002"

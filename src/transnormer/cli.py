@@ -111,10 +111,16 @@ def cmd_compare(args) -> int:
 
 def resolve_model_dir(path: str | Path) -> Path:
     """A model directory, a checkpoint root, or a run directory → the model directory."""
+    from .train.checkpoint import latest_valid_checkpoint
+
     path = Path(path)
     for root in (path, path / "checkpoints"):
         if (root / "latest").is_file():
-            return root / (root / "latest").read_text().strip()
+            # the newest checkpoint that verifies: a corrupt one is reported and skipped, as on resume
+            ckpt = latest_valid_checkpoint(root, log=lambda msg: print(msg, file=sys.stderr))
+            if ckpt is None:
+                raise ValueError(f"--model: no checkpoint under {root} passes verification")
+            return ckpt
     if (path / "config.json").is_file():
         return path
     raise ValueError(f"--model: no model in {path} (expected config.json, or a run/checkpoint directory)")

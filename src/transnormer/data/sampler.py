@@ -43,7 +43,14 @@ class StepBatchSampler:
         return idx
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed}
+        return {"step": self.step, "seed": self.seed, "global_batch_size": self.batch_size * self.world_size,
+                "num_items": self.num_items}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the position; the order it continues must be the one it was saved in (same seed,
+        items and global batch; the world size may change with the per-rank batch)."""
+        mine = self.state_dict()
+        for key in ("seed", "global_batch_size", "num_items"):
+            if key in state and state[key] != mine[key]:
+                raise ValueError(f"sampler state does not match this data ({key} {state[key]} saved, {mine[key]} now)")
         self.step = int(state["step"])

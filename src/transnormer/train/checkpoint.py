@@ -59,10 +59,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
     """Write checkpoint ``root/step-{step:08d}`` atomically and prune to the newest ``keep_last``."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     try:
         from transformers.utils import logging as hf_logging
@@ -75,9 +75,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+        # Overwriting: the old directory is moved aside first and removed only after the new one
+        # is in place, so a kill at any instant leaves one complete step-N (the old or the new).
+        aside = root / f".old-step-{step:08d}-{os.getpid()}"
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -89,11 +93,22 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
     return final
 
 
+def _restore_moved_aside(root: Path) -> None:
+    """A kill between moving an old step-N aside and renaming the new one in: put the old back."""
+    for aside in root.glob(".old-step-*"):
+        final = root / aside.name[len(".old-"):].rsplit("-", 1)[0]
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Checkpoint directories under ``root``, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
+    _restore_moved_aside(root)
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 

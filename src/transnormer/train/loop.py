@@ -92,9 +92,19 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
-        for name in ("seq_len", "batch_size", "grad_accum"):
+        for name in ("seq_len", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "eval_every_s", "save_every", "keep_last", "clip", "weight_decay",
+                     "min_lr_ratio", "warmup_init_lr"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or None with a budget), got {self.max_steps}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be >= 1 (or None: the whole split), got {self.eval_batches}")
         if self.max_steps is None and self.budget is None:
             raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
         if self.budget is not None:
@@ -103,6 +113,22 @@ class TrainConfig:
             from ..presets import get_config
 
             get_config(self.preset)  # an unknown name fails here, before any data work
+
+
+# What a resumed run may change: where and how often it reports and saves, not what it trains.
+# batch_size is per rank: a run may resume on another number of processes with the same global
+# batch, which the data iterators check.
+RESUMABLE_CHANGES = ("out_dir", "resume", "eval_every", "eval_every_s", "eval_batches", "eval_stride", "save_every",
+                     "keep_last", "log_every", "grad_stats", "stop_after", "progress", "device", "compile",
+                     "cache_dir", "batch_size")
+
+
+def config_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """Fields of ``cfg`` that differ from a checkpoint's saved config and would change the training."""
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    saved = json.loads(json.dumps(saved, default=str))
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items()
+            if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v]
 
 
 def parse_budget(budget: str) -> tuple[str, float]:
@@ -181,6 +207,11 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     log = print if info.is_main else (lambda *a, **k: None)
+    if info.is_main:  # before any data or model work: a run must not train only to fail at its first save
+        try:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"out_dir {str(out)!r} cannot hold checkpoints: {e}") from e
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -217,6 +248,10 @@ def train(cfg: TrainConfig) -> dict:
             log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
         else:
             state = load_trainer_state(ckpt)
+            changed = config_changes(state.get("config", {}), cfg)
+            if changed:
+                raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
+                                 "resume with the original settings, or start a new run (--init-from for weights)")
             load_model_weights(model, ckpt)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
@@ -244,7 +279,11 @@ def train(cfg: TrainConfig) -> dict:
     log(f"{cfg.preset or cfg.config_file or cfg.init_from}: {n_params / 1e6:.2f}M parameters, task {cfg.task}, "
         f"{tokens_per_step} tokens/step, world size {info.world_size}, {cfg.dtype}")
 
+    saved_step = None
+
     def checkpoint():
+        nonlocal saved_step
+        saved_step = step
         state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
@@ -263,6 +302,7 @@ def train(cfg: TrainConfig) -> dict:
 
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
     last_eval, last_eval_step = None, None
+    start_step = step
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
     while True:
         if total_steps is not None and step >= total_steps:
@@ -285,6 +325,7 @@ def train(cfg: TrainConfig) -> dict:
         if recorder is not None:
             recorder.record(unwrap(model), step)
         optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -299,7 +340,7 @@ def train(cfg: TrainConfig) -> dict:
                 bar.refresh()
         loss_val = all_reduce_mean(loss_sum / cfg.grad_accum, info)
         if step % cfg.log_every == 0 or step == 1:
-            metrics.log({"kind": "train", "step": step, "loss": loss_val, "lr": optimizer.param_groups[0]["lr"],
+            metrics.log({"kind": "train", "step": step, "loss": loss_val, "lr": lr,
                          "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt,
                          "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)})
         if bar is not None:
@@ -323,10 +364,18 @@ def train(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
 
-    if last_eval_step != step:  # the final model's evaluation, unless the last step just had one
-        last_eval = evaluate()
-    checkpoint()
     records = read_metrics(out / "metrics.jsonl") if info.is_main else []
+    if step == start_step and step > 0:  # resumed a finished run: its final checkpoint and evaluation exist
+        log(f"resume: the run already reached step {step}; nothing to train")
+        evals = [r for r in records if r.get("kind") == "eval" and r["step"] == step]
+        last_eval = ({k: v for k, v in evals[-1].items() if k not in ("kind", "step", "split", "tokens", "elapsed")}
+                     if evals else None)
+    else:
+        if saved_step != step:  # the checkpoint first: a failing evaluation must not lose it
+            checkpoint()
+        if last_eval_step != step:  # the final model's evaluation, unless the last step just had one
+            last_eval = evaluate()
+        records = read_metrics(out / "metrics.jsonl") if info.is_main else []
     train_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and r["step"] > 2]
     summary = {
