@@ -191,3 +191,100 @@ def test_gradient_checkpointing_same_gradients():
     model(x, labels=x).loss.backward()
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, ref[n], atol=1e-6), n
+
+
+@pytest.mark.parametrize("preset,task", [("performer-lm-tiny", "clm"), ("t2-lra-listops-tiny", "cls")])
+def test_gradient_checkpointing_has_no_second_side_effects(preset, task):
+    """The recomputation in the backward must not redraw Performer's features (the gradient would be
+    that of other features) nor update BatchNorm's running statistics a second time."""
+    torch.manual_seed(0)
+    overrides = {"layer_options": {"performer": {"redraw_interval": 3}}} if "performer" in preset else {}
+    model = build_model(get_config(preset, dropout=0.0, **overrides), task=task).train()
+    plain = build_model(get_config(preset, dropout=0.0, **overrides), task=task).train()
+    plain.load_state_dict(model.state_dict())
+    model.activation_checkpointing_enable()
+    x = torch.randint(3, model.config.vocab_size, (2, 24))
+    kw = dict(labels=x) if task == "clm" else dict(labels=torch.tensor([0, 1]))
+    for _ in range(3):
+        grads = []
+        for m in (plain, model):
+            m.zero_grad()
+            m(x, **kw).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        for n, g in grads[0].items():
+            assert torch.allclose(grads[1][n], g, atol=1e-5), n
+        for (n, a), b in zip(plain.named_buffers(), model.buffers()):
+            assert torch.equal(a, b), n
+
+
+def test_a_new_head_on_a_pretrained_body_is_initialised(tmp_path):
+    """from_pretrained leaves weights the checkpoint lacks to _init_weights (the paper init included)."""
+    torch.manual_seed(0)
+    build_model("t2-lm-tiny", vocab_size=97).save_pretrained(tmp_path)
+    model = TransNormerForSequenceClassification.from_pretrained(tmp_path, num_labels=3)
+    for p in model.classifier.parameters():
+        assert torch.isfinite(p).all() and p.abs().max() < 1
+    assert torch.isfinite(model(torch.randint(3, 97, (2, 16))).logits).all()
+
+
+def test_performer_loads_in_bf16(tmp_path):
+    build_model("performer-lm-tiny", vocab_size=97).save_pretrained(tmp_path)
+    model = TransNormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert torch.isfinite(model(torch.randint(3, 97, (1, 8))).logits.float()).all()
+
+
+def test_lrpe_angles_stay_fp32_in_a_bf16_model():
+    from transnormer.modules.positional import LRPE
+
+    lrpe = LRPE(32).to(torch.bfloat16)
+    positions = torch.arange(2000)
+    got = lrpe.angles(positions)  # bf16 positions past 256 would round to even numbers
+    assert got.dtype == torch.float32
+    assert torch.equal(got, positions.float()[None, :, None] * lrpe.theta.float())
+
+
+def test_classification_labels_are_checked():
+    torch.manual_seed(0)
+    x = torch.randint(3, 97, (2, 12))
+    reg = TransNormerForSequenceClassification(small(num_labels=1, causal=False)).eval()
+    y = torch.tensor([0.5, -1.0])
+    assert torch.equal(reg(x, labels=y).loss, reg(x, labels=y[:, None]).loss)  # [B] or [B, 1]
+    with pytest.raises(ValueError, match="regression labels"):
+        reg(x, labels=torch.zeros(3))
+    cls = TransNormerForSequenceClassification(small(num_labels=3, causal=False)).eval()
+    assert torch.equal(cls(x, labels=torch.tensor([2, 0])).loss, cls(x, labels=torch.tensor([[2], [0]])).loss)
+    with pytest.raises(ValueError, match="single-label labels"):
+        cls(x, labels=torch.tensor([2, 0, 1]))
+    multi = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(cls(x).logits, multi)
+    assert torch.allclose(cls(x, labels=multi).loss, expected)
+    cls.config.problem_type = "ranking"
+    with pytest.raises(ValueError, match="problem_type"):
+        cls(x, labels=torch.tensor([2, 0]))
+
+
+def test_attention_mask_wider_than_the_input_needs_a_cache():
+    model = TransNormerForCausalLM(small()).eval()
+    x = torch.randint(3, 97, (2, 16))
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(x, attention_mask=torch.ones(2, 19, dtype=torch.long))
+    cache = model(x, use_cache=True).cache
+    model(x[:, :1], attention_mask=torch.ones(2, 17, dtype=torch.long), cache=cache, use_cache=True)  # HF decoding
+
+
+def test_performer_redraw_schedule_survives_a_reload():
+    """The calls since the last redraw are saved with the weights: a resumed run redraws when the
+    uninterrupted one does."""
+    torch.manual_seed(0)
+    cfg = get_config("performer-lm-tiny", dropout=0.0, layer_options={"performer": {"redraw_interval": 3}})
+    a = build_model(cfg).train()
+    x = torch.randint(3, 97, (1, 8))
+    for _ in range(2):
+        a(x)
+    b = build_model(cfg).train()
+    b.load_state_dict(a.state_dict())
+    for _ in range(2):
+        a(x), b(x)
+    redraws = [(int(m.num_redraws), int(n.num_redraws)) for m, n in zip(a.modules(), b.modules())
+               if hasattr(m, "num_redraws")]
+    assert redraws and all(r == (1, 1) for r in redraws)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..modules.recompute import recomputing
 from ..ops.linear_baselines import (
     DEFAULT_EPS,
     default_num_features,
@@ -61,7 +62,8 @@ class Performer(KernelLinearAttention):
         self.feature_seed, self.redraw_interval = feature_seed, redraw_interval or None
         self.register_buffer("proj", torch.empty(m, self.head_dim))
         self.register_buffer("num_redraws", torch.zeros((), dtype=torch.long))
-        self._calls_since_redraw = 0
+        # saved with the weights, so that a resumed run redraws when the uninterrupted one would
+        self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
         self._decoding = False
         self.reset_parameters()
 
@@ -74,7 +76,7 @@ class Performer(KernelLinearAttention):
     def _draw(self, seed: int) -> None:
         w = draw_favor_projection(self.num_features, self.head_dim, seed=seed, orthogonal=self.orthogonal)
         self.proj.copy_(w.to(device=self.proj.device, dtype=self.proj.dtype))
-        self._calls_since_redraw = 0
+        self.calls_since_redraw.zero_()
 
     @torch.no_grad()
     def redraw_features(self, seed: int | None = None) -> None:
@@ -93,10 +95,12 @@ class Performer(KernelLinearAttention):
             self._decoding = False
 
     def feature_map(self, q, k, positions, mask):
-        if self.training and self.redraw_interval and not self._decoding:
-            if self._calls_since_redraw >= self.redraw_interval:
+        # Not while decoding (the state was built with this projection) nor while activation
+        # checkpointing recomputes the block (the gradient must be that of the forward's features).
+        if self.training and self.redraw_interval and not self._decoding and not recomputing():
+            if int(self.calls_since_redraw) >= self.redraw_interval:
                 self.redraw_features()
-            self._calls_since_redraw += 1
+            self.calls_since_redraw += 1
         return (favor_features(q, self.proj, is_query=True),
                 favor_features(k, self.proj, is_query=False))
 

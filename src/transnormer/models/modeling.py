@@ -9,6 +9,7 @@ Positions count real tokens, so padded and unpadded inputs give the same outputs
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from ..modules.ffn import build_ffn
 from ..modules.lm_loss import linear_cross_entropy
 from ..modules.norms import build_norm
 from ..modules.positional import LearnedPositions, SinusoidalPositions
+from ..modules.recompute import recompute_scope
 from ..ops.rowwise import residual_add
 from . import layer_builders  # noqa: F401  (registers the core layer types)
 from .configuration import TransNormerConfig
@@ -123,8 +125,12 @@ class TransNormerPreTrainedModel(PreTrainedModel):
             return
         if isinstance(module, nn.Embedding):  # fairseq LM: N(0, d^-1/2)
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)
-        elif hasattr(module, "reset_parameters") and not isinstance(module, (nn.Linear, nn.LayerNorm)):
-            module.reset_parameters()  # layers own the released code's init (e.g. NormAttention's gains)
+        elif hasattr(module, "reset_parameters"):
+            # Layers own the released code's init (e.g. NormAttention's gains); HF applies this to
+            # children first, so a layer's reset overrides its linears' defaults. Plain linears and
+            # norms get PyTorch's default: from_pretrained leaves weights a checkpoint lacks (a new
+            # classification head) uninitialised and relies on this call.
+            module.reset_parameters()
 
 
 class TransNormerModel(TransNormerPreTrainedModel):
@@ -202,8 +208,11 @@ class TransNormerModel(TransNormerPreTrainedModel):
 
         mask = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
-                raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
+            # HF passes past + current columns while decoding; otherwise the mask is exactly [B, T]
+            width = T + (cache.length if decoding else 0)
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, width):
+                want = f"[B, T] = {(B, T)}" + (f" or [B, past + T] = {(B, width)}" if decoding else "")
+                raise ValueError(f"attention_mask must be {want}, got {tuple(attention_mask.shape)}")
             mask = attention_mask[:, -T:].bool()  # HF passes past + current columns while decoding
         prefix = cache.seen if decoding else torch.zeros(B, dtype=torch.long, device=x.device)
         if mask is None:
@@ -262,8 +271,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
     def _checkpoint(self, layer, x, mask, positions):
         from torch.utils.checkpoint import checkpoint
 
+        calls = 0
+
         def run(x):
-            return layer(x, attention_mask=mask, positions=positions)[0]
+            nonlocal calls
+            calls += 1  # the second call is the backward's recomputation: no side effects again
+            with recompute_scope() if calls > 1 else contextlib.nullcontext():
+                return layer(x, attention_mask=mask, positions=positions)[0]
 
         return checkpoint(run, x, use_reentrant=False), None
 
@@ -434,10 +448,37 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          output_hidden_states=output_hidden_states)
         logits = self.classifier(pool(out.last_hidden_state, attention_mask, self.config.classifier_pooling))
-        loss = None
-        if labels is not None:
-            if self.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
-            else:
-                loss = F.cross_entropy(logits.float(), labels.long())
+        loss = None if labels is None else classification_loss(logits, labels, self.config.problem_type)
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None) -> torch.Tensor:
+    """The loss of logits [B, C] as Hugging Face's heads define it: ``problem_type`` (or, when None,
+    regression for C = 1, multi-label for float labels [B, C], else single-label) decides MSE,
+    BCE-with-logits or cross-entropy. Labels of the wrong size raise instead of broadcasting."""
+    B, C = logits.shape
+    if problem_type is None:
+        if C == 1:
+            problem_type = "regression"
+        elif labels.is_floating_point() and tuple(labels.shape) == (B, C):
+            problem_type = "multi_label_classification"
+        else:
+            problem_type = "single_label_classification"
+    if problem_type == "regression":
+        if labels.numel() != B * C:
+            raise ValueError(f"regression labels must have B·num_labels = {B * C} values ([B] or [B, {C}]), got "
+                             f"{tuple(labels.shape)}")
+        return F.mse_loss(logits.float(), labels.float().reshape(B, C))
+    if problem_type == "single_label_classification":
+        if labels.numel() != B or labels.is_floating_point() and not bool((labels == labels.round()).all()):
+            raise ValueError(f"single-label labels must be [B] = [{B}] class indices, got {tuple(labels.shape)} "
+                             f"{labels.dtype}")
+        return F.cross_entropy(logits.float(), labels.reshape(B).long())
+    if problem_type == "multi_label_classification":
+        if tuple(labels.shape) != (B, C):
+            raise ValueError(f"multi-label labels must be [B, num_labels] = [{B}, {C}], got {tuple(labels.shape)}")
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    raise ValueError(f"config.problem_type must be None or one of {PROBLEM_TYPES}, got {problem_type!r}")

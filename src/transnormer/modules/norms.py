@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import scale_norm, simple_rms_norm
+from .recompute import recomputing
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -101,11 +102,12 @@ class MaskedBatchNorm(nn.Module):
             else:
                 mean = flat.mean(0)
                 var = flat.var(0, unbiased=False)
-                with torch.no_grad():
-                    n = flat.shape[0]
-                    unbiased = var * n / max(n - 1, 1)
-                    self.running_mean.lerp_(mean.detach(), self.momentum)
-                    self.running_var.lerp_(unbiased.detach(), self.momentum)
+                if not recomputing():  # once per step: not again in activation checkpointing's recomputation
+                    with torch.no_grad():
+                        n = flat.shape[0]
+                        unbiased = var * n / max(n - 1, 1)
+                        self.running_mean.lerp_(mean.detach(), self.momentum)
+                        self.running_var.lerp_(unbiased.detach(), self.momentum)
         else:
             mean, var = self.running_mean, self.running_var
         y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias

@@ -82,7 +82,9 @@ class LRPE(nn.Module):
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """The pair angles m·θ [B or 1, T, D/2] at positions [B, T] (or [T])."""
-        return _as_batched(positions).to(self.theta.dtype)[..., None] * self.theta
+        # at least fp32: bf16 positions past 256 round to even numbers, and the error grows with them
+        dt = torch.promote_types(self.theta.dtype, torch.float32)
+        return _as_batched(positions).to(dt)[..., None] * self.theta.to(dt)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B or 1, T, D/2] of the pair angles at positions [B, T] (or [T])."""

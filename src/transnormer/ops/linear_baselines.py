@@ -148,12 +148,12 @@ def draw_favor_projection(num_features: int, head_dim: int, *, seed: int, orthog
     """
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     if not orthogonal:
-        return torch.randn(num_features, head_dim, generator=g, device="cpu")
+        return torch.randn(num_features, head_dim, generator=g, device="cpu", dtype=torch.float32)
     nb = -(-num_features // head_dim)
-    q, r = torch.linalg.qr(torch.randn(nb, head_dim, head_dim, generator=g, device="cpu"))  # batched
+    q, r = torch.linalg.qr(torch.randn(nb, head_dim, head_dim, generator=g, device="cpu", dtype=torch.float32))  # batched
     q = q * torch.where(torch.diagonal(r, dim1=-2, dim2=-1) >= 0, 1.0, -1.0)[:, None, :]  # QR sign fix: Haar
     w = q.transpose(-1, -2).reshape(nb * head_dim, head_dim)[:num_features]  # orthonormal rows per block
-    norms = torch.randn(num_features, head_dim, generator=g, device="cpu").norm(dim=1)
+    norms = torch.randn(num_features, head_dim, generator=g, device="cpu", dtype=torch.float32).norm(dim=1)
     return w * norms[:, None]
 
 
