@@ -239,3 +239,13 @@ def test_errors(tmp_path, tok):
         ClassificationDataset(read_classification_file(train), tok, label_set=labels, max_length=0)
     with pytest.raises(ValueError, match="label_set"):
         ClassificationDataset(read_classification_file(train), tok, label_set=None, max_length=16)
+
+
+def test_a_row_with_extra_fields_is_a_bad_row(tmp_path):
+    """A tab inside a TSV text shifts the cells: the label would be a word of the text."""
+    f = _write(tmp_path / "train.tsv", "sentence\tlabel\nhello world\t1\ntext with\ttab\t1\nfoo bar\t0\n")
+    with pytest.raises(ValueError, match=r"line 3: 3 fields, expected 2"):
+        read_classification_file(f)
+    assert [e.label for e in read_classification_file(f, skip_bad_rows=True)] == ["1", "0"]
+    trailing = _write(tmp_path / "trailing.tsv", "sentence\tlabel\nhello world\t1\t\n")  # an empty extra cell
+    assert [e.label for e in read_classification_file(trailing)] == ["1"]

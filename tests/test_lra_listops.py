@@ -218,3 +218,21 @@ def test_missing_files(tmp_path):
 def test_workers_do_not_change_the_output(small_gen):
     par = lo.generate_listops(SMALL.n_total, seed=0, config=SMALL, workers=2)
     assert [s.tokens for s in par.samples] == [s.tokens for s in small_gen.samples]
+
+
+def test_parameters_that_admit_no_tree_raise_instead_of_sampling_forever():
+    with pytest.raises(ValueError, match="longer than min_length"):
+        lo.ListOpsConfig(max_depth=3, max_args=3)  # the longest tree has 17 tokens
+    with pytest.raises(ValueError, match="longer than min_length"):
+        lo.ListOpsConfig(operator_prob=0.0)
+    with pytest.raises(ValueError, match="shorter than max_length"):
+        lo.ListOpsConfig(operator_prob=1.0, min_length=0, max_length=100)
+    # p = 1: every node above max_depth an operator, the nodes at max_depth leaves
+    gen = lo.generate_listops(5, seed=0, config=lo.ListOpsConfig(operator_prob=1.0, max_depth=3, min_length=0,
+                                                                 max_length=200, max_args=3))
+    assert all(lo.tree_depth(s.tokens) == 3 for s in gen.samples)
+
+
+def test_acceptance_rate_does_not_depend_on_how_many_are_kept():
+    a, b = lo.generate_listops(257, seed=0, config=SMALL), lo.generate_listops(300, seed=0, config=SMALL)
+    assert a.attempts == b.attempts and a.acceptance_rate == b.acceptance_rate  # the same chunks

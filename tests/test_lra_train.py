@@ -291,3 +291,12 @@ def test_results_table_naming_rule():
     mixed = five[:4] + [rec("pathfinder", "regenerated", 0.5)]
     assert "LRA average" not in results_table(mixed)
     assert "avg" not in results_table(five[:1])
+
+
+def test_text_and_retrieval_truncation_is_counted(tmp_path, capsys):
+    """Documents are loaded at the task's length and cut to the run's per item, so the cut is counted."""
+    _aan_fixture(tmp_path)
+    data = build_lra_task_data(_cfg(tmp_path, task="retrieval", seq_len=16), DistInfo(), _ac)
+    assert data.extra["truncated_train"] > 0 and "truncating" in capsys.readouterr().out
+    batch = next(data.train)
+    assert batch["input_ids"].shape[1] <= 16

@@ -1,5 +1,6 @@
 """Training engine: DDP parity, exact resume, checkpoint integrity, clear data errors."""
 
+import contextlib
 import os
 import random
 import subprocess
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from transnormer.train import CheckpointError, TrainConfig, latest_valid_checkpoint, train, verify_checkpoint
+from transnormer.train.distributed import DistInfo
+from transnormer.train.loop import build_model_for
 from transnormer.train.metrics import read_metrics
+from transnormer.train.tasks import build_task_data
 
 WORDS = "the of a linear attention model norm block chunk state token layer kernel value query key".split()
 
@@ -93,6 +97,17 @@ def test_classification_run_and_errors(tmp_path):
                       cache_dir=str(tmp_path / "cache"))
     s = train(cfg)
     assert {"accuracy", "f1", "mcc"} <= set(s["eval"])
+    # the test split is its own file: evaluated when labelled, refused when not (never the dev file instead)
+    data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext())
+    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id)
+    (tmp_path / "test.tsv").write_text("\n".join(lines[:6]) + "\n")
+    data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext())
+    assert data.evaluate(model, "test")["n"] == 5 and data.evaluate(model, "valid")["n"] == 16
+    (tmp_path / "test.tsv").write_text("index\tsentence\n0\tsome words\n")
+    data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext())
+    with pytest.raises(ValueError, match="'test'.*cannot be evaluated"):
+        data.evaluate(model, "test")
+    (tmp_path / "test.tsv").unlink()
     (tmp_path / "dev.tsv").write_text("sentence\tlabel\nsome words here\t7\n")
     with pytest.raises(ValueError, match="7"):
         train(cfg)
@@ -242,3 +257,25 @@ def test_cli_model_dir_skips_a_corrupt_newest_checkpoint(corpus_dir, tmp_path):
     weights = Path(cfg.out_dir) / "checkpoints" / "step-00000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     assert resolve_model_dir(cfg.out_dir).name == "step-00000002"
+
+
+def test_mlm_evaluation_scores_each_token_once():
+    """Evaluation windows overlap at the end of a split; the masker keeps the -100 that marks tokens
+    an earlier window scored."""
+    import numpy as np
+
+    from transnormer.data.lm import eval_batches
+    from transnormer.train.tasks import MLMBatches
+
+    class Tok:
+        mask_id, vocab_size, special_ids = 4, 2000, [0, 1, 2, 3, 4]
+
+    masker, scored, overlap = MLMBatches(None, Tok(), 0, 0), np.zeros(1010, int), 0
+    for i, batch in enumerate(eval_batches(np.arange(10, 1010), 128, 4)):
+        out = masker.masked(batch, i)
+        seen_before = batch["labels"] == -100
+        overlap += int(seen_before.sum())
+        assert (out["labels"][seen_before] == -100).all()
+        for labels, ids in zip(out["labels"], batch["input_ids"]):
+            scored[ids[labels != -100].numpy()] += 1
+    assert overlap > 0 and scored.max() == 1 and scored.sum() > 100

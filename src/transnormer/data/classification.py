@@ -381,6 +381,11 @@ def read_classification_file(
         else:
             missing = [columns[i] for i in needed if i >= len(row)]
             cells = {i: row[i] for i in needed if i < len(row)}
+            if any(str(c).strip() for c in row[len(columns):]):  # a delimiter inside the text shifted the cells
+                if skip_bad_rows:
+                    continue
+                raise ValueError(f"{where}: {len(row)} fields, expected {len(columns)} (a delimiter inside a text "
+                                 f"field?); pass skip_bad_rows=True to skip such rows")
         if label_idx is not None and columns[label_idx] in missing and not require_labels and isinstance(row, dict):
             missing.remove(columns[label_idx])  # optional labels may be absent from some JSON records
         if missing:

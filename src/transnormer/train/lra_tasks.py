@@ -188,9 +188,12 @@ def load_split(task: str, root: str | None, split: str, max_len: int | None, opt
     info_t = task_info(task)
     root = default_root(task) if root is None else root
     opts = dict(options or {})
-    if task == "listops":  # load untruncated (so truncation can be counted), then truncate per item
+    if task in ("listops", "text", "retrieval"):
+        # load at the task's own length (so truncation to a shorter run length can be counted),
+        # then truncate per item
         ds = load_lra(task, root, split, **opts)
-        ds.max_len = max_len
+        if max_len is not None and (ds.max_len is None or ds.max_len > max_len):
+            ds.max_len = max_len
     else:
         ds = load_lra(task, root, split, max_len=max_len if max_len and max_len < info_t.length else None, **opts)
         if max_len is not None and (ds.max_len is None or ds.max_len > max_len):

@@ -51,6 +51,8 @@ class MLMBatches:
         g = torch.Generator().manual_seed(seed)
         ids, labels = mask_tokens(batch["input_ids"], mask_id=self.tok.mask_id, vocab_size=self.tok.vocab_size,
                                   special_ids=self.tok.special_ids, generator=g)
+        if "labels" in batch:  # evaluation windows mark tokens an earlier window scored with -100
+            labels = labels.masked_fill(batch["labels"] == -100, -100)
         return {"input_ids": ids, "labels": labels}
 
     def __next__(self) -> dict:
@@ -217,17 +219,27 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
             texts = [" ".join(t for t in (ex.text, ex.text_pair) if t)
                      for ex in read_classification_file(files["train"], **cfg.cls_read_kwargs)]
             tok = get_tokenizer(cfg, Corpus(name=str(files["train"]), splits={"train": texts}), info)
-        datasets, labels = load_classification_splits(
-            {k: v for k, v in files.items() if k != "test"}, tok, max_length=cfg.seq_len,
-            truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
+        read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
+        datasets, labels = load_classification_splits({k: v for k, v in files.items() if k != "test"}, tok, **read)
+        unusable = {}
+        if "test" in files:  # often unlabelled (GLUE): training goes on, evaluating it says why not
+            try:
+                test = load_classification_splits({"test": files["test"]}, tok, label_set=labels, **read)[0]["test"]
+                if any(y is None for y in test.labels):
+                    raise ValueError(f"{files['test']} has unlabelled rows")
+                datasets["test"] = test
+            except ValueError as e:
+                unusable["test"] = str(e)
         collate = ClassificationCollator(tok.pad_id)
         sampler = StepBatchSampler(len(datasets["train"]), cfg.batch_size, seed=cfg.seed, rank=info.rank,
                                    world_size=info.world_size)
         eval_split = "valid" if "valid" in datasets else "train"
 
         def evaluate(model, split=eval_split, max_batches=None):
-            ds = datasets.get(split, datasets[eval_split])
-            return _eval_cls(model, ds, collate, info, cfg.batch_size, max_batches, autocast)
+            if split not in datasets:
+                why = unusable.get(split, f"the labelled splits are {sorted(datasets)}")
+                raise ValueError(f"split {split!r} of {cfg.data} cannot be evaluated: {why}")
+            return _eval_cls(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
 
         return TaskData(tok, ClsBatches(datasets["train"], collate, sampler), evaluate,
                         cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),

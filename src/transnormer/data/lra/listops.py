@@ -92,6 +92,21 @@ class ListOpsConfig:
             raise ValueError(f"operator_prob must be a float in [0, 1], got {p!r}")
         for name in ("n_train", "n_val", "n_test"):
             check_int(name, getattr(self, name), minimum=0)
+        # Trees the parameters admit must reach min_length < len < max_length, or generation
+        # would sample forever: the longest tree (every node an operator of max_args children down
+        # to max_depth, where nodes are leaves) and the shortest (a leaf, or with p = 1 binary
+        # operators down to max_depth).
+        longest = shortest = 1
+        for _ in range(self.max_depth - 1):
+            longest = 2 + self.max_args * longest
+            shortest = 2 + 2 * shortest if p >= 1 else 1
+        if p > 0 and longest <= self.min_length or p == 0 and self.min_length >= 1:
+            raise ValueError(f"no tree is longer than min_length={self.min_length}: the longest these parameters "
+                             f"make has {longest if p > 0 else 1} tokens (max_depth={self.max_depth}, "
+                             f"max_args={self.max_args}, operator_prob={p})")
+        if shortest >= self.max_length:
+            raise ValueError(f"no tree is shorter than max_length={self.max_length}: the shortest these parameters "
+                             f"make has {shortest} tokens (operator_prob={p}, max_depth={self.max_depth})")
 
     @property
     def n_total(self) -> int:
@@ -150,7 +165,7 @@ def _sample_chunk(seed: int, chunk: int, cfg: ListOpsConfig, n_accept: int) -> t
                 i += 1
             else:
                 u = 1.0
-            if u > p:
+            if u > p or depth >= max_depth:  # a node at max_depth is a leaf (also when p = 1)
                 out.append(DIGIT0_ID + int(buf[i] * 10))
                 i += 1
                 while rem:
@@ -175,6 +190,9 @@ def _sample_chunk(seed: int, chunk: int, cfg: ListOpsConfig, n_accept: int) -> t
                 break
         if ok and lo < len(out) < hi:
             accepted.append(bytes(out))
+        if attempts >= 1_000_000 and len(accepted) * 10_000 < attempts:
+            raise RuntimeError(f"ListOps: {len(accepted)} of {attempts} sampled trees fell in min_length < len < "
+                               f"max_length ({lo}, {hi}); these parameters almost never make an acceptable tree")
     return accepted, attempts
 
 
@@ -255,10 +273,10 @@ def generate_listops(
             before = len(samples)
             for trees, n_att in results:
                 attempts += n_att
+                accepted += len(trees)  # every tree the chunk accepted, as its attempts count every root
                 for t in trees:
                     if len(samples) >= n:
                         break
-                    accepted += 1
                     key = hashlib.blake2b(t, digest_size=16).digest()
                     if key in seen:
                         duplicates += 1
