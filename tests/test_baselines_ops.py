@@ -345,3 +345,18 @@ def test_flash_noncausal_global_is_full_bilinear_attention():
     m = mask[..., None].double()
     ref = qg @ ((kg * m).transpose(1, 2) @ (v * m)) / mask.sum(-1)[:, None, None]
     assert rel_err(o, ref) < 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_padded_values_do_not_reach_real_tokens(causal):
+    """Spec §4.3 zeroes V at masked positions: a NaN or Inf there (an uninitialised pad) stays there."""
+    torch.manual_seed(0)
+    xs = [torch.randn(1, 20, 4) for _ in range(5)]
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    mask[0, 15:] = False
+    clean = flash_attn(*xs, causal=causal, chunk_size=8, key_padding_mask=mask)
+    xs[4][0, 15:] = float("nan")
+    out = flash_attn(*xs, causal=causal, chunk_size=8, key_padding_mask=mask)
+    assert torch.equal(out[:, :15], clean[:, :15])
+    quad = gau_attn(xs[0], xs[1], xs[4], causal=causal, key_padding_mask=mask)
+    assert torch.isfinite(quad[:, :15]).all()

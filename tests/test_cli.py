@@ -60,3 +60,17 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     assert main(["analyze", "gradient-bound", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "gradient_bound.json").read_text())
     assert data["summary"]["norm_attention_within_bound"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["analyze", "dilution", "--models", " , "], "no model given"),
+    (["analyze", "dilution", "--models", "t2-lm-tiny", "--seq-len", "0"], "--seq-len must be >= 1"),
+    (["analyze", "dilution", "--models", "t2-lm-tiny", "--samples", "-1"], "--samples must be >= 1"),
+    (["analyze", "grad-stats", "--metrics", "{tmp}"], "Is a directory"),
+    (["analyze", "grad-stats", "--metrics", "{tmp}/empty.jsonl"], "no record has both"),
+])
+def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
+    (tmp_path / "empty.jsonl").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv + ["--out", str(tmp_path / "out")]) == 2
+    assert match in capsys.readouterr().err

@@ -39,6 +39,11 @@ def cmd_dilution(args) -> int:
     from .data.tokenizer import build_tokenizer, load_tokenizer
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not names:
+        raise ValueError("--models: no model given (comma-separated presets or model/run directories)")
+    for flag, value in (("--seq-len", args.seq_len), ("--samples", args.samples)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     models, tok = {}, None
     for name in names:
         if Path(name).exists():

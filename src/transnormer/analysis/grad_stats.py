@@ -240,6 +240,9 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
             values.append(rec[key])
             if "param_set" in rec:
                 sets.add(rec["param_set"])
+    if not values:
+        raise ValueError(f"{path}: no record has both {key!r} and {step_key!r} (is it a metrics or grad_norms "
+                         "JSONL file, and the key right?)")
     if param_set is None:
         param_set = ",".join(sorted(sets)) or "unknown"
     out = summarize(values, steps, param_set=param_set, key=key, start=start, end=end)

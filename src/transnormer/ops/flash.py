@@ -391,6 +391,7 @@ def gau_attn(
     allowed = None
     if mask is not None:
         allowed = mask[:, None, :].expand(B, T, T)
+        v = v.masked_fill(~mask[..., None], 0.0)  # padded values could be non-finite: 0 · NaN is NaN
     if causal:
         tril = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         allowed = tril.expand(B, T, T) if allowed is None else allowed & tril
@@ -456,6 +457,8 @@ def flash_attn(
         q_local, k_local, q_global, k_global, v = (F.pad(x, (0, 0, 0, pad)) for x in
                                                    (q_local, k_local, q_global, k_global, v))
         valid = F.pad(valid, (0, pad), value=False)
+    if mask is not None:  # spec §4.3: padded V rows are zero too (a weight of 0 times a NaN there is NaN)
+        v = v.masked_fill(~valid[..., None], 0.0)
     vc = v.reshape(B, G, C, e).contiguous()  # v is a slice of the projection: one copy here, none per product
     holes = mask is not None or pad > 0  # some rows are not real tokens
     out = None
