@@ -96,9 +96,10 @@ def test_performer_matches_dense_kernel(causal, T):
     proj = draw_favor_projection(24, 8, seed=3).double()
     q, k, v = rand(2, T, 2, 8), rand(2, T, 2, 8), rand(2, T, 2, 5)
     mask = padding(2, T)
-    # eps = 0: the stabilisers then cancel exactly and the dense, unstabilised kernel is the oracle
+    # eps ≈ 0 (it must be > 0): the query stabiliser then cancels to fp64 rounding and the dense,
+    # unstabilised kernel is the oracle
     o, _ = kernel_linear_attn(favor_features(q, proj, is_query=True), favor_features(k, proj, is_query=False), v,
-                              causal=causal, eps=0.0, chunk_size=16, key_padding_mask=mask)
+                              causal=causal, eps=1e-300, chunk_size=16, key_padding_mask=mask)
     ref = ratio_attn_reference(favor_weights_reference(q, k, proj), v, causal=causal, key_padding_mask=mask, eps=0.0)
     assert_parity(o, ref, (q, k, v))
 
@@ -360,3 +361,28 @@ def test_flash_padded_values_do_not_reach_real_tokens(causal):
     assert torch.equal(out[:, :15], clean[:, :15])
     quad = gau_attn(xs[0], xs[1], xs[4], causal=causal, key_padding_mask=mask)
     assert torch.isfinite(quad[:, :15]).all()
+
+
+def test_performer_works_at_large_head_dims():
+    """Key exponents are capped one by one, not shifted by the worst case over ω (28 at d_h = 128,
+    110 at 256): that shift had pushed the denominators under eps, or every feature to 0."""
+    from transnormer.layers import Performer
+
+    for head_dim in (128, 256):
+        torch.manual_seed(0)
+        x = torch.randn(2, 64, 2 * head_dim)
+        a = Performer(2 * head_dim, 2, causal=False).eval()
+        b = Performer(2 * head_dim, 2, causal=False, eps=1e-30).eval()
+        b.load_state_dict(a.state_dict())
+        ya, yb = (m(x)[0] - m.out_proj.bias for m in (a, b))
+        assert ya.norm() > 0 and rel_err(ya, yb) < 1e-4
+
+
+def test_eps_must_be_positive():
+    from transnormer.layers import LinearAttention
+
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        LinearAttention(16, 2, causal=True, eps=0.0)
+    q = torch.rand(1, 5, 1, 4)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        kernel_linear_attn(q, q, q, causal=True, eps=0.0)

@@ -97,3 +97,19 @@ def test_lrpe_fused_path_equals_definition():
     px = x - 2 * (x @ u)[..., None] * u  # P x
     want = rotate(px, pos[..., None].double() * lrpe.theta.double()) * 0.5
     assert torch.allclose(lrpe(x, pos, scale=0.5), want, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm_per_head", [False, True])
+def test_norm_attention_batch_norm_ignores_padding(norm_per_head):
+    """Spec §12: batch statistics exclude padded positions, also when the norm runs per head."""
+    from transnormer.layers import NormAttention
+
+    torch.manual_seed(0)
+    layer = NormAttention(16, 2, causal=True, norm_type="batch", norm_per_head=norm_per_head).train()
+    x = torch.randn(2, 10, 16)
+    y0, _ = layer(x)  # training mode: the batch's own statistics normalise it
+    padded = torch.cat([x, 5 * torch.randn(2, 6, 16)], 1)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[:, 10:] = False
+    y1, _ = layer(padded, attention_mask=mask)
+    assert torch.allclose(y1[:, :10], y0, atol=1e-5)

@@ -83,8 +83,9 @@ class NormAttention(MultiHeadMixer):
                 output_final_state=use_cache, key_padding_mask=mask,
             )
         o = o.to(x.dtype)
-        if self.norm_per_head:
-            o = self.norm(o).reshape(B, T, self.hidden_size)
+        if self.norm_per_head:  # rows are (token, head) pairs: the mask repeats over heads
+            head_mask = None if mask is None else mask[:, :, None].expand(B, T, self.num_heads)
+            o = self.norm(o, head_mask).reshape(B, T, self.hidden_size)
         else:
             o = self.norm(o.reshape(B, T, self.hidden_size), mask)
         return self.out_proj(o), ({"state": state} if use_cache else None)
