@@ -279,3 +279,25 @@ def test_mlm_evaluation_scores_each_token_once():
         for labels, ids in zip(out["labels"], batch["input_ids"]):
             scored[ids[labels != -100].numpy()] += 1
     assert overlap > 0 and scored.max() == 1 and scored.sum() > 100
+
+
+def test_fine_tuning_from_a_run_directory_keeps_its_tokenizer(corpus_dir, tmp_path):
+    """--init-from takes a run directory (its newest checkpoint), and the fine-tuning run reads text
+    with the pretrained model's tokenizer: its embeddings are indexed by those ids."""
+    pre = cfg_for(corpus_dir, tmp_path, task="mlm", preset="t2-roberta-tiny", max_steps=2,
+                  out_dir=str(tmp_path / "mlm"))
+    train(pre)
+    rng = random.Random(2)
+    lines = ["sentence\tlabel"] + [f"{' '.join(rng.choice(WORDS) for _ in range(8))}\t{i % 2}" for i in range(40)]
+    (tmp_path / "cls").mkdir()
+    (tmp_path / "cls" / "train.tsv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "cls" / "dev.tsv").write_text("\n".join(lines[:9]) + "\n")
+    fine = TrainConfig(task="cls", preset=None, init_from=str(tmp_path / "mlm"), data=str(tmp_path / "cls"),
+                       seq_len=16, batch_size=4, max_steps=2, out_dir=str(tmp_path / "cls-run"), progress=False,
+                       cache_dir=str(tmp_path / "cache"))
+    summary = train(fine)
+    assert summary["steps"] == 2
+    ckpts = sorted((tmp_path / "mlm" / "checkpoints").glob("step-*"))
+    pretrained = (ckpts[-1] / "tokenizer" / "tokenizer.json").read_text()
+    tuned = next((tmp_path / "cls-run" / "checkpoints").glob("step-*")) / "tokenizer" / "tokenizer.json"
+    assert tuned.read_text() == pretrained

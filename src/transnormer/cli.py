@@ -110,20 +110,10 @@ def cmd_compare(args) -> int:
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    """A model directory, a checkpoint root, or a run directory → the model directory."""
-    from .train.checkpoint import latest_valid_checkpoint
+    """A model directory, a checkpoint root, or a run directory → the model directory (``--model``)."""
+    from .train.checkpoint import resolve_model_dir as resolve
 
-    path = Path(path)
-    for root in (path, path / "checkpoints"):
-        if (root / "latest").is_file():
-            # the newest checkpoint that verifies: a corrupt one is reported and skipped, as on resume
-            ckpt = latest_valid_checkpoint(root, log=lambda msg: print(msg, file=sys.stderr))
-            if ckpt is None:
-                raise ValueError(f"--model: no checkpoint under {root} passes verification")
-            return ckpt
-    if (path / "config.json").is_file():
-        return path
-    raise ValueError(f"--model: no model in {path} (expected config.json, or a run/checkpoint directory)")
+    return resolve(path, what="--model")
 
 
 def load_tokenizer_for(model_dir: Path, spec: str | None = None):

@@ -172,3 +172,20 @@ def latest_valid_checkpoint(root: str | os.PathLike, log=print) -> Path | None:
         except CheckpointError as e:
             log(f"warning: skipping {ckpt.name}: {e}")
     return None
+
+
+def resolve_model_dir(path: str | os.PathLike, *, what: str = "model") -> Path:
+    """A model directory, a checkpoint root, or a run directory → the model directory: for the
+    last two, the newest checkpoint that verifies (a corrupt one is reported and skipped)."""
+    import sys
+
+    path = Path(path)
+    for root in (path, path / "checkpoints"):
+        if (root / "latest").is_file():
+            ckpt = latest_valid_checkpoint(root, log=lambda msg: print(msg, file=sys.stderr))
+            if ckpt is None:
+                raise ValueError(f"{what}: no checkpoint under {root} passes verification")
+            return ckpt
+    if (path / "config.json").is_file():
+        return path
+    raise ValueError(f"{what}: no model in {path} (expected config.json, or a run/checkpoint directory)")

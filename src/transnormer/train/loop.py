@@ -28,6 +28,7 @@ from .checkpoint import (
     latest_valid_checkpoint,
     load_model_weights,
     load_trainer_state,
+    resolve_model_dir,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -175,7 +176,8 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
 
         head = {"clm": "CausalLM", "mlm": "MaskedLM", "cls": "SequenceClassification"}[cfg.task]
         extra = {"num_labels": num_labels} if num_labels else {}
-        return getattr(transformers, f"AutoModelFor{head}").from_pretrained(cfg.init_from, **extra)
+        init = resolve_model_dir(cfg.init_from, what="init_from")  # a run directory works too
+        return getattr(transformers, f"AutoModelFor{head}").from_pretrained(init, **extra)
     return build_model(model_config_for(cfg, vocab_size, num_labels, pad_id), task=cfg.task)
 
 
@@ -323,7 +325,7 @@ def train(cfg: TrainConfig) -> dict:
             loss_sum += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
         if recorder is not None:
-            recorder.record(unwrap(model), step)
+            recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
         scheduler.step()
