@@ -24,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--vocab-size", type=int, default=32768)
     ap.add_argument("--tokens-per-step", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3)

@@ -137,3 +137,63 @@ def test_the_fault_reading_sees_fresh_memory():
         block[i] = 1
     assert _faulted_mb() - before > 48
     block.close()
+
+
+def test_a_spawned_measurement_reads_its_own_peak_memory():
+    """ru_maxrss survives fork + exec, so a child would report its parent's peak; VmHWM does not."""
+    import torch
+
+    from transnormer.bench.timing import peak_rss_mb
+    from transnormer.runtime import call_in_fresh_process
+
+    big = torch.ones(384 * 2**20 // 4)  # 384 MB touched in this process
+    assert peak_rss_mb() > 384
+    child = call_in_fresh_process(peak_rss_mb)
+    del big
+    assert child < peak_rss_mb() - 256
+
+
+def test_flop_model_is_only_used_where_it_exists(monkeypatch, tmp_path):
+    from transnormer.bench import suite
+    from transnormer.bench.train_step import model_flops_per_token
+    from transnormer.presets import get_config
+
+    with pytest.raises(ValueError, match="no FLOP model"):
+        model_flops_per_token(get_config("flash-lm"), 512)
+    assert suite._flops_per_token("flash-lm", 1000, 512) is None
+    assert suite._flops_per_token("peer:flash-pytorch", 1000, 512) is None
+    assert suite._flops_per_token("t2-lm", 1000, 512) > 0
+
+    def fake(preset, T, **kw):
+        return {"preset": preset, "seq_len": T, "batch": 1, "step_s": 1.0, "tokens_per_s": float(T),
+                "peak_mem_mb": 1.0}
+
+    monkeypatch.setattr(suite, "train_step_throughput", fake)
+    monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: 100.0)
+    for presets in (["peer:flash-pytorch", "t2-lm"], ["flash-lm", "vanilla-lm"]):  # no ratio, no crash
+        res = suite.bench_train(tmp_path / presets[0], presets=presets, lengths=(64,), dtypes=("fp32",))
+        assert not [v for v in res["verdicts"] if " vs " in v]
+
+
+def test_threads_reach_the_measuring_process(monkeypatch):
+    import torch
+
+    from transnormer.bench.train_step import train_step_throughput
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("TRANSNORMER_THREADS", "1")
+    try:
+        row = train_step_throughput("t2-lm-tiny", 64, tokens_per_step=64, vocab_size=128, steps=1, isolate=False)
+    finally:
+        torch.set_num_threads(before)
+    assert row["threads"] == 1
+
+
+@pytest.mark.parametrize("argv", [["bench", "train", "--lengths", "0"], ["bench", "ops", "--threads", "-1"],
+                                  ["bench", "train", "--vocab-size", "0"]])
+def test_bench_refuses_sizes_below_one(argv):
+    from transnormer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2

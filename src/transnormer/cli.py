@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
     try:
         return args.func(args)
-    except (ValueError, TypeError, OSError) as e:  # bad input or an unusable path: one line, no traceback
+    except (ValueError, TypeError, OSError, ImportError) as e:  # bad input, a path, a missing extra: one line
         if "TRANSNORMER_DEBUG" in __import__("os").environ:
             raise
         print(f"transnormer {args.command}: error: {e}", file=sys.stderr)

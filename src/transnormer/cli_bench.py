@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def _print(res: dict) -> None:
@@ -19,6 +31,7 @@ def cmd_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+        os.environ["TRANSNORMER_THREADS"] = str(args.threads)  # every measurement runs in a spawned child
     out = Path(args.out)
     what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
     all_verdicts = []
@@ -47,12 +60,13 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="speed/memory benchmarks against T with the performance targets")
     p.add_argument("what", choices=["ops", "train", "infer", "memory", "long", "peers", "all"])
     p.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"],
-                   help="for train/infer: the first is compared with the last; peers as peer:NAME")
-    p.add_argument("--lengths", type=int, nargs="+")
+                   help="for train/infer (memory, long and peers use their own): the first is compared with "
+                        "the last; peers as peer:NAME")
+    p.add_argument("--lengths", type=_positive_int, nargs="+", help="ops, train, infer")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--vocab-size", type=int, default=32768)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--vocab-size", type=_positive_int, default=32768)
+    p.add_argument("--threads", type=_positive_int)
+    p.add_argument("--rounds", type=_positive_int, default=1,
                    help="train/infer: measure the presets in turn this many times; each keeps its median round")
     p.add_argument("--out", default="runs/bench")
     p.set_defaults(func=cmd_bench)

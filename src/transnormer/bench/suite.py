@@ -95,7 +95,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     Each row is one fresh process per round (median of ``steps`` steps); with ``rounds`` > 1 the
     presets alternate and each keeps its median round (``alternating_median``)."""
     rows, verdicts = [], []
-    peaks = {d: gemm_gflops(2048, DTYPES[d]) for d in dtypes}
+    peaks = {d: gemm_gflops(2048, DTYPES[d], device=_device()) for d in dtypes}
     for dname in dtypes:
         for T in lengths:
             def measure(p, T=T, dname=dname):
@@ -105,16 +105,17 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
             got = alternating_median(measure, presets, rounds)
             for p in presets:
                 r = got[p]
-                cfg_like = None if p.startswith("peer:") else _config(p, vocab_size)
-                if cfg_like is not None:
-                    fpt = model_flops_per_token(cfg_like, T) / (3 if mode != "train" else 1)
+                fpt = _flops_per_token(p, vocab_size, T)
+                if fpt is not None:
+                    fpt /= 3 if mode != "train" else 1
                     r["model_gflops"] = fpt * r["tokens_per_s"] / 1e9
                     r["mfu"] = r["model_gflops"] / peaks[dname]
                 r["label"] = f"{p} {dname}"
                 rows.append(r)
             a, b = presets[0], presets[-1]
-            if mode == "train" and not b.startswith("peer:") and a != b:
-                ideal = model_flops_per_token(_config(b, vocab_size), T) / model_flops_per_token(_config(a, vocab_size), T)
+            fa, fb = _flops_per_token(a, vocab_size, T), _flops_per_token(b, vocab_size, T)
+            if mode == "train" and a != b and fa is not None and fb is not None:
+                ideal = fb / fa
                 measured = got[a]["tokens_per_s"] / got[b]["tokens_per_s"]
                 got[a]["ideal_ratio"], got[a]["measured_ratio"] = ideal, measured
                 verdicts.append(ratio_verdict(f"{a} vs {b} {dname} T={T}", a, b, measured, ideal))
@@ -173,11 +174,14 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
     one, as a fraction of the GEMM rate measured in this run: above ~100% the 2x is out of reach
     on this machine however fast the kernels.
     """
+    from .peers import _import_peer, peer_versions
+
+    _import_peer("flash_pytorch")  # a missing peer fails here, before the long counts and steps
     presets = ["flash-lm", "t2-lm", "peer:flash-pytorch"]
     counted = {p: counted_step_flops(p, seq_len, vocab_size=vocab_size) for p in presets}
     rows, verdicts = [], []
     for dtype in dtypes:
-        peak = gemm_gflops(2048, DTYPES[dtype])
+        peak = gemm_gflops(2048, DTYPES[dtype], device=_device())
         got = []
         for p in presets:
             r = train_step_throughput(p, seq_len, dtype=dtype, tokens_per_step=seq_len, vocab_size=vocab_size,
@@ -203,7 +207,7 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
     rep = write_report(rows, out_dir, "peers", ["label", "params", "seq_len", "step_s", "tokens_per_s", "vs_peer",
                                                 "gflop_step", "gflops", "frac_gemm", "equal_rate_ratio",
                                                 "peak_mem_mb"],
-                       series="label", plots=(), extra={"verdicts": verdicts})
+                       series="label", plots=(), extra={"verdicts": verdicts, "versions": peer_versions()})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
 
@@ -211,3 +215,20 @@ def _config(preset: str, vocab_size: int):
     from ..presets import get_config
 
     return get_config(preset, vocab_size=vocab_size)
+
+
+def _flops_per_token(preset: str, vocab_size: int, T: int) -> float | None:
+    """model_flops_per_token of a preset, or None for a peer or a layer type it has no model for
+    (those rows get no MFU and no ideal ratio rather than a wrong one)."""
+    if preset.startswith("peer:"):
+        return None
+    try:
+        return model_flops_per_token(_config(preset, vocab_size), T)
+    except ValueError:
+        return None
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

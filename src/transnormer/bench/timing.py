@@ -31,14 +31,30 @@ def measure(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3, min_t
     return {"median_s": statistics.median(times), "min_s": min(times), "iqr_s": q[2] - q[0], "n": len(times)}
 
 
-def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5) -> float:
-    """Measured matmul throughput (GFLOP/s) of an n×n×n product in ``dtype``: the machine's limit."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    t = measure(lambda: a @ b, warmup=2, repeat=repeat)["median_s"]
+def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5, device: str = "cpu") -> float:
+    """Measured matmul throughput (GFLOP/s) of an n×n×n product in ``dtype`` on ``device``: the
+    machine's limit (on the device the steps it is compared with run on)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+
+    def product():
+        a @ b
+        sync()
+
+    t = measure(product, warmup=2, repeat=repeat)["median_s"]
     return 2 * n**3 / t / 1e9
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (MiB; Linux reports KiB)."""
+    """Peak resident set size of this process so far (MiB). Linux's VmHWM belongs to this process
+    image alone; ru_maxrss (the fallback elsewhere) also counts the parent a spawned benchmark
+    process was forked from before its exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -76,10 +76,14 @@ def _warm_up(step, faulted_mb, *, min_steps: int = 2, max_steps: int = _MAX_WARM
 
 def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_size: int | None, steps: int,
              threads: int | None, overrides: dict, mode: str = "train") -> dict:
-    import resource
+
+    import os
 
     import torch
 
+    from .timing import peak_rss_mb
+
+    threads = threads or int(os.environ.get("TRANSNORMER_THREADS", 0))  # `bench --threads` sets it for children
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -117,12 +121,12 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
         times.append(time.perf_counter() - t0)
     times.sort()
     t = times[len(times) // 2]
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else peak_rss_mb()
     params = sum(p.numel() for p in model.parameters())
     return {"preset": preset, "mode": mode, "seq_len": seq_len, "batch": batch, "dtype": dtype, "step_s": t,
             "tokens_per_s": batch * seq_len / t, "peak_mem_mb": peak, "loss": loss,
-            "params": params, "finite": bool(torch.isfinite(torch.tensor(loss))), "warmup_steps": warmup}
+            "params": params, "finite": bool(torch.isfinite(torch.tensor(loss))), "warmup_steps": warmup,
+            "threads": torch.get_num_threads()}
 
 
 def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tokens_per_step: int = 8192,
@@ -201,6 +205,8 @@ def model_flops_per_token(config, seq_len: int) -> float:
     """
     d, L = config.hidden_size, config.num_hidden_layers
     e = d // config.num_attention_heads
+    if config.ffn_type not in ("glu", "ffn"):
+        raise ValueError(f"model_flops_per_token has no FLOP model for ffn_type {config.ffn_type!r}")
     ffn_hidden = config.ffn_hidden_size or (int(8 * d / 3) if config.ffn_type == "glu" else 4 * d)
     per_layer_dense = 2 * (4 * d * d + (3 if config.ffn_type == "glu" else 2) * d * ffn_hidden)
     mixer = 0.0
@@ -211,8 +217,8 @@ def model_flops_per_token(config, seq_len: int) -> float:
             mixer += 4 * d * e + 2 * config.chunk_size * d
         elif t == "diag":
             mixer += 2 * config.block_size * d
-        else:
-            mixer += 4 * d * e
+        else:  # FLASH, GAU, the linear baselines: their dense parts differ too (use counted_step_flops)
+            raise ValueError(f"model_flops_per_token has no FLOP model for layer type {t!r}")
     head = 2 * d * config.vocab_size
     return 3 * (L * per_layer_dense + mixer + head)
 
