@@ -74,3 +74,12 @@ def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "--temperature must be >= 0"),
+                                         (["--top-p", "1.5"], "--top-p must be in"),
+                                         (["--top-p", "0"], "--top-p must be in")])
+def test_generate_refuses_out_of_range_sampling(run_dir, capsys, flags, match):
+    _, out = run_dir
+    assert main(["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "2", *flags]) == 2
+    assert match in capsys.readouterr().err

@@ -301,3 +301,23 @@ def test_fine_tuning_from_a_run_directory_keeps_its_tokenizer(corpus_dir, tmp_pa
     pretrained = (ckpts[-1] / "tokenizer" / "tokenizer.json").read_text()
     tuned = next((tmp_path / "cls-run" / "checkpoints").glob("step-*")) / "tokenizer" / "tokenizer.json"
     assert tuned.read_text() == pretrained
+
+
+def test_a_fresh_run_in_a_used_out_dir_starts_its_own_metrics_and_checkpoints(corpus_dir, tmp_path):
+    """Without --resume a run owns out_dir from step 0: the earlier run's checkpoints are kept
+    aside (their higher steps would shadow this run's on resume) and its metrics do not mix in."""
+    train(cfg_for(corpus_dir, tmp_path, max_steps=4, save_every=2))
+    train(cfg_for(corpus_dir, tmp_path, max_steps=2))
+    out = Path(cfg_for(corpus_dir, tmp_path).out_dir)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+    root = out / "checkpoints"
+    assert latest_valid_checkpoint(root, log=lambda *a: None).name == "step-00000002"
+    (aside,) = root.glob("earlier-run-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+
+
+def test_compare_refuses_a_repeated_preset(tmp_path):
+    from transnormer.train.compare import compare
+
+    with pytest.raises(ValueError, match="each preset once"):
+        compare(["t2-lm-tiny", "t2-lm-tiny"], TrainConfig(max_steps=1, out_dir=str(tmp_path)))

@@ -20,6 +20,8 @@ from .metrics import plot_curves, read_metrics
 def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) -> dict:
     if not presets:
         raise ValueError("presets: give at least one preset name")
+    if len(set(presets)) != len(presets):  # each run writes to out/NAME: a repeat would overwrite the first
+        raise ValueError(f"presets: each preset once, got {list(presets)}")
     from ..presets import get_config
 
     for p in presets:

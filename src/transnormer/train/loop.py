@@ -26,6 +26,7 @@ import torch
 
 from .checkpoint import (
     latest_valid_checkpoint,
+    list_checkpoints,
     load_model_weights,
     load_trainer_state,
     resolve_model_dir,
@@ -181,6 +182,22 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
     return build_model(model_config_for(cfg, vocab_size, num_labels, pad_id), task=cfg.task)
 
 
+def start_fresh(out: Path, log=print) -> None:
+    """A run that does not resume owns ``out`` from step 0: an earlier run's checkpoints are moved
+    into ``checkpoints/earlier-run-*/`` (kept, but out of reach of resume and pruning, where
+    their higher steps would shadow this run's) and its metrics file is started anew (its curves
+    would mix with this run's)."""
+    root = out / "checkpoints"
+    old = list_checkpoints(root)
+    if old:
+        aside = root / f"earlier-run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        aside.mkdir()
+        for p in old + ([root / "latest"] if (root / "latest").exists() else []):
+            os.replace(p, aside / p.name)
+        log(f"{out} held checkpoints of an earlier run: moved to {aside} (--resume continues a run)")
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+
+
 def param_groups(model, weight_decay: float):
     """No weight decay on biases, norms, embeddings' positions and scalars."""
     decay, no_decay = [], []
@@ -244,6 +261,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # resume
     step, tokens_seen, elapsed = 0, 0, 0.0
+    resumed = False
     if cfg.resume:
         ckpt = latest_valid_checkpoint(ckpt_root, log=log)
         if ckpt is None:
@@ -265,6 +283,9 @@ def train(cfg: TrainConfig) -> dict:
             if info.is_main:
                 truncate_metrics(out / "metrics.jsonl", step)
             log(f"resumed from {ckpt} at step {step}")
+            resumed = True
+    if info.is_main and not resumed:
+        start_fresh(out, log)
 
     recorder = None
     if cfg.grad_stats:
