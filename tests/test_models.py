@@ -288,3 +288,22 @@ def test_performer_redraw_schedule_survives_a_reload():
     redraws = [(int(m.num_redraws), int(n.num_redraws)) for m, n in zip(a.modules(), b.modules())
                if hasattr(m, "num_redraws")]
     assert redraws and all(r == (1, 1) for r in redraws)
+
+
+@pytest.mark.parametrize("preset", ["t1-lm-tiny", "t2-lm-tiny"])
+def test_a_built_model_keeps_the_layers_own_init(preset):
+    """Spec §1/§2 init survives post_init: NormAttention's q/k/v are xavier with gain 2^-1/2 and its
+    output bias 0, DiagAttention's projections xavier with gain 1 (HF never calls _init_weights on a
+    layer without direct parameters, so resetting its linears there would leave PyTorch's default)."""
+    import math
+
+    torch.manual_seed(0)
+    model = build_model(preset)
+    d = model.config.hidden_size
+    xavier = math.sqrt(2.0 / (d + d))  # std of xavier_uniform on a [d, d] weight, gain 1
+    for block in model.model.layers:
+        mixer = block.mixer
+        gain = 2 ** -0.5 if type(mixer).__name__ == "NormAttention" else 1.0
+        for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj):
+            assert abs(proj.weight.std().item() / (gain * xavier) - 1) < 0.05, type(mixer).__name__
+        assert not mixer.out_proj.bias.any()

@@ -125,12 +125,25 @@ class TransNormerPreTrainedModel(PreTrainedModel):
             return
         if isinstance(module, nn.Embedding):  # fairseq LM: N(0, d^-1/2)
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)
-        elif hasattr(module, "reset_parameters"):
-            # Layers own the released code's init (e.g. NormAttention's gains); HF applies this to
-            # children first, so a layer's reset overrides its linears' defaults. Plain linears and
-            # norms get PyTorch's default: from_pretrained leaves weights a checkpoint lacks (a new
+        elif isinstance(module, (nn.Linear, nn.LayerNorm)):
+            # A layer's linears are its own (NormAttention's xavier gains, zero output bias): the
+            # layer set them when it was built, and HF never calls this on a layer without direct
+            # parameters, so resetting them here would leave PyTorch's default. The others (the
+            # heads) get that default: from_pretrained leaves weights a checkpoint lacks (a new
             # classification head) uninitialised and relies on this call.
-            module.reset_parameters()
+            if id(module) not in self._layer_owned_ids():
+                module.reset_parameters()
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()  # layers own the released code's init
+
+    def _layer_owned_ids(self) -> set:
+        """ids of the linears and layer norms inside a module that initialises them itself."""
+        owned = set()
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters") and not isinstance(
+                    m, (nn.Linear, nn.LayerNorm, nn.Embedding)):
+                owned.update(id(c) for c in m.modules() if isinstance(c, (nn.Linear, nn.LayerNorm)))
+        return owned
 
 
 class TransNormerModel(TransNormerPreTrainedModel):
