@@ -321,3 +321,14 @@ def test_compare_refuses_a_repeated_preset(tmp_path):
 
     with pytest.raises(ValueError, match="each preset once"):
         compare(["t2-lm-tiny", "t2-lm-tiny"], TrainConfig(max_steps=1, out_dir=str(tmp_path)))
+
+
+def test_strategy_is_checked_before_any_work(tmp_path):
+    """FSDP needs GPUs: refused right after the process group is up, not after data and model."""
+    from transnormer.train.distributed import check_strategy
+
+    with pytest.raises(ValueError, match="fsdp' needs GPUs"):
+        check_strategy(DistInfo(world_size=2), "fsdp")
+    check_strategy(DistInfo(world_size=1), "fsdp")  # one process: nothing to shard, runs as is
+    with pytest.raises(ValueError, match="strategy must be"):
+        train(TrainConfig(max_steps=1, strategy="zero3", out_dir=str(tmp_path / "run"), data="/nonexistent"))

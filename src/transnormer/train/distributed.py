@@ -49,15 +49,20 @@ def setup_distributed(device: str | None = None) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
-def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Module:
-    """DDP (default) or FSDP2 (GPU) around ``model``; the model itself unchanged when single-process."""
+def check_strategy(info: DistInfo, strategy: str) -> None:
+    """Whether ``strategy`` can wrap a model here (called before any work, and by wrap_model)."""
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if strategy == "fsdp" and info.enabled and info.device.type != "cuda":
+        raise ValueError("strategy='fsdp' needs GPUs; use 'ddp' on CPU")
+
+
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Module:
+    """DDP (default) or FSDP2 (GPU) around ``model``; the model itself unchanged when single-process."""
+    check_strategy(info, strategy)
     if not info.enabled:
         return model
     if strategy == "fsdp":
-        if info.device.type != "cuda":
-            raise ValueError("strategy='fsdp' needs GPUs; use 'ddp' on CPU")
         from torch.distributed.fsdp import fully_shard
 
         for block in getattr(getattr(model, "model", model), "layers", []):

@@ -34,7 +34,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .distributed import DistInfo, all_reduce_mean, cleanup, setup_distributed, unwrap, wrap_model
+from .distributed import DistInfo, all_reduce_mean, check_strategy, cleanup, setup_distributed, unwrap, wrap_model
 from .metrics import MetricsLogger, plot_curves, read_metrics, truncate_metrics
 from .schedule import SCHEDULES, make_scheduler
 from .tasks import build_task_data
@@ -223,6 +223,7 @@ def peak_memory_mb(info: DistInfo) -> float:
 def train(cfg: TrainConfig) -> dict:
     cfg.check()
     info = setup_distributed(cfg.device)
+    check_strategy(info, cfg.strategy)  # before any data or model work
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     log = print if info.is_main else (lambda *a, **k: None)
