@@ -179,7 +179,7 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
             raise ValueError(f"{name} must be [F] = [{w1.shape[0]}] or None, got {tuple(b.shape)}")
     if (b1 is None) != (b2 is None):
         raise ValueError("b1 and b2 must both be given or both be None")
-    if (b1 is not None and b2 is not None and b1.dtype == b2.dtype == torch.float32 and x.numel()
+    if (b1 is not None and b1.dtype == b2.dtype == torch.float32 and x.numel()
             and w1.dtype == w2.dtype and _native.rows_usable(projection_dtype(x), x.device)
             and fused_projection_ok(x, w1)):
         return _ProjectedSiluGate.apply(x, w1, w2, b1, b2, projection_dtype(x))

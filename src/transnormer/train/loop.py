@@ -18,7 +18,7 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -238,9 +238,12 @@ def train(cfg: TrainConfig) -> dict:
 
     autocast = autocast_factory(info.device, cfg.dtype)
     # data → model → optimizer
-    data = build_task_data(cfg, info, autocast)
+    # A run directory given as init_from is resolved (and its newest checkpoint verified) once, here,
+    # for both the tokenizer and the weights; the saved config keeps what the user gave.
+    build_cfg = replace(cfg, init_from=str(resolve_model_dir(cfg.init_from, what="init_from"))) if cfg.init_from else cfg
+    data = build_task_data(build_cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
-    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
@@ -388,9 +391,9 @@ def train(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
 
-    records = read_metrics(out / "metrics.jsonl") if info.is_main else []
     if step == start_step and step > 0:  # resumed a finished run: its final checkpoint and evaluation exist
         log(f"resume: the run already reached step {step}; nothing to train")
+        records = read_metrics(out / "metrics.jsonl") if info.is_main else []
         evals = [r for r in records if r.get("kind") == "eval" and r["step"] == step]
         last_eval = ({k: v for k, v in evals[-1].items() if k not in ("kind", "step", "split", "tokens", "elapsed")}
                      if evals else None)
