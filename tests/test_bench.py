@@ -190,10 +190,88 @@ def test_threads_reach_the_measuring_process(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["bench", "train", "--lengths", "0"], ["bench", "ops", "--threads", "-1"],
-                                  ["bench", "train", "--vocab-size", "0"]])
+                                  ["bench", "train", "--vocab-size", "0"], ["bench", "train", "--max-step-s", "0"],
+                                  ["bench", "infer", "--max-mem-gb", "-2"]])
 def test_bench_refuses_sizes_below_one(argv):
     from transnormer.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
+
+
+def test_a_sweep_records_what_did_not_fit_and_skips_the_presets_longer_lengths(monkeypatch, tmp_path):
+    """Many presets against T on one machine: a configuration out of memory or over the time limit
+    ends that preset's sweep (in its dtype) with a row saying why, and the others go on."""
+    from transnormer.bench import suite
+
+    calls = []
+
+    def fake(preset, T, *, dtype, **kw):
+        calls.append((preset, T, dtype))
+        if preset == "big" and T >= 256:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+        if preset == "dies" and T >= 256:
+            raise RuntimeError("_measure died in its fresh process (exit code -9) before returning; a negative ...")
+        return {"preset": preset, "seq_len": T, "batch": 1, "step_s": T / 64 if preset == "slow" else 1.0,
+                "tokens_per_s": 64.0,
+                "peak_mem_mb": 1.0}
+
+    monkeypatch.setattr(suite, "train_step_throughput", fake)
+    monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: 100.0)
+    res = suite.bench_train(tmp_path, presets=["t2-lm", "big", "slow", "dies", "vanilla-lm"], lengths=(512, 128, 256),
+                            dtypes=("fp32", "bf16"), max_step_s=3.0)
+    status = {(r["label"], r["seq_len"]): r["status"] for r in res["rows"]}
+    assert status[("big fp32", 128)] == "ok"
+    assert status[("big fp32", 256)].startswith("failed: out of memory")
+    assert status[("big fp32", 512)] == "skipped: did not fit at T=256"
+    assert status[("dies fp32", 256)].startswith("failed: _measure died") and "-9" in status[("dies fp32", 256)]
+    assert status[("slow fp32", 256)] == "ok"  # 4 s: over the limit, so its longer lengths are skipped
+    assert status[("slow fp32", 512)].startswith("skipped: its step took 4 s at T=256")
+    assert status[("t2-lm fp32", 512)] == status[("vanilla-lm bf16", 512)] == "ok"
+    assert status[("big bf16", 128)] == "ok"  # each dtype sweeps anew
+    assert ("big", 512, "fp32") not in calls and ("slow", 512, "bf16") not in calls
+    assert [T for p, T, d in calls if p == "t2-lm" and d == "fp32"] == [128, 256, 512]  # increasing T
+    assert "status" in res["table"] and len(status) == len(res["rows"]) == 5 * 3 * 2
+
+    def oom_for(victim):
+        def fake_oom(preset, T, **kw):
+            if preset == victim:
+                raise MemoryError()
+            return fake(preset, T, **kw)
+        return fake_oom
+
+    monkeypatch.setattr(suite, "train_step_throughput", oom_for("vanilla-lm"))
+    res = suite.bench_train(tmp_path / "b", presets=["t2-lm", "vanilla-lm"], lengths=(128,), dtypes=("fp32",))
+    assert any(v.startswith("FAIL  t2-lm vs vanilla-lm fp32 T=128: not measured (vanilla-lm: failed: out of memory")
+               for v in res["verdicts"])
+    monkeypatch.setattr(suite, "train_step_throughput", oom_for("t2-lm"))
+    res = suite.bench_train(tmp_path / "c", presets=["t2-lm", "vanilla-lm"], lengths=(128,), dtypes=("fp32",))
+    assert any(v.startswith("FAIL  t2-lm MFU fp32 T=128: not measured") for v in res["verdicts"])
+
+    def bug(preset, T, **kw):
+        raise RuntimeError("shape mismatch")  # not a resource limit: surfaces
+
+    monkeypatch.setattr(suite, "train_step_throughput", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        suite.bench_train(tmp_path / "d", presets=["t2-lm"], lengths=(128,), dtypes=("fp32",))
+    for bad in ({"lengths": ()}, {"lengths": (0, 128)}, {"max_step_s": 0}):
+        with pytest.raises(ValueError):
+            suite.bench_train(tmp_path / "e", presets=["t2-lm"], **{"lengths": (128,), **bad})
+
+
+def test_a_memory_cap_turns_a_configuration_too_large_into_an_error():
+    from transnormer.bench.suite import _did_not_fit
+    from transnormer.bench.train_step import train_step_throughput
+
+    # the [8192, 32768] fp32 logits alone take 1 GiB
+    with pytest.raises(RuntimeError, match="can't allocate memory") as e:
+        train_step_throughput("t2-lm-tiny", 8192, tokens_per_step=8192, steps=1, max_mem_gb=1.5)
+    assert _did_not_fit(e.value).startswith("out of memory")
+    row = train_step_throughput("t2-lm-tiny", 64, tokens_per_step=64, vocab_size=128, steps=1, max_mem_gb=3)
+    assert row["finite"]
+    for bad in (0, -1.0, True, "2"):
+        with pytest.raises(ValueError, match="max_mem_gb"):
+            train_step_throughput("t2-lm-tiny", 64, max_mem_gb=bad)
+    with pytest.raises(ValueError, match="isolate"):
+        train_step_throughput("t2-lm-tiny", 64, max_mem_gb=2, isolate=False)

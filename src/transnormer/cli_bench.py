@@ -17,6 +17,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
 def _print(res: dict) -> None:
     print(res["table"])
     for v in res["verdicts"]:
@@ -41,7 +51,9 @@ def cmd_bench(args) -> int:
             res = suite.bench_ops(out, lengths=args.lengths or (1024, 4096, 16384), dtypes=args.dtypes)
         elif w in ("train", "infer"):
             res = suite.bench_train(out, presets=args.presets, lengths=args.lengths or (512, 2048, 8192, 16384),
-                                    dtypes=args.dtypes, vocab_size=args.vocab_size, mode=w, rounds=args.rounds)
+                                    dtypes=args.dtypes, vocab_size=args.vocab_size, mode=w, rounds=args.rounds,
+                                    tokens_per_step=args.tokens_per_step, max_step_s=args.max_step_s,
+                                    max_mem_gb=args.max_mem_gb)
         elif w == "memory":
             res = suite.bench_memory(out, vocab_size=args.vocab_size)
         elif w == "long":
@@ -68,5 +80,12 @@ def register(sub) -> None:
     p.add_argument("--threads", type=_positive_int)
     p.add_argument("--rounds", type=_positive_int, default=1,
                    help="train/infer: measure the presets in turn this many times; each keeps its median round")
+    p.add_argument("--tokens-per-step", type=_positive_int, default=16384,
+                   help="train/infer: tokens in each step (batch = this // T, at least 1)")
+    p.add_argument("--max-step-s", type=_positive_float,
+                   help="train/infer: a preset whose step takes longer than this is not run at longer T")
+    p.add_argument("--max-mem-gb", type=_positive_float,
+                   help="train/infer on CPU: cap each measuring process's address space; a configuration "
+                        "that needs more is recorded as out of memory and the preset's longer T skipped")
     p.add_argument("--out", default="runs/bench")
     p.set_defaults(func=cmd_bench)

@@ -70,7 +70,8 @@ def alternating_median(measure, presets, rounds: int) -> dict:
     """{preset: row}: ``rounds`` rounds, each measuring every preset once in turn; each preset's
     row is its median-time round (the slower of the middle two for an even count), with all of its
     step times in ``step_s_rounds``. Alternating makes a drift in the machine's speed (it is shared)
-    fall on both sides of a ratio alike."""
+    fall on both sides of a ratio alike. A round that returns a row without ``step_s`` (a
+    configuration that failed or was skipped) stands for the preset: its first such row is kept."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if len(set(presets)) != len(presets):
@@ -81,32 +82,73 @@ def alternating_median(measure, presets, rounds: int) -> dict:
             runs[p].append(measure(p))
     out = {}
     for p, rs in runs.items():
-        row = dict(sorted(rs, key=lambda r: r["step_s"])[len(rs) // 2])
-        row["step_s_rounds"] = [r["step_s"] for r in rs]
+        timed = [r for r in rs if "step_s" in r]
+        missing = [r for r in rs if "step_s" not in r]
+        row = dict(missing[0] if missing else sorted(timed, key=lambda r: r["step_s"])[len(timed) // 2])
+        row["step_s_rounds"] = [r["step_s"] for r in timed]
         out[p] = row
     return out
 
 
+def _did_not_fit(err: BaseException) -> str | None:
+    """A one-line reason when ``err`` says the configuration did not fit (memory exhausted, or the
+    measuring process killed, which on Linux is the OOM killer's doing as a rule); None for any
+    other error, which is a bug to surface, not a row to record."""
+    text = str(err)
+    if isinstance(err, MemoryError) or isinstance(err, torch.OutOfMemoryError):
+        return f"out of memory ({type(err).__name__})"
+    if isinstance(err, RuntimeError):
+        if "can't allocate memory" in text or "out of memory" in text.lower():
+            return "out of memory: " + text.splitlines()[0][:120]
+        if "died in its fresh process" in text:
+            return text.split(";")[0]
+    return None
+
+
 def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048, 8192, 16384), dtypes=("fp32", "bf16"),
                 vocab_size: int = 32768, tokens_per_step: int = 16384, steps: int = 2, mode: str = "train",
-                rounds: int = 1) -> dict:
+                rounds: int = 1, max_step_s: float | None = None, max_mem_gb: float | None = None) -> dict:
     """Training (or inference) step of each preset against T; ideal-vs-measured ratio and MFU of the first.
 
     Each row is one fresh process per round (median of ``steps`` steps); with ``rounds`` > 1 the
-    presets alternate and each keeps its median round (``alternating_median``)."""
+    presets alternate and each keeps its median round (``alternating_median``).
+
+    Lengths run in increasing order, so that a sweep over many presets can stop a preset early:
+    a configuration that runs out of memory (``max_mem_gb`` caps each measuring process's address
+    space, on CPU) or whose step takes longer than ``max_step_s`` ends that preset's sweep in its
+    dtype; the row says so in ``status`` and its longer lengths get a ``skipped`` row. A target
+    whose rows are missing is a FAIL that names why.
+    """
+    lengths = _increasing_lengths(lengths)
+    if max_step_s is not None and not max_step_s > 0:
+        raise ValueError(f"max_step_s must be > 0 seconds, got {max_step_s!r}")
     rows, verdicts = [], []
     peaks = {d: gemm_gflops(2048, DTYPES[d], device=_device()) for d in dtypes}
     for dname in dtypes:
+        stopped = {}  # preset -> why its longer lengths are not measured in this dtype
         for T in lengths:
-            def measure(p, T=T, dname=dname):
-                return train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
-                                             vocab_size=vocab_size, steps=steps, mode=mode)
+            def measure(p, T=T, dname=dname, stopped=stopped):
+                if p in stopped:
+                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": f"skipped: {stopped[p]}"}
+                try:
+                    r = train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
+                                              vocab_size=vocab_size, steps=steps, mode=mode, max_mem_gb=max_mem_gb)
+                except (RuntimeError, MemoryError) as e:
+                    why = _did_not_fit(e)
+                    if why is None:
+                        raise
+                    stopped[p] = f"did not fit at T={T}"
+                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": f"failed: {why}"}
+                r["status"] = "ok"
+                if max_step_s is not None and r["step_s"] > max_step_s:
+                    stopped[p] = f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})"
+                return r
 
             got = alternating_median(measure, presets, rounds)
             for p in presets:
                 r = got[p]
                 fpt = _flops_per_token(p, vocab_size, T)
-                if fpt is not None:
+                if fpt is not None and "tokens_per_s" in r:
                     fpt /= 3 if mode != "train" else 1
                     r["model_gflops"] = fpt * r["tokens_per_s"] / 1e9
                     r["mfu"] = r["model_gflops"] / peaks[dname]
@@ -114,19 +156,39 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                 rows.append(r)
             a, b = presets[0], presets[-1]
             fa, fb = _flops_per_token(a, vocab_size, T), _flops_per_token(b, vocab_size, T)
+            missing = "; ".join(f"{p}: {got[p]['status']}" for p in (a, b) if "tokens_per_s" not in got[p])
             if mode == "train" and a != b and fa is not None and fb is not None:
-                ideal = fb / fa
-                measured = got[a]["tokens_per_s"] / got[b]["tokens_per_s"]
-                got[a]["ideal_ratio"], got[a]["measured_ratio"] = ideal, measured
-                verdicts.append(ratio_verdict(f"{a} vs {b} {dname} T={T}", a, b, measured, ideal))
-            if mode == "train" and dname == "fp32" and "mfu" in got[a]:
-                verdicts.append(verdict(f"{a} MFU fp32 T={T}", got[a]["mfu"] >= 0.5,
-                                        f"{got[a]['model_gflops']:.1f} GFLOP/s = {got[a]['mfu']:.0%} of "
-                                        f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%)"))
-    rep = write_report(rows, out_dir, mode, ["label", "seq_len", "batch", "step_s", "tokens_per_s", "peak_mem_mb",
-                                             "mfu", "ideal_ratio", "measured_ratio"],
-                       series="label", plots=("step_s", "peak_mem_mb"), extra={"verdicts": verdicts})
+                name = f"{a} vs {b} {dname} T={T}"
+                if missing:
+                    verdicts.append(verdict(name, False, f"not measured ({missing})"))
+                else:
+                    ideal = fb / fa
+                    measured = got[a]["tokens_per_s"] / got[b]["tokens_per_s"]
+                    got[a]["ideal_ratio"], got[a]["measured_ratio"] = ideal, measured
+                    verdicts.append(ratio_verdict(name, a, b, measured, ideal))
+            if mode == "train" and dname == "fp32" and fa is not None:
+                name = f"{a} MFU fp32 T={T}"
+                if "mfu" not in got[a]:
+                    verdicts.append(verdict(name, False, f"not measured ({got[a]['status']})"))
+                else:
+                    verdicts.append(verdict(name, got[a]["mfu"] >= 0.5,
+                                            f"{got[a]['model_gflops']:.1f} GFLOP/s = {got[a]['mfu']:.0%} of "
+                                            f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%)"))
+    columns = ["label", "seq_len", "batch", "step_s", "tokens_per_s", "peak_mem_mb", "mfu", "ideal_ratio",
+               "measured_ratio"]
+    if any(r["status"] != "ok" for r in rows):
+        columns.append("status")
+    rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "peak_mem_mb"),
+                       extra={"verdicts": verdicts, "peak_gflops": peaks,
+                              "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb}})
     return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def _increasing_lengths(lengths) -> list[int]:
+    out = sorted(set(lengths))
+    if not out or any(not isinstance(T, int) or isinstance(T, bool) or T < 1 for T in out):
+        raise ValueError(f"lengths must be ints >= 1, got {list(lengths)!r}")
+    return out
 
 
 def bench_memory(out_dir, *, preset: str = "t2-lm", lengths=(4096, 16384), vocab_size: int = 32768) -> dict:

@@ -74,8 +74,20 @@ def _warm_up(step, faulted_mb, *, min_steps: int = 2, max_steps: int = _MAX_WARM
     return result, n
 
 
+def _cap_address_space(max_mem_gb: float) -> None:
+    """Make an allocation past ``max_mem_gb`` of address space fail with an error in this process
+    (PyTorch: "can't allocate memory") instead of waking the OOM killer, which may pick another
+    process on a shared machine. The cap is on virtual memory, which runs ~0.5 GB above the
+    resident set for a PyTorch process (libraries, thread stacks)."""
+    import resource
+
+    cap = int(max_mem_gb * 2**30)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+
+
 def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_size: int | None, steps: int,
-             threads: int | None, overrides: dict, mode: str = "train") -> dict:
+             threads: int | None, overrides: dict, mode: str = "train", max_mem_gb: float | None = None) -> dict:
 
     import os
 
@@ -83,6 +95,8 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
 
     from .timing import peak_rss_mb
 
+    if max_mem_gb is not None and not torch.cuda.is_available():
+        _cap_address_space(max_mem_gb)
     threads = threads or int(os.environ.get("TRANSNORMER_THREADS", 0))  # `bench --threads` sets it for children
     if threads:
         torch.set_num_threads(threads)
@@ -131,12 +145,20 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
 
 def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tokens_per_step: int = 8192,
                           vocab_size: int | None = 32768, steps: int = 3, threads: int | None = None,
-                          overrides: dict | None = None, isolate: bool = True, mode: str = "train") -> dict:
+                          overrides: dict | None = None, isolate: bool = True, mode: str = "train",
+                          max_mem_gb: float | None = None) -> dict:
     """Median step time, tokens/s and peak memory of one configuration (see module docstring).
 
-    ``mode="infer"`` times a no-grad forward instead of a training step.
+    ``mode="infer"`` times a no-grad forward instead of a training step. ``max_mem_gb`` (CPU, fresh
+    process only) caps the measuring process's address space, so that a configuration too large
+    for the machine fails with an out-of-memory error instead of being killed.
     """
-    args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {}, mode)
+    if max_mem_gb is not None:
+        if isinstance(max_mem_gb, bool) or not isinstance(max_mem_gb, (int, float)) or not max_mem_gb > 0:
+            raise ValueError(f"max_mem_gb must be a number of GB > 0, got {max_mem_gb!r}")
+        if not isolate:
+            raise ValueError("max_mem_gb needs isolate=True: the cap would stay on the calling process")
+    args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {}, mode, max_mem_gb)
     if not isolate:
         return _measure(*args)
     from ..runtime import call_in_fresh_process
