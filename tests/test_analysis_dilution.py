@@ -310,3 +310,21 @@ def test_baseline_map_reproduces_layer_output(preset):
     o = torch.einsum("bhij,bjhe->bihe", P, v.float()).reshape(2, 40, -1)
     # linear_elu divides by Σs + eps (eps = 1e-6), the map by Σs: equal to ~1e-6 relative
     assert torch.allclose(mixer.out_proj(o), mixer(x)[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["t1-lm-tiny", "t1-roberta-tiny"])
+def test_padded_query_rows_do_not_count_in_the_negative_share(preset):
+    """negative_fraction (and so the flag) is over real entries: the padded sample reads as the
+    unpadded one (it had read 0.464 for 0.5, and 0.534 for 0.504)."""
+    torch.manual_seed(0)
+    model = build_model(preset, dropout=0.0).eval()
+    ids = torch.randint(3, 4096, (1, 40))
+    mask = torch.zeros(1, 40, dtype=torch.long)
+    mask[0, :20] = 1  # right padding
+    pad = dilution_curves(model, ids, mask, rs=[0.5])
+    ref = dilution_curves(model, ids[:, :20], rs=[0.5])
+    norm_layers = [(a, b) for a, b in zip(pad["layers"], ref["layers"], strict=True) if a["layer_type"] == "norm"]
+    assert norm_layers
+    for a, b in norm_layers:
+        assert a["negative_fraction"] == pytest.approx(b["negative_fraction"], abs=1e-12)
+        assert a["flagged"] == b["flagged"] and a["curve"] == pytest.approx(b["curve"], abs=1e-6)

@@ -117,3 +117,35 @@ def test_ablation_models_build():
         model = build_model(cfg)
         ids = torch.randint(0, cfg.vocab_size, (1, 16))
         assert torch.isfinite(model(input_ids=ids).logits).all(), name
+
+
+def test_recorder_norms_accumulate_in_fp32_whatever_the_gradient_dtype():
+    """bf16 gradients rounded the norm to bf16 (258 for 257.1) and fp16 ones overflowed to inf."""
+    for dtype, scale in ((torch.bfloat16, 1.0), (torch.float16, 4000.0)):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(64, 64).to(dtype)
+        model = torch.nn.ModuleDict({"mixer": layer})
+        layer.weight.grad = (torch.randn(64, 64) * scale).to(dtype)
+        layer.bias.grad = (torch.randn(64) * scale).to(dtype)
+        rec = GradientRecorder("mixer")
+        rec.record(model, 1)
+        exact = math.sqrt(sum(float(g.double().pow(2).sum()) for g in (layer.weight.grad, layer.bias.grad)))
+        assert exact > 6e4 or dtype == torch.bfloat16  # fp16: a norm past the fp16 range
+        assert rec.values == [pytest.approx(exact, rel=1e-6)]
+
+
+def test_a_new_recording_starts_its_file_anew_and_mixed_records_are_refused(tmp_path):
+    path = tmp_path / "g.jsonl"
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        rec = GradientRecorder(jsonl_path=path, sync_every=2)
+        _train(_tiny(), [rec], steps=3)
+        rec.flush()
+        assert rsd_from_jsonl(path)["num_steps"] == 3
+        assert rsd_from_jsonl(path)["rsd"] == pytest.approx(rec.rsd())
+    # resume=True reads the file back and continues it
+    rec = GradientRecorder(jsonl_path=path, resume=True)
+    assert rec.steps == [0, 1, 2]
+    path.write_text(path.read_text() * 2)  # two runs' records in one file
+    with pytest.raises(ValueError, match="steps must increase"):
+        rsd_from_jsonl(path)

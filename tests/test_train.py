@@ -332,3 +332,36 @@ def test_strategy_is_checked_before_any_work(tmp_path):
     check_strategy(DistInfo(world_size=1), "fsdp")  # one process: nothing to shard, runs as is
     with pytest.raises(ValueError, match="strategy must be"):
         train(TrainConfig(max_steps=1, strategy="zero3", out_dir=str(tmp_path / "run"), data="/nonexistent"))
+
+
+def test_grad_stats_record_the_raw_gradient_and_survive_a_resume(corpus_dir, tmp_path):
+    """G_t (spec §10) is the gradient's norm before clipping, and an interrupted run's norms are
+    kept and continued on resume, as its metrics are: the resumed file equals an uninterrupted run's."""
+    import json
+
+    def norms(out_dir):
+        recs = [json.loads(line) for line in open(Path(out_dir) / "grad_norms.jsonl")]
+        return [r["step"] for r in recs], [r["grad_norm"] for r in recs]
+
+    clip = cfg_for(corpus_dir, tmp_path / "a", out_dir=str(tmp_path / "clip"), grad_stats=True, clip=1e-3)
+    s = train(clip)
+    free = cfg_for(corpus_dir, tmp_path / "a", out_dir=str(tmp_path / "free"), grad_stats=True, clip=0)
+    train(free)
+    assert norms(clip.out_dir)[1][0] == pytest.approx(norms(free.out_dir)[1][0], rel=1e-6)  # same first gradient
+    assert norms(clip.out_dir)[0] == list(range(1, 7)) and s["grad_stats"]["num_steps"] == 6
+
+    part = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), grad_stats=True, clip=1e-3,
+                   save_every=2, stop_after=5)
+    assert train(part) == {"stopped_at": 5}
+    assert norms(part.out_dir)[0] == list(range(1, 6))  # kept at the interruption
+    resumed = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), grad_stats=True, clip=1e-3,
+                      save_every=2, resume=True)  # from step 4's checkpoint: step 5 is repeated, not doubled
+    s2 = train(resumed)
+    assert norms(resumed.out_dir)[0] == list(range(1, 7))
+    assert norms(resumed.out_dir)[1] == pytest.approx(norms(clip.out_dir)[1], rel=1e-6)
+    assert s2["grad_stats"]["num_steps"] == 6 and s2["grad_stats"]["rsd"] == pytest.approx(s["grad_stats"]["rsd"])
+    rsd = json.loads((Path(resumed.out_dir) / "grad_rsd.json").read_text())
+    assert rsd["step_range"] == [1, 6]
+    fresh = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), max_steps=2)  # no --grad-stats
+    train(fresh)
+    assert not (Path(fresh.out_dir) / "grad_norms.jsonl").exists()  # an earlier run's norms do not linger

@@ -79,12 +79,13 @@ def row_normalize(scores: torch.Tensor, min_sum: float | None = None) -> torch.T
 def linear_attention_map(scores: torch.Tensor, allowed: torch.Tensor | None = None) -> AttentionMap:
     """Map of a kernelized (no-softmax) attention from its raw scores s = q̂k̂ᵀ [B, H, T, T].
 
-    Disallowed entries must already be 0 in ``scores`` (the references zero them); ``allowed``
-    [B, 1|H, T, T] only serves to count the negative share among real entries. Negative scores
+    Disallowed keys must already be 0 in ``scores`` (the references zero them); ``allowed``
+    [B, 1|H, T, T] (real query and key, causal) only serves to count the negative share, and to
+    flag the map, among real entries: a padded query's row is computed but never counted. Negative scores
     (φ = elu, or any kernel composed with LRPE's rotations) make s/Σs a signed, possibly unbounded
     "distribution"; as the spec says we then use |s| and flag the map.
     """
-    neg = scores < 0
+    neg = scores < 0 if allowed is None else (scores < 0) & allowed  # padded query rows are not counted
     n_allowed = scores.numel() if allowed is None else int(allowed.expand_as(scores).sum())
     neg_fraction = float(neg.sum()) / max(n_allowed, 1)
     if bool(neg.any()):
@@ -105,7 +106,7 @@ def _linear_scores_map(q, k, v, causal: bool, mask) -> AttentionMap:
         allowed = allowed.tril()
     allowed = allowed.expand(B, 1, T, T)
     if mask is not None:
-        allowed = allowed & mask[:, None, None, :]
+        allowed = allowed & mask[:, None, None, :] & mask[:, None, :, None]
     return linear_attention_map(s, allowed)
 
 
@@ -149,7 +150,9 @@ def diag_attention_map(layer, x, attention_mask=None, positions=None) -> Attenti
     )
     if layer.kernel == "softmax":
         return AttentionMap(p, kind="softmax")
-    dead = float((p.sum(-1) == 0).double().mean())
+    empty = p.sum(-1) == 0  # [B, H, T]; padded query rows are empty by construction and not counted
+    dead = float(empty.double().mean()) if mask is None else \
+        float((empty & mask[:, None, :]).sum()) / max(int(mask.sum()) * p.shape[1], 1)
     note = f"{dead:.1%} of rows have no positive score (all-zero rows)" if dead > 0 else ""
     return AttentionMap(row_normalize(p, RELA_ROW_SUM_MIN), kind="rela", note=note)
 

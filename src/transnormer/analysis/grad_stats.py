@@ -44,6 +44,10 @@ def _layer_key(name: str, param_set: str) -> str:
 def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, key: str = "grad_norm",
               start: int | None = None, end: int | None = None) -> dict:
     """RSD of ``values`` restricted to steps in [start, end]; non-finite values are counted and excluded."""
+    bad = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+    if bad is not None:  # two runs' records mixed in one file, or a resumed run's repeated steps
+        raise ValueError(f"steps must increase, got step {steps[bad]} after {steps[bad - 1]} (records of more than "
+                         "one run in one file?)")
     pairs = [(s, v) for s, v in zip(steps, values, strict=True)
              if (start is None or s >= start) and (end is None or s <= end)]
     finite = [(s, v) for s, v in pairs if v is not None and math.isfinite(v)]
@@ -62,11 +66,14 @@ class GradientRecorder:
 
     params: "mixer" (default; parameters under ``*.mixer.*``, the token mixers), "all", or a list of
     fnmatch patterns over parameter names. per_layer: also record one norm per layer
-    (``layers.<i>``). jsonl_path: append one JSON line per record at each sync.
+    (``layers.<i>``). jsonl_path: one JSON line per record, written at each sync (``flush``); the
+    file is started anew, unless ``resume``: then its records (a resumed run's earlier steps; the
+    caller truncates it to the checkpoint's step) are read back, count in every summary, and new
+    ones are appended.
     """
 
     def __init__(self, params: str | Sequence[str] = "mixer", *, per_layer: bool = False,
-                 jsonl_path: str | Path | None = None, sync_every: int = 100):
+                 jsonl_path: str | Path | None = None, sync_every: int = 100, resume: bool = False):
         if isinstance(params, str):
             if params not in PARAM_SETS:
                 raise ValueError(f"params must be one of {tuple(PARAM_SETS)} or a list of name patterns, got {params!r}")
@@ -86,6 +93,14 @@ class GradientRecorder:
         self._pending: list[tuple[int, torch.Tensor, list[str]]] = []
         self._selection: tuple[int, list[tuple[str, torch.nn.Parameter]], list[str]] | None = None
         self.skipped_steps: list[int] = []
+        self._appending = False  # False: the first flush starts the file anew
+        if resume and self.jsonl_path is not None and self.jsonl_path.exists():
+            for rec in read_jsonl(self.jsonl_path):
+                self._steps.append(int(rec["step"]))
+                self._values.append(rec["grad_norm"])
+                for g, v in rec.get("per_layer", {}).items() if self.per_layer else ():
+                    self._layer_values.setdefault(g, []).append(v)
+            self._appending = True
 
     # -- selection ------------------------------------------------------------------------
     def _select(self, model) -> tuple[list[tuple[str, torch.nn.Parameter]], list[str]]:
@@ -114,7 +129,8 @@ class GradientRecorder:
         # per-parameter norms in fp32 (one fused kernel per device/dtype), squared and summed:
         # the global norm equals √Σ‖g_p‖², the per-layer norms are partial sums of the same terms
         # (selection by Python lists of 0-d tensors, not index tensors: no host→device copies)
-        sq = [n.float().pow(2) for n in torch._foreach_norm([g for _, g in with_grad])]
+        # (dtype=fp32: the norm itself is accumulated in fp32, not rounded to bf16 or overflowing fp16)
+        sq = [n.pow(2) for n in torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float32)]
         norms = [torch.stack(sq).sum().sqrt()]
         if self.per_layer:
             keys = [_layer_key(n, self.param_set) for n, _ in with_grad]
@@ -144,9 +160,10 @@ class GradientRecorder:
         self._pending.clear()
         if self.jsonl_path is not None:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.jsonl_path.open("a") as f:
+            with self.jsonl_path.open("a" if self._appending else "w") as f:
                 for rec in lines:
                     f.write(json.dumps(to_jsonable(rec)) + "\n")
+            self._appending = True
 
     # -- results (each accessor flushes first, so it never misses pending steps) --------------
     @property

@@ -185,8 +185,8 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
 def start_fresh(out: Path, log=print) -> None:
     """A run that does not resume owns ``out`` from step 0: an earlier run's checkpoints are moved
     into ``checkpoints/earlier-run-*/`` (kept, but out of reach of resume and pruning, where
-    their higher steps would shadow this run's) and its metrics file is started anew (its curves
-    would mix with this run's)."""
+    their higher steps would shadow this run's) and its metrics and gradient-norm files are started
+    anew (their curves would mix with this run's)."""
     root = out / "checkpoints"
     old = list_checkpoints(root)
     if old:
@@ -196,6 +196,7 @@ def start_fresh(out: Path, log=print) -> None:
             os.replace(p, aside / p.name)
         log(f"{out} held checkpoints of an earlier run: moved to {aside} (--resume continues a run)")
     (out / "metrics.jsonl").unlink(missing_ok=True)
+    (out / "grad_norms.jsonl").unlink(missing_ok=True)
 
 
 def param_groups(model, weight_decay: float):
@@ -286,6 +287,7 @@ def train(cfg: TrainConfig) -> dict:
             total_steps = state["total_steps"]
             if info.is_main:
                 truncate_metrics(out / "metrics.jsonl", step)
+                truncate_metrics(out / "grad_norms.jsonl", step)
             log(f"resumed from {ckpt} at step {step}")
             resumed = True
     if info.is_main and not resumed:
@@ -295,7 +297,9 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.grad_stats:
         from ..analysis.grad_stats import GradientRecorder
 
-        recorder = GradientRecorder("mixer")  # ‖∇‖ over attention-module parameters, every step
+        # ‖∇‖ over attention-module parameters, every step, into grad_norms.jsonl (continued on resume)
+        recorder = GradientRecorder("mixer", jsonl_path=out / "grad_norms.jsonl" if info.is_main else None,
+                                    resume=resumed)
     if cfg.compile:
         model = torch.compile(model)
     wrapped = wrap_model(model, info, cfg.strategy)
@@ -314,6 +318,8 @@ def train(cfg: TrainConfig) -> dict:
         state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
+        if recorder is not None:  # grad_norms.jsonl reaches at least the checkpoint's step
+            recorder.flush()
         if info.is_main:
             save_checkpoint(ckpt_root, step, unwrap(model), state, tokenizer=data.tokenizer, keep_last=cfg.keep_last)
 
@@ -348,9 +354,9 @@ def train(cfg: TrainConfig) -> dict:
                     loss = wrapped(**batch, return_logits=False).loss
                 (loss / cfg.grad_accum).backward()
             loss_sum += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
-        if recorder is not None:
+        if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)
             recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
         scheduler.step()
@@ -385,6 +391,8 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.stop_after is not None and step >= cfg.stop_after:
             if bar is not None:
                 bar.close()
+            if recorder is not None:
+                recorder.flush()
             metrics.close()
             cleanup(info)
             return {"stopped_at": step}
@@ -413,7 +421,7 @@ def train(cfg: TrainConfig) -> dict:
         "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
     }
     if recorder is not None and info.is_main:
-        recorder.save_jsonl(out / "grad_norms.jsonl")
+        recorder.flush()
         recorder.save_summary(out / "grad_rsd.json")
         recorder.plot(out / "grad_norms.png")
         summary["grad_stats"] = recorder.summary()
