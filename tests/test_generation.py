@@ -181,3 +181,40 @@ def test_fp64_decoding_stays_fp64():
         cache = out.cache
         steps.append(out.logits)
     assert (torch.cat(steps, 1) - full[:, 5:]).abs().max() < 1e-12
+
+
+def test_generation_continues_from_a_cache_passed_in(model):
+    """A returned cache, or a cached prefix, handed back to generate() (transformers reads
+    is_compileable / is_linear on a cache passed in): the same tokens and scores as one call.
+    The new ids alone with a full-width mask (HF's convention) also work."""
+    ids = torch.randint(3, 61, (1, 13))
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **GEN)
+    ref = model.generate(ids, max_new_tokens=8, **kw)
+    first = model.generate(ids, max_new_tokens=4, **kw)
+    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=4, **kw)
+    assert torch.equal(more.sequences, ref.sequences)
+    with torch.no_grad():
+        prefix = model(input_ids=ids[:, :10], use_cache=True).cache
+    got = model.generate(ids, cache=prefix, max_new_tokens=8, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        prefix = model(input_ids=ids[:, :10], use_cache=True).cache
+    new_only = model.generate(ids[:, 10:], attention_mask=torch.ones(1, 13, dtype=torch.long), cache=prefix,
+                              max_new_tokens=8, **kw)
+    assert torch.equal(new_only.sequences[:, -8:], ref.sequences[:, -8:])
+
+
+def test_generate_returns_hidden_states_when_asked(model):
+    ids = torch.randint(3, 61, (2, 5))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                         output_hidden_states=True, **GEN)
+    L = model.config.num_hidden_layers
+    assert len(out.hidden_states) == 3 and all(len(step) == L + 1 for step in out.hidden_states)
+    assert out.hidden_states[0][0].shape == (2, 5, model.config.hidden_size)  # the prompt, then one token each
+    assert out.hidden_states[1][-1].shape == (2, 1, model.config.hidden_size)
+
+
+def test_assisted_decoding_is_refused_clearly(model):
+    with pytest.raises(ValueError, match="stateful"):
+        model.generate(torch.randint(3, 61, (1, 8)), max_new_tokens=3, prompt_lookup_num_tokens=2, **GEN)

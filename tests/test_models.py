@@ -307,3 +307,55 @@ def test_a_built_model_keeps_the_layers_own_init(preset):
         for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj):
             assert abs(proj.weight.std().item() / (gain * xavier) - 1) < 0.05, type(mixer).__name__
         assert not mixer.out_proj.bias.any()
+
+
+def test_hf_output_controls_are_honoured():
+    """return_dict=False gives the tuple (it had returned the dataclass, so ``loss, logits = ...``
+    unpacked its key names), config.output_hidden_states is the default, output_attentions=True
+    raises instead of returning None."""
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny", vocab_size=64).eval()
+    ids = torch.randint(0, 64, (2, 9))
+    ref = model(input_ids=ids, labels=ids)
+    loss, logits = model(input_ids=ids, labels=ids, return_dict=False)
+    assert torch.equal(loss, ref.loss) and torch.equal(logits, ref.logits)
+    model.config.output_hidden_states = True
+    assert len(model(input_ids=ids).hidden_states) == model.config.num_hidden_layers + 1
+    model.config.return_dict = False
+    assert isinstance(model(input_ids=ids), tuple) and isinstance(model.model(input_ids=ids), tuple)
+    model.config.return_dict, model.config.output_hidden_states = True, False
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=ids, output_attentions=True)
+    assert model.accepts_loss_kwargs is False  # HF Trainer averages over accumulation steps itself
+    mlm = build_model("t2-roberta-tiny", vocab_size=64).eval()
+    loss, logits = mlm(input_ids=ids, labels=ids, return_dict=False)
+    assert logits.shape == (2, 9, 64)
+    cls = build_model("t2-lm-tiny", task="cls", vocab_size=64, num_labels=3).eval()
+    loss, logits = cls(input_ids=ids, labels=torch.tensor([0, 2]), return_dict=False)
+    assert logits.shape == (2, 3)
+
+
+@pytest.mark.parametrize("new_size", [70, 50])
+def test_masked_lm_resize_keeps_its_output_bias_in_step(new_size):
+    torch.manual_seed(0)
+    model = build_model("t2-roberta-tiny", vocab_size=64).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_()
+    old = model.lm_head.bias.detach().clone()
+    ids = torch.randint(0, 50, (1, 7))
+    model.resize_token_embeddings(new_size, mean_resizing=False)
+    logits = model(input_ids=ids).logits
+    assert logits.shape == (1, 7, new_size) and model.lm_head.bias.shape == (new_size,)
+    keep = min(64, new_size)
+    assert torch.equal(model.lm_head.bias[:keep], old[:keep]) and not model.lm_head.bias[keep:].any()
+    assert model.lm_head.decoder.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_fp64_classification_loss_stays_fp64():
+    torch.manual_seed(0)
+    cls = build_model("t2-lm-tiny", task="cls", vocab_size=64, num_labels=3).double().eval()
+    ids, labels = torch.randint(0, 64, (2, 9)), torch.tensor([0, 2])
+    with torch.no_grad():
+        out = cls(input_ids=ids, labels=labels)
+    assert out.loss.dtype == torch.float64
+    assert float(out.loss) == pytest.approx(float(torch.nn.functional.cross_entropy(out.logits, labels)), abs=1e-15)

@@ -20,9 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
+from transformers.utils import can_return_tuple
 
 from .configuration import TransNormerConfig
-from .modeling import TransNormerModel, TransNormerPreTrainedModel, pool
+from .modeling import TransNormerModel, TransNormerPreTrainedModel, _loss_dtype, pool
 
 PAIR_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -55,7 +56,7 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] → [B, d]: the encoder, then ``config.classifier_pooling`` over valid tokens."""
-        h = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        h = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
         return pool(h, attention_mask, self.config.classifier_pooling)
 
     def encode_pair(self, input_ids, attention_mask, input_ids_2, attention_mask_2):
@@ -76,11 +77,12 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
         pooled = self.encode(ids, mask)
         return pooled[:B], pooled[B:]
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, input_ids_2=None, attention_mask_2=None, labels=None,
                 return_dict=None, **kwargs) -> SequenceClassifierOutput:
         x1, x2 = self.encode_pair(input_ids, attention_mask, input_ids_2, attention_mask_2)
         logits = self.classifier(torch.cat([x1, x2, x1 * x2, x1 - x2], -1))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float(), labels.long())
+            loss = F.cross_entropy(_loss_dtype(logits), labels.long())
         return SequenceClassifierOutput(loss=loss, logits=logits)

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import (
     MaskedLMOutput,
     SequenceClassifierOutput,
 )
+from transformers.utils import can_return_tuple
 
 from ..layers import build_mixer
 from ..modules.ffn import build_ffn
@@ -46,6 +47,15 @@ class TransNormerCache:
     layers: list
     seen: torch.Tensor | None = None  # [B] real tokens so far
     length: int = 0  # tokens (real or padding) consumed so far
+
+    # What transformers' generate() reads on a cache passed in (a continuation, a cached prefix):
+    # not a static cache to compile for, and, for its input slicing, a cache that counts tokens
+    # (``get_seq_length``) as a key/value cache does.
+    is_compileable = False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)
 
     @classmethod
     def empty(cls, num_layers: int) -> TransNormerCache:
@@ -113,6 +123,9 @@ class TransNormerPreTrainedModel(PreTrainedModel):
     config_class = TransNormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
+    # The heads take **kwargs but not HF Trainer's num_items_in_batch: Trainer must average the
+    # loss over accumulation steps itself (otherwise k steps sum to k times the gradient).
+    accepts_loss_kwargs = False
     _no_split_modules = ["TransNormerBlock"]
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -177,6 +190,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -187,8 +201,16 @@ class TransNormerModel(TransNormerPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: TransNormerCache | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """``return_dict=False`` (or ``config.return_dict = False``) returns the output's tuple;
+        ``output_hidden_states`` defaults to ``config.output_hidden_states``."""
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: the linear mixers never form an attention "
+                             "matrix; transnormer.analysis.attention_map(layer, x) computes one for analysis")
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
@@ -297,6 +319,9 @@ class TransNormerModel(TransNormerPreTrainedModel):
 
 class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # NormAttention's state cannot be cut back to an earlier token: generate() then refuses
+    # assisted decoding with a clear error instead of failing inside it.
+    _is_stateful = True
 
     def __init__(self, config: TransNormerConfig):
         super().__init__(config)
@@ -313,6 +338,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -332,7 +358,8 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         (modules/lm_loss.py) and ``logits`` is None — the [B, T, V] logits are never stored."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          cache=cache if cache is not None else past_key_values, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
+                         return_dict=True)
         h = out.last_hidden_state
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -367,13 +394,17 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
             if n is None:
                 prompt = inputs_embeds.shape[1] if inputs_embeds is not None and input_ids.shape[1] <= cache.length else 0
                 n = input_ids.shape[1] + prompt - cache.length
+                if n <= 0:  # ids no longer than what the cache holds cannot be the whole sequence: they are
+                    n = input_ids.shape[1]  # only the new ones (HF's convention, with a full-width mask)
             inputs["input_ids"] = input_ids[:, input_ids.shape[1] - n:]
         elif inputs_embeds is not None:
             inputs["inputs_embeds"] = inputs_embeds
         else:
             inputs["input_ids"] = input_ids
-        if kwargs.get("logits_to_keep") is not None:
-            inputs["logits_to_keep"] = kwargs["logits_to_keep"]
+        # the rest (output_hidden_states, logits_to_keep, ...) reaches forward as generate() set it
+        internal = ("next_sequence_length", "is_first_iteration", "labels", "position_ids", "cache_position",
+                    "return_dict")
+        inputs.update({k: v for k, v in kwargs.items() if k not in internal and k not in inputs and v is not None})
         return inputs
 
 
@@ -409,12 +440,26 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
     def set_output_embeddings(self, value):
         self.lm_head.decoder = value
 
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """HF's resize, plus the head's own output bias (HF resizes only a bias inside the decoder):
+        kept for the ids that stay, zero for new ones."""
+        emb = super().resize_token_embeddings(*args, **kwargs)
+        old, n = self.lm_head.bias, emb.num_embeddings
+        if old.shape[0] != n:
+            new = old.detach().new_zeros(n)
+            keep = min(n, old.shape[0])
+            new[:keep] = old.detach()[:keep]
+            self.lm_head.bias = nn.Parameter(new, requires_grad=old.requires_grad)
+        return emb
+
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, return_logits: bool = True, **kwargs) -> MaskedLMOutput:
         """``return_logits=False`` with ``labels``: the head runs on the masked positions only (about
         15% of the tokens) and ``logits`` is None."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
+                         return_dict=True)
         h = out.last_hidden_state
         if labels is not None and not return_logits:
             picked = labels.reshape(-1) != -100
@@ -456,13 +501,20 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
         self.classifier = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Dropout(p), nn.Linear(d, config.num_labels))
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs) -> SequenceClassifierOutput:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
+                         return_dict=True)
         logits = self.classifier(pool(out.last_hidden_state, attention_mask, self.config.classifier_pooling))
         loss = None if labels is None else classification_loss(logits, labels, self.config.problem_type)
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.Tensor:
+    """Losses in fp32 at least: half-precision logits are upcast, fp64 ones kept."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -484,14 +536,14 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type
         if labels.numel() != B * C:
             raise ValueError(f"regression labels must have B·num_labels = {B * C} values ([B] or [B, {C}]), got "
                              f"{tuple(labels.shape)}")
-        return F.mse_loss(logits.float(), labels.float().reshape(B, C))
+        return F.mse_loss(_loss_dtype(logits), labels.to(_loss_dtype(logits).dtype).reshape(B, C))
     if problem_type == "single_label_classification":
         if labels.numel() != B or labels.is_floating_point() and not bool((labels == labels.round()).all()):
             raise ValueError(f"single-label labels must be [B] = [{B}] class indices, got {tuple(labels.shape)} "
                              f"{labels.dtype}")
-        return F.cross_entropy(logits.float(), labels.reshape(B).long())
+        return F.cross_entropy(_loss_dtype(logits), labels.reshape(B).long())
     if problem_type == "multi_label_classification":
         if tuple(labels.shape) != (B, C):
             raise ValueError(f"multi-label labels must be [B, num_labels] = [{B}, {C}], got {tuple(labels.shape)}")
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return F.binary_cross_entropy_with_logits(_loss_dtype(logits), labels.to(_loss_dtype(logits).dtype))
     raise ValueError(f"config.problem_type must be None or one of {PROBLEM_TYPES}, got {problem_type!r}")
