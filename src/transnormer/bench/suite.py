@@ -138,10 +138,13 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                     if why is None:
                         raise
                     stopped[p] = f"did not fit at T={T}"
+                    _progress(f"{p} {dname} T={T}: failed: {why}")
                     return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": f"failed: {why}"}
                 r["status"] = "ok"
                 if max_step_s is not None and r["step_s"] > max_step_s:
                     stopped[p] = f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})"
+                _progress(f"{p} {dname} T={T}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
+                          f"peak {r['peak_mem_mb']:,.0f} MB")
                 return r
 
             got = alternating_median(measure, presets, rounds)
@@ -182,6 +185,13 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                        extra={"verdicts": verdicts, "peak_gflops": peaks,
                               "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb}})
     return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def _progress(line: str) -> None:
+    """A sweep can take an hour: each measurement is reported as it lands (stderr; stdout gets the table)."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 def _increasing_lengths(lengths) -> list[int]:
