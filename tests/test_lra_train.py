@@ -300,3 +300,102 @@ def test_text_and_retrieval_truncation_is_counted(tmp_path, capsys):
     assert data.extra["truncated_train"] > 0 and "truncating" in capsys.readouterr().out
     batch = next(data.train)
     assert batch["input_ids"].shape[1] <= 16
+
+
+def _imdb_sorted(root, n=12):
+    """aclImdb with all negative reviews before the positive ones, as the real files are read."""
+    for part in ("train", "test"):
+        for cls in ("neg", "pos"):
+            d = root / "aclImdb" / part / cls
+            d.mkdir(parents=True)
+            for i in range(n):
+                (d / f"{i}_{2 if cls == 'neg' else 8}.txt").write_text(f"{cls} review {i} " * 3)
+    return root
+
+
+def test_lra_results_cover_whole_splits_and_say_what_val_is(tmp_path):
+    """The reported validation accuracy read the first --eval-batches batches in file order (all
+    negative reviews: 'majority 80%' on a 50/50 split); now the whole split, labelled as the test
+    split where it is one, and a limited evaluation takes a spread subset."""
+    from transnormer.train.lra_tasks import evaluate_lra
+
+    _imdb_sorted(tmp_path)
+    run = tmp_path / "run"
+    assert main(["lra", "train", "text", "--preset", "t2-lra-text-tiny", "--root", str(tmp_path), "--seq-len", "32",
+                 "--max-steps", "1", "--batch-size", "2", "--eval-batches", "2", "--out", str(run),
+                 "--no-progress"]) == 0
+    rec = json.loads((run / "lra_result.json").read_text())
+    assert rec["val"]["n"] == 24 and rec["val"]["majority_accuracy"] == 0.5
+    assert rec["val"]["note"].startswith("validation = test split")
+    assert "val (validation = test split" in (run / "lra_result.md").read_text()
+
+    class Labels(torch.nn.Module):  # predicts nothing useful; the subset's labels are what is read
+        def forward(self, input_ids, attention_mask=None):
+            return type("O", (), {"logits": torch.zeros(input_ids.shape[0], 2)})()
+
+    from transnormer.train.lra_tasks import load_split
+    ds = load_split("text", str(tmp_path), "val", 32, {})
+    res = evaluate_lra(Labels(), ds, ds.collate_fn(), DistInfo(), 4, 2, _ac, majority_class=0)
+    assert res["n"] == 8 and 0 < res["majority_accuracy"] < 1  # both classes in the subset
+
+
+def test_lra_eval_defaults_to_the_runs_data_settings(listops_root, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
+                 "--seq-len", "16", "--max-steps", "2", "--batch-size", "8", "--out", str(run), "--no-progress",
+                 "--provenance", "stand-in", "--name", "toy"]) == 0
+    rec = json.loads((run / "lra_result.json").read_text())
+    capsys.readouterr()
+    out = tmp_path / "eval.json"
+    assert main(["lra", "eval", "listops", "--model", str(run), "--root", str(listops_root), "--out", str(out)]) == 0
+    ev = json.loads(out.read_text())
+    assert ev["seq_len"] == 16 and ev["accuracy"] == rec["test"]["accuracy"]
+    assert ev["data_provenance"] == "stand-in" and ev["dataset_id"] == rec["dataset_id"]
+    assert not ev["comparable_to_published"] and ev["trained_on"]["data_provenance"] == "stand-in"
+
+
+def test_a_generated_listops_file_changed_after_generation_is_refused(listops_root, tmp_path):
+    import shutil
+
+    from transnormer.train.lra_tasks import load_split
+
+    root = tmp_path / "lo"
+    shutil.copytree(listops_root, root)
+    val = root / "listops-1000" / "basic_val.tsv"
+    lines = val.read_text().splitlines(keepends=True)
+    val.write_text("".join(lines[:-1]))  # one row dropped
+    with pytest.raises(ValueError, match="SHA-256"):
+        load_split("listops", str(root), "val", 64, {})
+    val.write_text(lines[0])  # header only
+    with pytest.raises(ValueError, match="no rows after the header"):
+        load_split("listops", str(root), "val", 64, {})
+    assert len(load_split("listops", str(root), "test", 64, {})) == 24  # the untouched files still load
+
+
+def test_no_truncate_applies_to_lra_data(listops_root):
+    with pytest.raises(ValueError, match="no_truncate"):
+        build_lra_task_data(_cfg(listops_root, seq_len=16, no_truncate=True), DistInfo(), _ac)
+
+
+def test_report_counts_the_fmnist_stand_in_in_images_place_and_selects_on_validation():
+    from transnormer.cli_lra import results_table
+
+    def rec(task, val, test):
+        return {"task": task, "preset": "p", "data_provenance": "stand-in", "dataset_id": task,
+                "val": {"accuracy": val}, "test": {"accuracy": test}}
+
+    table = results_table([rec("image", 0.6, 0.3), rec("image-fmnist32", 0.5, 0.9), rec("listops", 0.4, 0.5)])
+    assert "(2 tasks;" in table and "avg over Image (stand-in) + ListOps (stand-in)" in table
+    assert table.strip().endswith(f"{100 * (0.3 + 0.5) / 2:.2f}")  # Image by its validation: the 0.3-test run
+
+
+def test_prepare_and_the_loaders_look_for_fmnist_in_the_same_folder(tmp_path, monkeypatch):
+    from transnormer.data.lra.image import default_fmnist_dir
+
+    monkeypatch.delenv("TRANSNORMER_FMNIST_DIR", raising=False)
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (tmp_path / "shared" / "data" / "lra" / "fashion-mnist").mkdir(parents=True)
+    monkeypatch.chdir(wd)
+    assert default_fmnist_dir().resolve() == (tmp_path / "shared" / "data" / "lra" / "fashion-mnist").resolve()
+    assert default_root("image-fmnist32") == str(default_fmnist_dir())

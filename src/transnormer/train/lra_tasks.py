@@ -37,7 +37,6 @@ from .distributed import DistInfo, all_reduce_sum
 from .tasks import ClsBatches, TaskData
 
 DEFAULT_ROOT = "data/lra"
-FMNIST_REL = Path("..") / "shared" / "data" / "lra" / "fashion-mnist"
 VOCAB_FILE = "lra_vocab.json"
 
 
@@ -59,10 +58,9 @@ def parse_lra_spec(spec: str) -> tuple[str, str | None]:
 def default_root(task: str) -> str | None:
     """Where the data of ``task`` is looked for when the spec gives no ROOT (None = the loader's default)."""
     if task == "image-fmnist32":
-        if os.environ.get("TRANSNORMER_FMNIST_DIR"):
-            return None  # the loader honours the variable
-        cwd_rel = Path.cwd() / FMNIST_REL
-        return str(cwd_rel) if cwd_rel.is_dir() else None  # None: relative to the repository (loader default)
+        from ..data.lra.image import default_fmnist_dir
+
+        return str(default_fmnist_dir())  # the rule `lra prepare` checks with
     return DEFAULT_ROOT
 
 
@@ -221,13 +219,20 @@ def _labels_of(ds) -> np.ndarray:
 @torch.no_grad()
 def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batches: int | None, autocast, *,
                  majority_class: int | None = None) -> dict:
-    """Loss / accuracy / F1 / MCC of ``model`` on ``ds`` (rank-sharded; pair-aware)."""
+    """Loss / accuracy / F1 / MCC of ``model`` on ``ds`` (rank-sharded; pair-aware).
+
+    With ``max_batches`` covering less than the split, the items are a fixed random subset (the
+    same at every call), not the first ones: LRA files are often sorted by label (IMDB's negative
+    reviews come first), so a prefix would score one class."""
     from .evaluate import classification_metrics
 
     was_training = model.training
     model.eval()
     preds, golds, loss_sum = [], [], 0.0
-    idx = list(range(info.rank, len(ds), info.world_size))
+    order = np.arange(len(ds))
+    if max_batches is not None and max_batches * batch_size * info.world_size < len(ds):
+        order = np.random.default_rng(0).permutation(len(ds))
+    idx = order[info.rank::info.world_size].tolist()
     for b, start in enumerate(range(0, len(idx), batch_size)):
         if max_batches is not None and b >= max_batches:
             break
@@ -283,7 +288,14 @@ def evaluate_split(model, spec: str, split: str = "test", *, max_len: int | None
     res = evaluate_lra(model, ds, ds.collate_fn(), info, batch_size, max_batches, autocast, majority_class=majority)
     rec = {**provenance_record(ds), "root": root if root is not None else default_root(task), "max_len": max_len,
            "truncated": count_truncated(ds, max_len), "n_split": len(ds)}
-    return {**res, "data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "eval_split": ds.split}, rec
+    return {**res, "data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "eval_split": ds.split,
+            **_split_note(ds)}, rec
+
+
+def _split_note(ds) -> dict:
+    """{"note": ...} where the loader says what a split really is (Text: validation = the test split)."""
+    note = ds.info.get("note") if isinstance(ds.info, dict) else None
+    return {"note": note} if note else {}
 
 
 def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
@@ -296,6 +308,9 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
     options = dict(cfg.cls_read_kwargs or {})
     train_ds = load_split(task, root, "train", max_len, options)
     n_trunc = count_truncated(train_ds, max_len)
+    if n_trunc and cfg.no_truncate:
+        raise ValueError(f"lra:{task}: {n_trunc} training sequence(s) are longer than seq_len={max_len} and "
+                         "no_truncate is set (--no-truncate)")
     if n_trunc and info.is_main:
         print(f"lra:{task}: truncating {n_trunc} training sequence(s) to seq_len={max_len} "
               f"(task length {info_t.length}); pass --seq-len {info_t.length} for the full task")
@@ -313,6 +328,10 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         s = split_name(split)
         if s not in splits:
             splits[s] = load_split(task, root, s, max_len, options)
+            n = count_truncated(splits[s], max_len)
+            if n and cfg.no_truncate:
+                raise ValueError(f"lra:{task}: {n} {s} sequence(s) are longer than seq_len={max_len} and "
+                                 "no_truncate is set (--no-truncate)")
         return splits[s]
 
     labels_out = {"data_provenance": train_ds.provenance, "dataset_id": train_ds.dataset_id}
@@ -320,7 +339,7 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
     def evaluate(model, split: str = "val", max_batches: int | None = None) -> dict:
         ds = get_split(split)
         res = evaluate_lra(model, ds, collate, info, cfg.batch_size, max_batches, autocast, majority_class=majority)
-        return {**res, **labels_out, "eval_split": ds.split}
+        return {**res, **labels_out, "eval_split": ds.split, **_split_note(ds)}
 
     tok = LRAVocab(task, info_t.vocab_size, info_t.pad_id, dataset_id=train_ds.dataset_id,
                    provenance=train_ds.provenance)

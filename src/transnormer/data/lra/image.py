@@ -235,13 +235,21 @@ def read_idx_labels(path: str | os.PathLike, *, expected_count: int | None = Non
     return labels.astype(np.int64)
 
 
+FMNIST_REL = Path("..") / "shared" / "data" / "lra" / "fashion-mnist"
+
+
 def default_fmnist_dir() -> Path:
-    """``$TRANSNORMER_FMNIST_DIR`` if set, else ``<repo root>/../shared/data/lra/fashion-mnist``."""
+    """``$TRANSNORMER_FMNIST_DIR`` if set, else ``../shared/data/lra/fashion-mnist`` from the working
+    directory when that folder exists, else the same path next to the repository. (One rule for
+    ``lra prepare`` and the loaders, which must agree on the folder they check and read.)"""
     env = os.environ.get("TRANSNORMER_FMNIST_DIR")
     if env:
         return Path(env)
+    cwd_rel = Path.cwd() / FMNIST_REL
+    if cwd_rel.is_dir():
+        return cwd_rel
     repo_root = Path(__file__).resolve().parents[4]  # src/transnormer/data/lra/image.py → repo
-    return repo_root.parent / "shared" / "data" / "lra" / "fashion-mnist"
+    return repo_root / FMNIST_REL
 
 
 def pad_to_32(images: np.ndarray) -> np.ndarray:

@@ -542,8 +542,9 @@ def read_listops_tsv(path: str | os.PathLike, *, strict_tokens: bool = True) -> 
                         raise ValueError(f"{path}:{lineno}: unknown ListOps token {tok!r}")
             sources.append(src)
             labels.append(label)
-    if not sources and path.stat().st_size == 0:
-        raise ValueError(f"{path}: empty file (expected header {HEADER!r})")
+    if not sources:
+        raise ValueError(f"{path}: empty file (expected header {HEADER!r})" if path.stat().st_size == 0
+                         else f"{path}: no rows after the header")
     return sources, labels
 
 

@@ -155,6 +155,23 @@ def _read_sidecar(folder: Path, generator: str) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("generator") == generator else None
 
 
+def _verify_sidecar(folder: Path, meta: dict, files: dict[str, str], *, split: str | None = None,
+                    rows: int | None = None) -> None:
+    """The generator's record must describe the files being read (lra.md §6.4): each of ``files``
+    ({path relative to ``folder``: its sha256 in the record}) that exists is hashed and compared,
+    and ``rows`` against the split's recorded count. A file edited or replaced after generation
+    raises instead of being reported with the record's label, counts and hashes."""
+    for rel, want in files.items():
+        f = folder / rel
+        if isinstance(want, str) and f.is_file() and sha256_file(f) != want:
+            raise ValueError(f"{f} is not the file the generator wrote (its SHA-256 differs from {SIDECAR_NAME}); "
+                             f"regenerate it with `transnormer lra prepare`, or remove {folder / SIDECAR_NAME} and "
+                             "label the data with provenance=...")
+    counts = meta.get("counts")
+    if rows is not None and isinstance(counts, dict) and split in counts and counts[split] != rows:
+        raise ValueError(f"{folder}: the {split} split has {rows} rows but {SIDECAR_NAME} records {counts[split]}")
+
+
 def _unlabelled_id(task: str, default: str, provenance: str, name: str | None) -> str:
     if provenance == "stand-in":
         return f"{task}-{name or 'custom'} (stand-in)"
@@ -220,6 +237,9 @@ def load_lra(
         ids, labels, folder = _listops.load_listops_split(root, split, max_len=max_len)
         meta = _read_sidecar(folder, "transnormer.data.lra.listops")
         if meta is not None:
+            name_ = _listops.SPLIT_FILES[split]
+            _verify_sidecar(folder, meta, {name_: (meta.get("sha256") or {}).get(name_)}, split=split,
+                            rows=len(labels))
             cfg = _listops.read_sidecar_config(meta)
             prov = "regenerated" if cfg.is_official() else "synthetic-fixture"
             did = meta.get("dataset_id") or _listops.listops_dataset_id(int(meta["seed"]), cfg)
@@ -282,7 +302,8 @@ def load_lra(
     difficulty = _pf.DIFFICULTIES.get(diff, diff)
     images, labels, info = _pf.load_pathfinder_split(root, split, resolution=res, difficulty=difficulty, **opts)
     meta = _read_sidecar(Path(info["dir"]), "transnormer.data.lra.pathfinder")
-    if meta is not None:
+    if meta is not None:  # the per-batch metadata files are small; the PNGs' digests are not re-derived
+        _verify_sidecar(Path(info["dir"]), meta, (meta.get("sha256") or {}).get("metadata") or {})
         prov, did = "regenerated", meta.get("dataset_id", f"pathfinder{res}-regen")
     else:
         prov, did = "official", f"{'pathx128' if res == 128 else f'pathfinder{res}'}-{difficulty} (official LRA files)"
