@@ -99,7 +99,11 @@ def _did_not_fit(err: BaseException) -> str | None:
         return f"out of memory ({type(err).__name__})"
     if isinstance(err, RuntimeError):
         if "can't allocate memory" in text or "out of memory" in text.lower():
-            return "out of memory: " + text.splitlines()[0][:120]
+            import re
+
+            asked = re.search(r"tried to allocate (\d+) bytes", text)
+            return ("out of memory" + (f" (an allocation of {int(asked.group(1)) / 2**20:,.0f} MB failed)" if asked
+                                       else ": " + text.splitlines()[0][:100]))
         if "died in its fresh process" in text:
             return text.split(";")[0]
     return None
