@@ -138,7 +138,10 @@ def test_sequence_longer_than_model_allows(corpus_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one(corpus_dir, tmp_path):
+@pytest.mark.parametrize("task", ["clm", "mlm"])
+def test_ddp_two_processes_match_one(corpus_dir, tmp_path, task):
+    """MLM too: its masks are keyed by each row's place in the global batch and its loss weighs
+    micro-batches by their masked tokens, so 2x2 matches 1x4 (it had differed by 1e-2)."""
     script = tmp_path / "run.py"
     script.write_text(
         "import sys, json\n"
@@ -149,8 +152,9 @@ def test_ddp_two_processes_match_one(corpus_dir, tmp_path):
     import json
 
     def args(bs, out):
-        c = cfg_for(corpus_dir, tmp_path, batch_size=bs, max_steps=5, out_dir=str(tmp_path / out), clip=0.0)
-        c.overrides = {**c.overrides, "dropout": 0.0}
+        c = cfg_for(corpus_dir, tmp_path, batch_size=bs, max_steps=5, out_dir=str(tmp_path / out), clip=0.0,
+                    task=task, preset="t2-lm-tiny" if task == "clm" else "t2-roberta-tiny")
+        c.overrides = {**c.overrides, "dropout": 0.0, "attention_dropout": 0.0}
         d = {k: getattr(c, k) for k in c.__dataclass_fields__}
         return json.dumps(d)
 
@@ -162,6 +166,80 @@ def test_ddp_two_processes_match_one(corpus_dir, tmp_path):
     assert len(one) == len(two) == 5
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
     assert torch.tensor(one).isfinite().all()
+
+
+@pytest.mark.slow
+def test_ddp_time_budget_stops_all_ranks_together(corpus_dir, tmp_path):
+    """Each rank had decided a time budget, timed evaluations and the budget-fitted schedule from
+    its own clock: one rank went into an evaluation's all-reduce while the other trained (a hang,
+    4 runs in 5), and their learning rates drifted apart. Now one clock is shared."""
+    import json
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, json, os, torch\n"
+        "from transnormer.train import TrainConfig, train\n"
+        "from transnormer.train.distributed import unwrap\n"
+        "cfg = TrainConfig(**json.loads(sys.argv[1]))\n"
+        "s = train(cfg)\n"
+        "open(sys.argv[2] + os.environ['RANK'], 'w').write(json.dumps(s['steps']))\n"
+    )
+    c = cfg_for(corpus_dir, tmp_path, batch_size=2, max_steps=None, budget="4s", eval_every_s=1.0, eval_batches=1,
+                warmup=1, out_dir=str(tmp_path / "ddp"))
+    d = json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script), d, str(tmp_path / "steps")], check=True, env=env, timeout=240)
+    steps = [json.loads((tmp_path / f"steps{r}").read_text()) for r in (0, 1)]
+    assert steps[0] == steps[1] > 3
+    evals = [r for r in read_metrics(tmp_path / "ddp" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert len(evals) >= 2
+
+
+def test_mlm_masks_do_not_depend_on_how_the_batch_is_split():
+    from types import SimpleNamespace
+
+    from transnormer.data.lm import LMBatchIterator, eval_batches
+    from transnormer.train.tasks import MLMBatches
+
+    tokens = torch.arange(5, 2000) % 300 + 5
+    tok = SimpleNamespace(mask_id=1, vocab_size=300, special_ids=[0, 1, 2])
+
+    def masks(world, bs):
+        parts = [MLMBatches(LMBatchIterator(tokens, 32, bs, seed=3, rank=r, world_size=world), tok, 7, r)
+                 for r in range(world)]
+        return [torch.cat([next(p)["labels"] for p in parts]) for _ in range(3)]
+
+    assert all(torch.equal(a, b) for a, b in zip(masks(1, 4), masks(2, 2), strict=True))
+    masker = MLMBatches(None, tok, 11, 0)
+
+    def eval_masks(world):
+        rows = {}
+        for r in range(world):
+            for b in eval_batches(tokens, 32, 3, rank=r, world_size=world, with_index=True):
+                idx = b.pop("window").tolist()
+                for i, row in zip(idx, masker.masked(b, 0, rows=idx)["labels"], strict=True):
+                    rows[i] = row
+        return rows
+
+    one, two = eval_masks(1), eval_masks(2)
+    assert one.keys() == two.keys() and all(torch.equal(one[i], two[i]) for i in one)
+
+
+def test_mlm_micro_batches_weigh_in_by_their_masked_tokens():
+    from transnormer.train.loop import micro_weights
+
+    lab = [torch.tensor([[5, -100, 7, 8]]), torch.tensor([[-100, -100, 9, -100]])]
+    assert micro_weights([{"labels": x} for x in lab], "mlm", DistInfo()) == [0.75, 0.25]
+    assert micro_weights([{"labels": x} for x in lab], "clm", DistInfo()) == [0.5, 0.5]
+
+
+def test_cls_evaluation_of_a_rank_without_examples():
+    """A split smaller than the number of ranks leaves a rank empty: it had crashed on torch.cat([])."""
+    from transnormer.train.tasks import _eval_cls
+
+    res = _eval_cls(torch.nn.Linear(1, 1), [], None, DistInfo(rank=1, world_size=1), 4, None, contextlib.nullcontext)
+    assert res["n"] == 0
 
 
 def test_schedules_and_budgets():

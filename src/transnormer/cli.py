@@ -101,6 +101,8 @@ def cmd_compare(args) -> int:
     args.preset = presets[0]
     cfg = _train_config(args)
     result = compare(presets, cfg)
+    if result["plot"] is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     if args.sample:
         first = Path(cfg.out_dir) / presets[0]
         print(f"\nsample from {presets[0]} (greedy, checkpoint {resolve_model_dir(first)}):")
@@ -185,9 +187,10 @@ def cmd_eval(args) -> int:
     res = data.evaluate(model, args.split, args.max_batches)
     res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
            "seq_len": args.seq_len, "stride": args.stride, **res}
-    print(json.dumps(res, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it
+        print(json.dumps(res, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
 
 

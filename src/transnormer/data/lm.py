@@ -234,6 +234,7 @@ def eval_batches(
     stride: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    with_index: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Sequential evaluation windows over the whole stream.
 
@@ -246,6 +247,7 @@ def eval_batches(
     Args:
         tokens: 1-D integer array ``[N]``, ``N >= 2``.
         rank, world_size: window ``i`` goes to rank ``i % world_size``.
+        with_index: also yield ``"window": LongTensor[b]``, each window's index ``i`` in the split.
 
     Yields:
         ``{"input_ids": LongTensor[b, T], "labels": LongTensor[b, T]}`` with ``b <= batch_size``.
@@ -276,7 +278,10 @@ def eval_batches(
         labels = ids.clone()
         for row, i in enumerate(idx):
             labels[row, : scored_before[i]] = -100
-        yield {"input_ids": ids, "labels": labels}
+        batch = {"input_ids": ids, "labels": labels}
+        if with_index:
+            batch["window"] = torch.tensor(idx, dtype=torch.long)
+        yield batch
 
 
 def count_targets(labels: torch.Tensor) -> int:

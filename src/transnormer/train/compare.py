@@ -27,6 +27,8 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
     for p in presets:
         get_config(p)  # fail fast on an unknown name, before any training
     out = Path(base.out_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this; rank 0 writes
     kind, amount = parse_budget(base.budget) if base.budget else ("steps", base.max_steps)
     summaries, curves = [], {}
     for name in presets:
@@ -37,14 +39,17 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
         elif kind == "steps":
             cfg.eval_every = max(1, amount // evals_per_run)
         else:
-            steps = math.ceil(amount / (cfg.batch_size * cfg.seq_len * cfg.grad_accum))
+            steps = math.ceil(amount / (cfg.batch_size * cfg.seq_len * cfg.grad_accum * world))
             cfg.eval_every = max(1, steps // evals_per_run)
         print(f"\n=== {name} ===", flush=True)
         summary = _train_isolated(cfg)
         summaries.append(summary)
-        records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
-        curves[name] = [(r["tokens"], r["loss"]) for r in records if r.get("kind") == "eval"]
+        if is_main:
+            records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+            curves[name] = [(r["tokens"], r["loss"]) for r in records if r.get("kind") == "eval"]
     table = comparison_table(summaries, base)
+    if not is_main:
+        return {"summaries": summaries, "table": table, "plot": None}
     (out / "comparison.md").write_text(table + "\n")
     (out / "comparison.json").write_text(json.dumps(summaries, indent=1))
     plot_curves(curves, out / "valid_curves.png", xlabel="training tokens", ylabel="validation loss",

@@ -34,7 +34,16 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .distributed import DistInfo, all_reduce_mean, check_strategy, cleanup, setup_distributed, unwrap, wrap_model
+from .distributed import (
+    DistInfo,
+    all_reduce_sum,
+    check_strategy,
+    cleanup,
+    main_first,
+    setup_distributed,
+    unwrap,
+    wrap_model,
+)
 from .metrics import MetricsLogger, plot_curves, read_metrics, truncate_metrics
 from .schedule import SCHEDULES, make_scheduler
 from .tasks import build_task_data
@@ -182,6 +191,20 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
     return build_model(model_config_for(cfg, vocab_size, num_labels, pad_id), task=cfg.task)
 
 
+def micro_weights(micro_batches: list[dict], task: str, info: DistInfo) -> list[float]:
+    """What each micro-batch's mean loss is multiplied by before its backward.
+
+    1 / grad_accum, except for MLM, whose micro-batches hold different numbers of masked tokens:
+    there each weighs in by its share of the step's masked tokens over all ranks (n_i · W / N; DDP
+    then averages over the W ranks), so the gradient is that of the mean over every masked token of
+    the global batch, whatever the split into ranks and accumulation steps."""
+    if task != "mlm":
+        return [1.0 / len(micro_batches)] * len(micro_batches)
+    counts = [int((b["labels"] != -100).sum()) for b in micro_batches]
+    (total,) = all_reduce_sum([float(sum(counts))], info)
+    return [c * info.world_size / total if total else 0.0 for c in counts]
+
+
 def start_fresh(out: Path, log=print) -> None:
     """A run that does not resume owns ``out`` from step 0: an earlier run's checkpoints are moved
     into ``checkpoints/earlier-run-*/`` (kept, but out of reach of resume and pruning, where
@@ -268,7 +291,9 @@ def train(cfg: TrainConfig) -> dict:
     step, tokens_seen, elapsed = 0, 0, 0.0
     resumed = False
     if cfg.resume:
-        ckpt = latest_valid_checkpoint(ckpt_root, log=log)
+        # rank 0 first: finding the checkpoint may repair a save a kill interrupted (renames), which
+        # two ranks must not do at once; the others then find the repaired folder
+        ckpt = main_first(info, lambda: latest_valid_checkpoint(ckpt_root, log=log))
         if ckpt is None:
             log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
         else:
@@ -344,16 +369,18 @@ def train(cfg: TrainConfig) -> dict:
             break
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for micro in range(cfg.grad_accum):
-            batch = {k: v.to(info.device) for k, v in next(data.train).items()}
+        micro_batches = [next(data.train) for _ in range(cfg.grad_accum)]
+        weights = micro_weights(micro_batches, cfg.task, info)
+        for micro, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+            batch = {k: v.to(info.device) for k, v in batch.items()}
             sync = micro == cfg.grad_accum - 1 or not info.enabled
             ctx = contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
             with ctx:
                 with autocast():
                     # no logits kept: the LM heads compute the loss chunk by chunk (modules/lm_loss.py)
                     loss = wrapped(**batch, return_logits=False).loss
-                (loss / cfg.grad_accum).backward()
-            loss_sum += float(loss.detach())
+                (loss * weight).backward()
+            loss_sum += float(loss.detach()) * weight if weight else 0.0  # (an MLM micro-batch may mask nothing)
         if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)
             recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
@@ -363,7 +390,10 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
-        dt = time.perf_counter() - t0
+        # One all-reduce: the loss over ranks, and one clock for all of them (the mean step time), so
+        # that time budgets, timed evaluations and the schedule fitted to a budget agree across ranks.
+        loss_val, dt = all_reduce_sum([loss_sum, time.perf_counter() - t0], info)
+        loss_val, dt = loss_val / info.world_size, dt / info.world_size
         elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
         if total_steps is None and budget_kind == "seconds" and step == 3:
             total_steps_est = max(step + 1, int(budget / max(elapsed / step, 1e-6)))
@@ -371,7 +401,6 @@ def train(cfg: TrainConfig) -> dict:
             if bar is not None:  # now the bar can show an ETA
                 bar.total = total_steps_est
                 bar.refresh()
-        loss_val = all_reduce_mean(loss_sum / cfg.grad_accum, info)
         if step % cfg.log_every == 0 or step == 1:
             metrics.log({"kind": "train", "step": step, "loss": loss_val, "lr": lr,
                          "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt,

@@ -41,16 +41,26 @@ class TaskData:
 
 
 class MLMBatches:
-    """Masks LM windows; the mask of batch k depends only on (seed, k, rank)."""
+    """Masks LM windows. Each row's mask depends only on (seed, step, the row's place in the global
+    batch), so it is the same whatever the number of ranks the global batch is split over (and a
+    run resumed on another world size sees the masks it would have seen)."""
 
     def __init__(self, windows: LMBatchIterator, tokenizer, seed: int, rank: int):
         self.windows, self.tok, self.seed, self.rank = windows, tokenizer, seed, rank
 
-    def masked(self, batch: dict, step: int) -> dict:
-        seed = int(np.random.SeedSequence([self.seed, step, self.rank]).generate_state(1)[0])
-        g = torch.Generator().manual_seed(seed)
-        ids, labels = mask_tokens(batch["input_ids"], mask_id=self.tok.mask_id, vocab_size=self.tok.vocab_size,
-                                  special_ids=self.tok.special_ids, generator=g)
+    def masked(self, batch: dict, step: int, rows=None) -> dict:
+        """``rows``: each row's global key (default: its place in the global batch of ``step``)."""
+        ids = batch["input_ids"]
+        if rows is None:
+            rows = range(self.rank * ids.shape[0], (self.rank + 1) * ids.shape[0])
+        out_ids, out_labels = [], []
+        for r, key in enumerate(rows):
+            seed = int(np.random.SeedSequence([self.seed, step, int(key)]).generate_state(1)[0])
+            i, lab = mask_tokens(ids[r:r + 1], mask_id=self.tok.mask_id, vocab_size=self.tok.vocab_size,
+                                 special_ids=self.tok.special_ids, generator=torch.Generator().manual_seed(seed))
+            out_ids.append(i)
+            out_labels.append(lab)
+        ids, labels = torch.cat(out_ids), torch.cat(out_labels)
         if "labels" in batch:  # evaluation windows mark tokens an earlier window scored with -100
             labels = labels.masked_fill(batch["labels"] == -100, -100)
         return {"input_ids": ids, "labels": labels}
@@ -178,11 +188,13 @@ def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batc
         import torch.distributed as dist
 
         gathered = [None] * info.world_size
-        dist.all_gather_object(gathered, (torch.cat(preds), torch.cat(golds)))
+        empty = torch.zeros(0, dtype=torch.long)  # a rank can hold no example of a small split
+        dist.all_gather_object(gathered, (torch.cat(preds) if preds else empty, torch.cat(golds) if golds else empty))
         p = torch.cat([g[0] for g in gathered])
         y = torch.cat([g[1] for g in gathered])
     else:
-        p, y = torch.cat(preds), torch.cat(golds)
+        p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+        y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
     (loss_sum,) = all_reduce_sum([loss_sum], info)
     return {"loss": loss_sum / max(len(y), 1), **classification_metrics(p, y)}
 
@@ -211,8 +223,9 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
 
             def evaluate(model, split="valid", max_batches=None):
                 windows = eval_batches(tokens[split], cfg.seq_len, cfg.batch_size, rank=info.rank,
-                                       world_size=info.world_size)
-                masked = (masker.masked(b, i) for i, b in enumerate(windows))
+                                       world_size=info.world_size, with_index=True)
+                # each window masked by its index in the split: the same masks on any number of ranks
+                masked = (masker.masked(b, 0, rows=b.pop("window").tolist()) for b in windows)
                 return _eval_lm(model, masked, info, max_batches, autocast, shift=False)
         return TaskData(tok, train, evaluate, cfg.batch_size * cfg.seq_len,
                         extra={"corpus": corpus.name, "train_tokens": int(len(tokens["train"]))})
