@@ -185,7 +185,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                "measured_ratio"]
     if any(r["status"] != "ok" for r in rows):
         columns.append("status")
-    rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "peak_mem_mb"),
+    rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "tokens_per_s", "peak_mem_mb"),
                        extra={"verdicts": verdicts, "peak_gflops": peaks,
                               "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb}})
     return {"rows": rows, "verdicts": verdicts, **rep}
