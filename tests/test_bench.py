@@ -234,6 +234,14 @@ def test_a_sweep_records_what_did_not_fit_and_skips_the_presets_longer_lengths(m
     assert [T for p, T, d in calls if p == "t2-lm" and d == "fp32"] == [128, 256, 512]  # increasing T
     assert "status" in res["table"] and len(status) == len(res["rows"]) == 5 * 3 * 2
 
+    calls.clear()
+    res = suite.bench_train(tmp_path / "rounds", presets=["slow", "big"], lengths=(128, 256, 512), dtypes=("fp32",),
+                            max_step_s=3.0, rounds=3)
+    status = {(r["label"], r["seq_len"]): r for r in res["rows"]}
+    assert status[("slow fp32", 256)]["status"] == "ok" and status[("slow fp32", 256)]["step_s_rounds"] == [4.0] * 3
+    assert status[("slow fp32", 512)]["status"].startswith("skipped")
+    assert status[("big fp32", 256)]["status"].startswith("failed") and calls.count(("big", 256, "fp32")) == 1
+
     def oom_for(victim):
         def fake_oom(preset, T, **kw):
             if preset == victim:
@@ -270,6 +278,7 @@ def test_a_memory_cap_turns_a_configuration_too_large_into_an_error():
     assert _did_not_fit(e.value).startswith("out of memory")
     row = train_step_throughput("t2-lm-tiny", 64, tokens_per_step=64, vocab_size=128, steps=1, max_mem_gb=3)
     assert row["finite"]
+    assert _did_not_fit(ImportError("libtorch_cpu.so: failed to map segment from shared object")).startswith("out of")
     for bad in (0, -1.0, True, "2"):
         with pytest.raises(ValueError, match="max_mem_gb"):
             train_step_throughput("t2-lm-tiny", 64, max_mem_gb=bad)

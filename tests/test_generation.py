@@ -203,6 +203,17 @@ def test_generation_continues_from_a_cache_passed_in(model):
     new_only = model.generate(ids[:, 10:], attention_mask=torch.ones(1, 13, dtype=torch.long), cache=prefix,
                               max_new_tokens=8, **kw)
     assert torch.equal(new_only.sequences[:, -8:], ref.sequences[:, -8:])
+    with torch.no_grad():  # more new ids than cached ones: all of them are fed (two had been dropped)
+        prefix = model(input_ids=ids[:, :2], use_cache=True).cache
+    new_only = model.generate(ids[:, 2:], attention_mask=torch.ones(1, 13, dtype=torch.long), cache=prefix,
+                              max_new_tokens=8, **kw)
+    assert torch.equal(new_only.sequences[:, -8:], ref.sequences[:, -8:]) and new_only.cache.length == 13 + 7
+    emb = model.get_input_embeddings()(ids)
+    alone = model.generate(inputs_embeds=emb, max_new_tokens=8, **kw)
+    with torch.no_grad():
+        prefix = model(inputs_embeds=emb[:, :10], use_cache=True).cache
+    got = model.generate(inputs_embeds=emb, cache=prefix, max_new_tokens=8, **kw)  # a prompt as embeddings
+    assert torch.equal(got.sequences, alone.sequences)
 
 
 def test_generate_returns_hidden_states_when_asked(model):

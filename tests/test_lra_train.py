@@ -330,7 +330,7 @@ def test_lra_results_cover_whole_splits_and_say_what_val_is(tmp_path):
     assert "val (validation = test split" in (run / "lra_result.md").read_text()
 
     class Labels(torch.nn.Module):  # predicts nothing useful; the subset's labels are what is read
-        def forward(self, input_ids, attention_mask=None):
+        def forward(self, input_ids, attention_mask=None, **kw):
             return type("O", (), {"logits": torch.zeros(input_ids.shape[0], 2)})()
 
     from transnormer.train.lra_tasks import load_split
@@ -352,6 +352,16 @@ def test_lra_eval_defaults_to_the_runs_data_settings(listops_root, tmp_path, cap
     assert ev["seq_len"] == 16 and ev["accuracy"] == rec["test"]["accuracy"]
     assert ev["data_provenance"] == "stand-in" and ev["dataset_id"] == rec["dataset_id"]
     assert not ev["comparable_to_published"] and ev["trained_on"]["data_provenance"] == "stand-in"
+    # without --root: the folder the run read; a later run in the same folder does not change what
+    # an earlier run's checkpoint was trained with
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
+                 "--seq-len", "48", "--max-steps", "1", "--batch-size", "8", "--out", str(run), "--no-progress"]) == 0
+    old = next((run / "checkpoints").glob("earlier-run-*")) / ckpt.name
+    assert main(["lra", "eval", "listops", "--model", str(old), "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["seq_len"] == 16 and again["accuracy"] == rec["test"]["accuracy"]
+    assert again["data_provenance"] == "stand-in"
 
 
 def test_a_generated_listops_file_changed_after_generation_is_refused(listops_root, tmp_path):
@@ -384,6 +394,8 @@ def test_report_counts_the_fmnist_stand_in_in_images_place_and_selects_on_valida
         return {"task": task, "preset": "p", "data_provenance": "stand-in", "dataset_id": task,
                 "val": {"accuracy": val}, "test": {"accuracy": test}}
 
+    zero = results_table([rec("listops", 0.0, 0.9), rec("listops", 0.5, 0.6), rec("text", 0.5, 0.5)])
+    assert zero.strip().endswith(f"{100 * (0.6 + 0.5) / 2:.2f}")  # a validation of 0.0 is a score, not a gap
     table = results_table([rec("image", 0.6, 0.3), rec("image-fmnist32", 0.5, 0.9), rec("listops", 0.4, 0.5)])
     assert "(2 tasks;" in table and "avg over Image (stand-in) + ListOps (stand-in)" in table
     assert table.strip().endswith(f"{100 * (0.3 + 0.5) / 2:.2f}")  # Image by its validation: the 0.3-test run

@@ -443,3 +443,11 @@ def test_grad_stats_record_the_raw_gradient_and_survive_a_resume(corpus_dir, tmp
     fresh = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), max_steps=2)  # no --grad-stats
     train(fresh)
     assert not (Path(fresh.out_dir) / "grad_norms.jsonl").exists()  # an earlier run's norms do not linger
+
+
+def test_a_model_configured_with_return_dict_false_still_trains_and_evaluates(corpus_dir, tmp_path):
+    """Internal callers read outputs by name: they ask for the dataclass whatever the config says."""
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=2)
+    cfg.overrides = {**cfg.overrides, "return_dict": False}
+    s = train(cfg)
+    assert s["steps"] == 2 and s["eval"]["loss"] > 0

@@ -107,8 +107,11 @@ def results_table(records: list[dict], split: str = "test") -> str:
     lines = ["| task | data (provenance) | dataset_id | model | split | accuracy % |", "|---|---|---|---|---|---|"]
     best: dict[str, dict] = {}  # LRA task slot -> the run that represents it in the mean
 
-    def chosen_by(rec):  # model selection reads validation where the run has it, never test
-        return ((rec.get("val") or {}).get("accuracy") if split == "test" else None) or rec[split]["accuracy"]
+    def better(a, b):  # model selection reads validation where both runs have it, not test
+        va, vb = ((r.get("val") or {}).get("accuracy") for r in (a, b))
+        if split == "test" and va is not None and vb is not None:
+            return va > vb
+        return a[split]["accuracy"] > b[split]["accuracy"]
 
     for rec in records:
         r = rec.get(split) or {}
@@ -116,7 +119,7 @@ def results_table(records: list[dict], split: str = "test") -> str:
         lines.append(f"| {TASK_TITLES.get(rec['task'], rec['task'])} | {rec['data_provenance']} | {rec['dataset_id']} | "
                      f"{rec['preset']} | {split} | {_fmt_acc(acc)} |")
         slot = TASK_SLOT.get(rec["task"], rec["task"])  # the FMNIST stand-in fills Image's slot, not a sixth one
-        if acc is not None and (slot not in best or chosen_by(rec) > chosen_by(best[slot])):
+        if acc is not None and (slot not in best or better(rec, best[slot])):
             best[slot] = rec
     if len(best) >= 2:
         accs = [float(best[t][split]["accuracy"]) for t in best]
@@ -270,15 +273,24 @@ def cmd_train(args) -> int:
 
 
 def run_settings(model_path: Path) -> dict:
-    """The data settings the model was trained with ({} when no run records them): the run's
-    ``train_config.json`` is in the model's run folder, one or two levels above a checkpoint."""
+    """The data settings the model was trained with ({} when nothing records them): the training
+    config saved in the checkpoint itself, else the run's ``train_config.json`` one or two levels
+    above it (a checkpoint moved aside by a later run keeps its own)."""
+    from .train.checkpoint import CheckpointError, load_trainer_state
+
+    found = []
+    try:
+        found.append((load_trainer_state(model_path).get("config") or {}, str(model_path)))
+    except (CheckpointError, OSError, ValueError):  # a bare model directory: no trainer state
+        pass
     for d in (model_path, *list(model_path.parents)[:3]):
-        f = d / "train_config.json"
-        if f.is_file():
-            cfg = json.loads(f.read_text())
-            if str(cfg.get("data", "")).startswith("lra:"):
-                return {"seq_len": cfg.get("seq_len"), "options": dict(cfg.get("cls_read_kwargs") or {}),
-                        "data": cfg["data"], "run_dir": str(d)}
+        if (d / "train_config.json").is_file():
+            found.append((json.loads((d / "train_config.json").read_text()), str(d)))
+            break
+    for cfg, where in found:
+        if str(cfg.get("data", "")).startswith("lra:"):
+            return {"seq_len": cfg.get("seq_len"), "options": dict(cfg.get("cls_read_kwargs") or {}),
+                    "data": cfg["data"], "from": where}
     return {}
 
 
@@ -290,7 +302,13 @@ def cmd_eval(args) -> int:
     run = run_settings(Path(path))
     seq_len = args.seq_len or run.get("seq_len")
     opts = {**run.get("options", {}), **_load_options(args)}
-    res, prov = evaluate_model(task, model, root=args.root, split=args.split, seq_len=seq_len,
+    root = args.root
+    if root is None and run.get("data"):
+        from .train.lra_tasks import parse_lra_spec
+
+        run_task, run_root = parse_lra_spec(run["data"])
+        root = run_root if run_task == task else None  # the folder the run read, unless told otherwise
+    res, prov = evaluate_model(task, model, root=root, split=args.split, seq_len=seq_len,
                                batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                                dtype=args.dtype, load_options=opts)
     trained_on = _trained_labels(Path(path))

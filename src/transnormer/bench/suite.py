@@ -97,6 +97,8 @@ def _did_not_fit(err: BaseException) -> str | None:
     text = str(err)
     if isinstance(err, MemoryError) or isinstance(err, torch.OutOfMemoryError):
         return f"out of memory ({type(err).__name__})"
+    if isinstance(err, (OSError, ImportError)) and ("failed to map segment" in text or "Cannot allocate memory" in text):
+        return "out of memory: " + text.splitlines()[0][:100]  # a library could not be mapped under the cap
     if isinstance(err, RuntimeError):
         if "can't allocate memory" in text or "out of memory" in text.lower():
             import re
@@ -129,24 +131,25 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     rows, verdicts = [], []
     peaks = {d: gemm_gflops(2048, DTYPES[d], device=_device()) for d in dtypes}
     for dname in dtypes:
-        stopped = {}  # preset -> why its longer lengths are not measured in this dtype
+        stopped = {}  # preset -> (T, why): lengths past T (and T itself after a failure) are not measured
         for T in lengths:
             def measure(p, T=T, dname=dname, stopped=stopped):
-                if p in stopped:
-                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": f"skipped: {stopped[p]}"}
+                if p in stopped and (T > stopped[p][0] or stopped[p][1].startswith("did not fit")):
+                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode,
+                            "status": f"skipped: {stopped[p][1]}"}
                 try:
                     r = train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
                                               vocab_size=vocab_size, steps=steps, mode=mode, max_mem_gb=max_mem_gb)
-                except (RuntimeError, MemoryError) as e:
+                except (RuntimeError, MemoryError, OSError, ImportError) as e:
                     why = _did_not_fit(e)
                     if why is None:
                         raise
-                    stopped[p] = f"did not fit at T={T}"
+                    stopped[p] = (T, f"did not fit at T={T}")
                     _progress(f"{p} {dname} T={T}: failed: {why}")
                     return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": f"failed: {why}"}
                 r["status"] = "ok"
-                if max_step_s is not None and r["step_s"] > max_step_s:
-                    stopped[p] = f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})"
+                if max_step_s is not None and r["step_s"] > max_step_s:  # other rounds at this T still run
+                    stopped[p] = (T, f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})")
                 _progress(f"{p} {dname} T={T}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
                           f"peak {r['peak_mem_mb']:,.0f} MB")
                 return r

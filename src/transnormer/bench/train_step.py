@@ -29,7 +29,8 @@ def lm_loss(model, ids):
     """Next-token loss of our models (HF output) and of peers (raw logits)."""
     import torch.nn.functional as F
 
-    out = model(input_ids=ids, labels=ids, return_logits=False) if not getattr(model, "is_peer", False) else None
+    out = model(input_ids=ids, labels=ids, return_logits=False, return_dict=True) \
+        if not getattr(model, "is_peer", False) else None
     if out is not None:
         return out.loss
     logits = model(ids)
@@ -96,6 +97,8 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
     from .timing import peak_rss_mb
 
     if max_mem_gb is not None and not torch.cuda.is_available():
+        import transformers  # noqa: F401  (libraries are mapped before the cap: it is for the model and its step)
+
         _cap_address_space(max_mem_gb)
     threads = threads or int(os.environ.get("TRANSNORMER_THREADS", 0))  # `bench --threads` sets it for children
     if threads:

@@ -387,20 +387,15 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = TransNormerCache.empty(self.config.num_hidden_layers)
         inputs = {"attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
-        if cache is not None and cache.length > 0:
-            # the ids the cache has not seen: HF says how many (next_sequence_length); without it,
-            # count them, remembering that a prompt given as embeddings is not among input_ids
-            n = kwargs.get("next_sequence_length")
-            if n is None:
-                prompt = inputs_embeds.shape[1] if inputs_embeds is not None and input_ids.shape[1] <= cache.length else 0
-                n = input_ids.shape[1] + prompt - cache.length
-                if n <= 0:  # ids no longer than what the cache holds cannot be the whole sequence: they are
-                    n = input_ids.shape[1]  # only the new ones (HF's convention, with a full-width mask)
-            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - n:]
-        elif inputs_embeds is not None:
-            inputs["inputs_embeds"] = inputs_embeds
+        # As transformers' own default: generate() says how many trailing positions the cache has not
+        # seen (next_sequence_length); None means all of them (the first call, new ids passed alone
+        # with a cache, a chunk of a chunked prefill). A prompt given as embeddings is read at the
+        # first iteration only; after it the ids hold the generated tokens.
+        n = kwargs.get("next_sequence_length")
+        if inputs_embeds is not None and kwargs.get("is_first_iteration"):
+            inputs["inputs_embeds"] = inputs_embeds[:, inputs_embeds.shape[1] - n:] if n is not None else inputs_embeds
         else:
-            inputs["input_ids"] = input_ids
+            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - n:] if n is not None else input_ids
         # the rest (output_hidden_states, logits_to_keep, ...) reaches forward as generate() set it
         internal = ("next_sequence_length", "is_first_iteration", "labels", "position_ids", "cache_position",
                     "return_dict")

@@ -378,7 +378,7 @@ def train(cfg: TrainConfig) -> dict:
             with ctx:
                 with autocast():
                     # no logits kept: the LM heads compute the loss chunk by chunk (modules/lm_loss.py)
-                    loss = wrapped(**batch, return_logits=False).loss
+                    loss = wrapped(**batch, return_logits=False, return_dict=True).loss
                 (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight if weight else 0.0  # (an MLM micro-batch may mask nothing)
         if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)

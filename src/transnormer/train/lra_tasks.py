@@ -240,7 +240,7 @@ def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batche
         batch = {k: v.to(info.device) for k, v in batch.items()}
         labels = batch.pop("labels")
         with autocast():
-            logits = model(**batch).logits
+            logits = model(**batch, return_dict=True).logits
         preds.append(logits.argmax(-1).cpu())
         golds.append(labels.cpu())
         loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))

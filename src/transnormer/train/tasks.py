@@ -133,7 +133,7 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
             break
         batch = {k: v.to(info.device) for k, v in batch.items()}
         with autocast():
-            logits = model(input_ids=batch["input_ids"]).logits
+            logits = model(input_ids=batch["input_ids"], return_dict=True).logits
         labels = batch["labels"]
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
@@ -179,7 +179,7 @@ def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batc
         batch = collate([dataset[i] for i in idx[start:start + batch_size]])
         batch = {k: v.to(info.device) for k, v in batch.items()}
         with autocast():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_dict=True).logits
         preds.append(logits.argmax(-1).cpu())
         golds.append(batch["labels"].cpu())
         loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="sum"))
