@@ -131,12 +131,15 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     rows, verdicts = [], []
     peaks = {d: gemm_gflops(2048, DTYPES[d], device=_device()) for d in dtypes}
     for dname in dtypes:
-        stopped = {}  # preset -> (T, why): lengths past T (and T itself after a failure) are not measured
+        # preset -> (first T not measured, why): past a failure that T itself, past a slow step the next one
+        stopped = {}
         for T in lengths:
             def measure(p, T=T, dname=dname, stopped=stopped):
-                if p in stopped and (T > stopped[p][0] or stopped[p][1].startswith("did not fit")):
-                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode,
-                            "status": f"skipped: {stopped[p][1]}"}
+                def unmeasured(status):
+                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": status}
+
+                if p in stopped and T >= stopped[p][0]:
+                    return unmeasured(f"skipped: {stopped[p][1]}")
                 try:
                     r = train_step_throughput(p, T, dtype=dname, tokens_per_step=max(tokens_per_step, T),
                                               vocab_size=vocab_size, steps=steps, mode=mode, max_mem_gb=max_mem_gb)
@@ -146,10 +149,10 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                         raise
                     stopped[p] = (T, f"did not fit at T={T}")
                     _progress(f"{p} {dname} T={T}: failed: {why}")
-                    return {"preset": p, "seq_len": T, "dtype": dname, "mode": mode, "status": f"failed: {why}"}
+                    return unmeasured(f"failed: {why}")
                 r["status"] = "ok"
                 if max_step_s is not None and r["step_s"] > max_step_s:  # other rounds at this T still run
-                    stopped[p] = (T, f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})")
+                    stopped[p] = (T + 1, f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})")
                 _progress(f"{p} {dname} T={T}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
                           f"peak {r['peak_mem_mb']:,.0f} MB")
                 return r

@@ -134,10 +134,12 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def load_trainer_state(path: str | os.PathLike) -> dict:
-    """Verify checkpoint ``path`` and return its trainer state (model weights are loaded separately)."""
+def load_trainer_state(path: str | os.PathLike, *, verify: bool = True) -> dict:
+    """Verify checkpoint ``path`` (unless ``verify=False``: a caller that has just verified it) and
+    return its trainer state (model weights are loaded separately)."""
     path = Path(path)
-    verify_checkpoint(path)
+    if verify:
+        verify_checkpoint(path)
     try:
         return torch.load(path / STATE, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named

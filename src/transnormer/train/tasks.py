@@ -184,17 +184,16 @@ def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batc
         golds.append(batch["labels"].cpu())
         loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="sum"))
     model.train()
+    # a rank can hold no example of a small split
+    p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+    y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
     if info.enabled:
         import torch.distributed as dist
 
         gathered = [None] * info.world_size
-        empty = torch.zeros(0, dtype=torch.long)  # a rank can hold no example of a small split
-        dist.all_gather_object(gathered, (torch.cat(preds) if preds else empty, torch.cat(golds) if golds else empty))
+        dist.all_gather_object(gathered, (p, y))
         p = torch.cat([g[0] for g in gathered])
         y = torch.cat([g[1] for g in gathered])
-    else:
-        p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
-        y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
     (loss_sum,) = all_reduce_sum([loss_sum], info)
     return {"loss": loss_sum / max(len(y), 1), **classification_metrics(p, y)}
 
