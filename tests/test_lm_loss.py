@@ -49,6 +49,39 @@ def test_bad_input():
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), chunk_size=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_labels_out_of_range_raise_like_cross_entropy(dtype):
+    # a negative label that is not ignore_index used to be scored silently as class 0
+    h, W = torch.randn(4, 8, dtype=dtype), torch.randn(10, 8, dtype=dtype)
+    for bad in (-1, 10):
+        labels = torch.tensor([1, bad, 2, 3])
+        with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\)"):
+            linear_cross_entropy(h, W, labels)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 0, 7, 50, -5])
+def test_any_ignore_index_is_accepted(ignore_index):
+    # an ignore_index at or beyond V used to reach the gather (or the fused rows) as a class index
+    h = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(1, 7, (9,))
+    labels[::2] = ignore_index
+    got = linear_cross_entropy(h, W, labels, ignore_index=ignore_index, chunk_size=4)
+    ref = F.cross_entropy(h @ W.T, labels, ignore_index=ignore_index)
+    assert rel_err(got, ref) < 1e-12
+    for a, b in zip(torch.autograd.grad(got, (h, W)), torch.autograd.grad(ref, (h, W))):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_ignore_index_beyond_vocab_in_the_fused_bf16_rows():
+    h, W = torch.randn(6, 32), torch.randn(40, 32)
+    labels = torch.tensor([3, 500, 5, 500, 0, 39])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, W, labels, ignore_index=500)
+    ref = F.cross_entropy(h @ W.T, labels, ignore_index=500)
+    assert abs(got.item() - ref.item()) < 2e-2 * ref.item()
+
+
 def _tiny(causal):
     return TransNormerConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                              layer_types=["diag", "norm"], causal=causal, block_size=8, chunk_size=8,

@@ -113,3 +113,40 @@ def test_norm_attention_batch_norm_ignores_padding(norm_per_head):
     mask[:, 10:] = False
     y1, _ = layer(padded, attention_mask=mask)
     assert torch.allclose(y1[:, :10], y0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["simple_rms", "rms", "scale", "batch"])
+def test_norm_rejects_the_wrong_width(name):
+    # the gain-free norms used to normalise any width without complaint
+    norm = build_norm(name, 8)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 8\]"):
+        norm(torch.randn(2, 3, 16))
+    assert norm(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+
+
+def test_sinusoid_layouts():
+    from transnormer.modules import sinusoidal_table
+
+    p = torch.arange(7.0)[None]
+    d = 10
+    for layout, theta in (("fairseq", 10000.0 ** (-torch.arange(5.0) / 4)),
+                          ("transformer", 10000.0 ** (-2 * torch.arange(5.0) / d))):
+        ang = p[0, :, None] * theta
+        want = torch.cat((ang.sin(), ang.cos()), -1)
+        assert torch.allclose(sinusoidal_table(p, d, layout)[0], want, atol=1e-5)
+    assert sinusoidal_table(p, 11, "transformer")[..., -1].abs().max() == 0  # odd width: a zero column
+    with pytest.raises(ValueError, match="layout"):
+        sinusoidal_table(p, d, "rotary")
+
+
+def test_scaled_sinusoid_follows_flash_frequencies():
+    # flash.md §1.3: θ_i = 10000^{-2i/d} times a learnable scalar starting at d^{-1/2}
+    from transnormer.models import TransNormerConfig, TransNormerModel
+
+    cfg = TransNormerConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=1,
+                            layer_types=["flash"], abs_pos="scaled_sinusoid", max_position_embeddings=32)
+    pos = TransNormerModel(cfg).embed_positions
+    p = torch.arange(5)[None]
+    ang = p[0, :, None].float() * 10000.0 ** (-2 * torch.arange(8.0) / 16)
+    want = torch.cat((ang.sin(), ang.cos()), -1) / 4.0
+    assert torch.allclose(pos(p)[0], want, atol=1e-6)

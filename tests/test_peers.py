@@ -277,3 +277,14 @@ def test_performer_causal_leak_is_recorded(record_property):
     print(f"performer-pytorch causal leak {leak:.3g} (output scale {scale:.3g}); ours {our_leak:.3g}")
     assert torch.isfinite(torch.tensor(leak))
     assert our_leak < 1e-6
+
+
+def test_scaled_sinusoid_equals_flash_pytorch_table():
+    # the same frequencies and [sin | cos] layout as flash_pytorch's ScaledSinuEmbedding; only the
+    # scalar's initial value differs (ours d^{-1/2}, flash.md §1.3; theirs 1)
+    from flash_pytorch.flash_pytorch import ScaledSinuEmbedding
+
+    from transnormer.modules import SinusoidalPositions
+
+    ours, theirs = SinusoidalPositions(D, learnable_scale=1.0, layout="transformer"), ScaledSinuEmbedding(D)
+    assert rel_err(ours(torch.arange(T)[None])[0], theirs(torch.zeros(1, T, D))) < 1e-6

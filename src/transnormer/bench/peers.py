@@ -29,8 +29,7 @@ sinusoid buffer, not the rotary table). Remaining differences (released behaviou
     flash-pytorch:      T5 bias (32 buckets) instead of Toeplitz; partial interleaved RoPE over
                         min(32, s) dims instead of full rotate-half; token shift on; global
                         normaliser 1/C (grows with the chunk index) instead of "visible";
-                        ScaleNorm with ε clamped outside the root; final LayerNorm, head bias;
-                        absolute sinusoid θ_i = 10000^{-2i/d} (ours: fairseq layout)
+                        ScaleNorm with ε clamped outside the root; final LayerNorm, head bias
     flash-pytorch-gau:  T5 bias scaled by √d and divided by T with QKᵀ; 1/T normaliser counting
                         padding (not prefix-consistent, peers.md §3.2); no RoPE; no decode cache
     performer-pytorch:  GELU MLP 4d instead of our SiLU-GLU ⌊8d/3⌋ (same parameter count: 8d² vs

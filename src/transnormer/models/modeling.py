@@ -169,7 +169,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if config.abs_pos == "sinusoidal":
             self.embed_positions = SinusoidalPositions(d)
         elif config.abs_pos == "scaled_sinusoid":
-            self.embed_positions = SinusoidalPositions(d, learnable_scale=d ** -0.5)
+            self.embed_positions = SinusoidalPositions(d, learnable_scale=d ** -0.5, layout="transformer")  # flash.md §1.3
         elif config.abs_pos == "learned":
             self.embed_positions = LearnedPositions(config.max_position_embeddings, d)
         else:

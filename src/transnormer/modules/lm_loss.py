@@ -55,7 +55,7 @@ def _torch_rows(x, wc, lab, ok, logits, low, total, need_grad):
         torch.mm(x, wc.T, out=logits)
     else:  # products in the autocast dtype, softmax in fp32
         logits.copy_(torch.mm(x, wc.T, out=low))
-    target = logits.gather(1, lab.clamp_min(0)[:, None]).squeeze(1)
+    target = logits.gather(1, lab[:, None]).squeeze(1)
     # log-sum-exp and softmax in place: torch.logsumexp would allocate a second [n, V] block,
     # which costs more than the arithmetic.
     m = logits.amax(dim=-1, keepdim=True)
@@ -65,7 +65,7 @@ def _torch_rows(x, wc, lab, ok, logits, low, total, need_grad):
     if not need_grad:
         return None
     grad = logits.div_(z)  # softmax
-    grad[torch.arange(grad.shape[0], device=grad.device), lab.clamp_min(0)] -= 1.0
+    grad[torch.arange(grad.shape[0], device=grad.device), lab] -= 1.0
     grad.mul_(ok[:, None])  # ignored rows get no gradient
     return grad if low is None else low.copy_(grad)
 
@@ -79,6 +79,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             wc = weight if weight.dtype == cdt else _scratch(2, V, d, cdt, h.device).copy_(weight)
             sdt = torch.promote_types(cdt, torch.float32)  # softmax dtype: fp32, or fp64 for fp64
             valid = labels != ignore_index
+            # ignored rows index class 0 (their terms are masked out): ignore_index may lie anywhere
+            labels = torch.where(valid, labels, 0)
             n_valid = valid.sum()
             total = torch.zeros((), dtype=sdt, device=h.device)
             dh = torch.empty_like(h) if need_grad else None
@@ -98,7 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 n = x.shape[0]
                 if fused:
                     g = torch.mm(x, wc.T, out=buf[:n] if low is None else low[:n])
-                    lse, target = _native.xent_rows(g, lab.clamp_min(0), ok, write_grad=need_grad)
+                    lse, target = _native.xent_rows(g, lab, ok, write_grad=need_grad)
                     total += torch.where(ok, lse - target, 0.0).sum()
                 else:
                     g = _torch_rows(x, wc, lab, ok, buf[:n], None if low is None else low[:n], total, need_grad)
@@ -159,6 +161,11 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         raise ValueError(f"h must be [N, d] and weight [V, d]; got {tuple(h.shape)} and {tuple(weight.shape)}")
     if labels.shape != h.shape[:1] or labels.is_floating_point():
         raise ValueError(f"labels must be integer [N] = [{h.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
+    V = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bad.any():  # the fused rows index the logits block unchecked; F.cross_entropy raises here too
+        raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}; "
+                         f"got {labels[bad][0].item()}")
     cdt = _compute_dtype(h)
     if chunk_size is None:
         half_block = cdt in (torch.float16, torch.bfloat16) and _native.rows_usable(cdt, h.device)

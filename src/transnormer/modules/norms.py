@@ -19,6 +19,14 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(state_dtype_for(x.dtype))
 
 
+def _check_width(norm: nn.Module, x: torch.Tensor) -> None:
+    # The gain-free norms would otherwise normalise any width silently, and MaskedBatchNorm's
+    # reshape would fold a wrong width into rows before failing somewhere less clear.
+    if x.dim() == 0 or x.shape[-1] != norm.dim:
+        raise ValueError(f"{type(norm).__name__}: x must be [..., {norm.dim}] (the norm's dim), "
+                         f"got {tuple(x.shape)}")
+
+
 class SimpleRMSNorm(nn.Module):
     """SRMSNorm: no gain, no bias (spec §5).
 
@@ -31,6 +39,7 @@ class SimpleRMSNorm(nn.Module):
         self.dim, self.eps, self.eps_inside_sqrt = dim, eps, eps_inside_sqrt
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        _check_width(self, x)
         return simple_rms_norm(x, self.eps, self.eps_inside_sqrt)  # fused on CPU (ops/rowwise.py)
 
     def extra_repr(self) -> str:
@@ -62,6 +71,7 @@ class ScaleNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        _check_width(self, x)
         dev = x.device.type
         out_dtype = (torch.get_autocast_dtype(dev) if self.feeds_autocast and torch.is_autocast_enabled(dev)
                      else None)
@@ -92,6 +102,7 @@ class MaskedBatchNorm(nn.Module):
         self.register_buffer("running_var", torch.ones(dim))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        _check_width(self, x)
         xf = _upcast(x)
         if self.training:
             flat = xf.reshape(-1, self.dim)

@@ -119,10 +119,23 @@ def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int 
     raise ValueError(f"lrpe must be one of {LRPE_TYPES}, got {kind!r}")
 
 
-def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """[sin(pθ) | cos(pθ)] with θ_i = 10000^{-i/(half-1)} (fairseq layout). positions [B, T] → [B, T, dim]."""
+SINUSOID_LAYOUTS = ("fairseq", "transformer")
+
+
+def sinusoidal_table(positions: torch.Tensor, dim: int, layout: str = "fairseq") -> torch.Tensor:
+    """[sin(pθ) | cos(pθ)] for positions [B, T] → [B, T, dim] (an odd ``dim`` gets a zero last column).
+
+    ``layout`` sets the frequencies θ_i, i < ⌊dim/2⌋: ``fairseq`` θ_i = 10000^{-i/(⌊dim/2⌋-1)} (the
+    OpenNLPLab/fairseq embedding, which reaches 1/10000 in its last pair), ``transformer``
+    θ_i = 10000^{-2i/dim} (Vaswani et al.; FLASH's scaled sinusoid, flash.md §1.3).
+    """
     half = dim // 2
-    scale = math.log(10000.0) / max(half - 1, 1)
+    if layout == "fairseq":
+        scale = math.log(10000.0) / max(half - 1, 1)
+    elif layout == "transformer":
+        scale = 2.0 * math.log(10000.0) / dim
+    else:
+        raise ValueError(f"layout must be one of {SINUSOID_LAYOUTS}, got {layout!r}")
     freqs = torch.exp(-scale * torch.arange(half, dtype=torch.float32, device=positions.device))
     ang = positions.float()[..., None] * freqs
     emb = torch.cat((torch.sin(ang), torch.cos(ang)), dim=-1)
@@ -132,15 +145,19 @@ def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class SinusoidalPositions(nn.Module):
-    """Fixed sinusoidal absolute positions, optionally times a learnable scalar (FLASH)."""
+    """Fixed sinusoidal absolute positions (see :func:`sinusoidal_table` for ``layout``), optionally
+    times a learnable scalar (FLASH)."""
 
-    def __init__(self, dim: int, learnable_scale: float | None = None):
+    def __init__(self, dim: int, learnable_scale: float | None = None, layout: str = "fairseq"):
         super().__init__()
+        if layout not in SINUSOID_LAYOUTS:
+            raise ValueError(f"layout must be one of {SINUSOID_LAYOUTS}, got {layout!r}")
         self.dim = dim
+        self.layout = layout
         self.scale = None if learnable_scale is None else nn.Parameter(torch.tensor(float(learnable_scale)))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        emb = sinusoidal_table(_as_batched(positions), self.dim)
+        emb = sinusoidal_table(_as_batched(positions), self.dim, self.layout)
         return emb if self.scale is None else emb * self.scale
 
 
