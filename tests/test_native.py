@@ -198,7 +198,7 @@ def test_bad_backend_name_and_unsupported_dtype():
     before = _native.backend()
     try:
         _native.set_backend("native")
-        q = torch.randn(1, 10, 1, 4, dtype=torch.bfloat16)
+        q = torch.randn(1, 10, 1, 4, dtype=torch.float16)  # no kernel takes fp16 (bf16 may upcast)
         with pytest.raises(RuntimeError, match="float32/float64"):
             norm_linear_attn(q, q, q, causal=True)
     finally:
@@ -210,3 +210,29 @@ def test_disabled_by_environment(tmp_path):
     env = dict(os.environ, TRANSNORMER_NATIVE="0", TRANSNORMER_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("True disabled")
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 63, 64, 65])
+def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, T):
+    """No AMX: causal bf16 takes the fp32 kernel on fp32 copies (faster there than the PyTorch bf16
+    form); the result is that kernel's, rounded once, and the gradients come back in bf16."""
+    monkeypatch.setattr(_native, "amx_ready", lambda: False)
+    seen = []
+    kernel = _native.native_causal_linear_attn
+    monkeypatch.setattr(_native, "native_causal_linear_attn",
+                        lambda q, k, v, init, chunk: seen.append(q.dtype) or kernel(q, k, v, init, chunk=chunk))
+    q, k, v = (torch.randn(2, T, 3, 32, dtype=torch.bfloat16).mul_(0.3).requires_grad_() for _ in range(3))
+    S0 = torch.randn(2, 3, 32, 32)
+    o, fin = norm_linear_attn(q, k, v, causal=True, chunk_size=16, initial_state=S0, output_final_state=True)
+    assert seen == [torch.float32] and o.dtype == torch.bfloat16 and fin.dtype == torch.float32
+    want, want_fin = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=True,
+                                                initial_state=S0.double())
+    assert rel_err(o.double(), want) < 1e-2 and rel_err(fin.double(), want_fin) < 1e-5
+    grads = torch.autograd.grad((o.float() ** 2).sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, _ = norm_linear_attn_reference(qd, kd, vd, causal=True, initial_state=S0.double())
+    for g, r in zip(grads, torch.autograd.grad((ref ** 2).sum(), (qd, kd, vd))):
+        assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
+    monkeypatch.setattr(_native, "amx_ready", lambda: True)  # with AMX, never the upcast
+    assert not _native.upcast_usable(q, k, v)

@@ -237,6 +237,17 @@ def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) ->
     return q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0 and chunk % 32 == 0 and amx_ready()
 
 
+def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether causal bf16 ``norm_linear_attn`` runs the fp32 AVX-512 kernel on fp32 copies: CPU bf16
+    q, k, v on a machine whose library has no AMX kernel, under the current backend mode. There the
+    PyTorch bf16 form is the slower one (benchmarks: docs/benchmarks.md, a CPU without AMX)."""
+    if _mode == "torch" or torch.compiler.is_compiling():
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
+        return False
+    return load() is not None and not amx_ready()
+
+
 BIDIR_CHUNK = 64  # rows per step of the bidirectional kernels' walk (kBidirChunk in both .cpp files)
 
 

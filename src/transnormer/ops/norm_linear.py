@@ -109,6 +109,11 @@ def norm_linear_attn(
         # of 32 rows, at most T rounded up), fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp).
         # The PyTorch form below is the fallback and the GPU path.
         amx_chunk = min(chunk_size, -(-T // 32) * 32)
+        if not _native.amx_usable(q, k, v, chunk_size) and _native.upcast_usable(q, k, v):
+            # bf16 without AMX: the fp32 kernel on fp32 copies beats the PyTorch bf16 form (fp32
+            # math, the output rounds once to bf16; autograd casts the gradients back)
+            o, final = _native.native_causal_linear_attn(q.float(), k.float(), v.float(), init, chunk=c)
+            return o.to(q.dtype), (final if output_final_state else None)
         kernel_chunk = amx_chunk if _native.amx_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
         if kernel_chunk:
             o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=kernel_chunk)
