@@ -321,3 +321,41 @@ def test_flash_layer_projects_once_when_the_fused_mixer_does_not_apply(monkeypat
     finally:
         _native.set_backend(before)
     assert len(calls) == 1
+
+
+def _mixer_with_a_cache(name, d=16):
+    from transnormer.layers import DiagAttention, LinearAttention, NormAttention
+    return {"norm": lambda: NormAttention(d, 2, causal=True, chunk_size=2),
+            "linear_elu": lambda: LinearAttention(d, 2, causal=True),
+            "diag": lambda: DiagAttention(d, 2, causal=True, block_size=8),
+            "softmax": lambda: SoftmaxAttention(d, 2, causal=True),
+            "gau": lambda: GAU(d, causal=True, qk_dim=8, normalizer="visible"),
+            "flash": lambda: FLASH(d, causal=True, qk_dim=8, chunk_size=8),
+            "performer": lambda: Performer(d, 2, causal=True),
+            "cosformer": lambda: CosFormerAttention(d, 2, causal=True, max_len=16)}[name]()
+
+
+@pytest.mark.parametrize("name", ["norm", "linear_elu", "diag", "softmax", "gau", "flash", "performer", "cosformer"])
+def test_every_mixer_reads_a_cache_given_with_use_cache_false(name):
+    # layers/base.py: a given cache is read; use_cache only says whether the new one is returned
+    # (Diag, softmax, GAU and FLASH used to drop it and attend as if there were no prefix)
+    torch.manual_seed(0)
+    layer = _mixer_with_a_cache(name).double().eval()
+    x, pos = torch.randn(1, 6, 16, dtype=torch.float64), torch.arange(6)[None]
+    with torch.no_grad():
+        full, _ = layer(x, positions=pos)
+        _, cache = layer(x[:, :4], positions=pos[:, :4], use_cache=True)
+        out, returned = layer(x[:, 4:], positions=pos[:, 4:], cache=cache, use_cache=False)
+    assert returned is None and torch.allclose(out, full[:, 4:], atol=1e-12)
+
+
+def test_diag_and_flash_refuse_left_padding_when_blocks_matter():
+    from transnormer.layers import DiagAttention
+
+    mask = torch.tensor([[False, False] + [True] * 8])
+    x = torch.randn(1, 10, 16)
+    with pytest.raises(ValueError, match="DiagAttention cuts blocks by index"):  # was silently wrong
+        DiagAttention(16, 2, causal=True, block_size=4)(x, attention_mask=mask)
+    with pytest.raises(ValueError, match="FLASH cuts blocks by index"):
+        FLASH(16, causal=True, qk_dim=8, chunk_size=4)(x, attention_mask=mask)
+    DiagAttention(16, 2, causal=True, block_size=16)(x, attention_mask=mask)  # one block: no difference

@@ -229,3 +229,41 @@ def test_generate_returns_hidden_states_when_asked(model):
 def test_assisted_decoding_is_refused_clearly(model):
     with pytest.raises(ValueError, match="stateful"):
         model.generate(torch.randint(3, 61, (1, 8)), max_new_tokens=3, prompt_lookup_num_tokens=2, **GEN)
+
+
+@pytest.mark.parametrize("name", ["t2-lm-tiny", "flash-lm-tiny", "vanilla-lm-tiny"])
+def test_chunked_prefill_equals_whole_prefill(name):
+    # generate(prefill_chunk_size=k) (transformers v5) needs a cache before its first chunk
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    ids = torch.randint(3, 61, (2, 13))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    whole = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **GEN)
+    chunked = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=3, **GEN)
+    assert torch.equal(whole, chunked)
+
+
+def test_logits_to_keep_as_int_or_index_tensor():
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    ids = torch.randint(3, 61, (2, 9))
+    full = model(ids).logits
+    assert torch.equal(model(ids, logits_to_keep=2).logits, full[:, -2:])
+    assert torch.equal(model(ids, logits_to_keep=torch.tensor([0, 5])).logits, full[:, [0, 5]])
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=ids, logits_to_keep=2)
+
+
+def test_position_ids_are_checked_against_the_mask():
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    ids = torch.randint(3, 61, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: HF's position_ids count real tokens (padding gets any value)
+    hf = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    assert torch.equal(model(ids, attention_mask=mask, position_ids=hf).logits, model(ids, attention_mask=mask).logits)
+    with pytest.raises(ValueError, match="position_ids must count"):  # were ignored silently
+        model(ids, attention_mask=mask, position_ids=hf + 100)
+    with pytest.raises(ValueError, match="position_ids must be"):
+        model(ids, position_ids=torch.arange(5)[None])

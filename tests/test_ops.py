@@ -216,3 +216,15 @@ def test_autocast_leaves_the_op_in_its_inputs_dtype(causal, backend):
         o, s = norm_linear_attn(q, k, v, causal=causal, output_final_state=True)
     assert o.dtype == s.dtype == torch.float32
     assert rel_err(o, plain) < 1e-6 and rel_err(s, s_plain) < 1e-6
+
+
+def test_step_mask_is_checked_and_taken_as_bool():
+    from transnormer.ops import norm_linear_attn_step
+
+    q = k = v = torch.ones(2, 1, 2, dtype=torch.float64)
+    o, _ = norm_linear_attn_step(q, k, v, None, key_padding_mask=torch.tensor([2, 0]))
+    assert torch.equal(o[:, 0], torch.tensor([[2.0, 2.0], [0.0, 0.0]], dtype=torch.float64))  # 2 = valid, not x2
+    with pytest.raises(TypeError, match="key_padding_mask must be bool or integer"):
+        norm_linear_attn_step(q, k, v, None, key_padding_mask=torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match=r"\[B\] for one step"):
+        norm_linear_attn_step(q, k, v, None, key_padding_mask=torch.ones(2, 1, dtype=torch.bool))

@@ -3,13 +3,15 @@
 A mixer maps x [B, T, d] → y [B, T, d]. Keyword inputs:
     attention_mask: [B, T] bool, True = real token (None = all real)
     positions:      [B, T] long, count of real tokens before each token
-    cache:          a dict the mixer owns (None when not decoding); returned updated when
-                    ``use_cache`` is True, so a causal model can decode token by token.
+    cache:          a dict the mixer owns (None when not decoding); read whenever given (x then
+                    continues the cached prefix), returned updated only when ``use_cache`` is
+                    True, so a causal model can decode token by token.
 A mixer with ``replaces_ffn = True`` (GAU/FLASH) stands for attention + FFN in a block.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +35,19 @@ def build_mixer(config, layer_idx: int) -> nn.Module:
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"unknown layer type {layer_type!r} in layer_types; known: {sorted(LAYER_TYPES)}")
     return LAYER_TYPES[layer_type](config, layer_idx)
+
+
+def reads_given_cache(forward: Callable) -> Callable:
+    """For a mixer whose forward branches on ``use_cache``: a non-empty cache passed with
+    ``use_cache=False`` is still read (the interface above), and no updated cache is returned."""
+
+    @functools.wraps(forward)
+    def wrapped(self, x, *, cache=None, use_cache=False, **kw):
+        if cache and not use_cache:
+            return forward(self, x, cache=cache, use_cache=True, **kw)[0], None
+        return forward(self, x, cache=cache, use_cache=use_cache, **kw)
+
+    return wrapped
 
 
 class TokenMixer(nn.Module):
@@ -105,6 +120,14 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
             raise ValueError("positions must be given with a cache (the tokens' positions in the whole sequence)")
         positions = default_positions(x, attention_mask)
     return mask_or_none(attention_mask), positions
+
+
+def require_right_padding(mask: torch.Tensor | None, who: str) -> None:
+    """Raise unless every row's real tokens come first: layers that cut blocks or chunks by index
+    (Diag, FLASH) would otherwise cut them at other positions than the unpadded sequence has."""
+    if mask is not None and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError(f"{who} cuts blocks by index and needs right-padded rows (real tokens first); "
+                         "TransNormerModel moves left padding to the right before the layers")
 
 
 def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -> dict:

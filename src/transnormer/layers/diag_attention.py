@@ -7,7 +7,7 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
-from .base import MultiHeadMixer, mask_and_positions, update_block_cache
+from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, require_right_padding, update_block_cache
 
 
 def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel: str, causal: bool = True):
@@ -85,16 +85,20 @@ class DiagAttention(MultiHeadMixer):
             q = q * self.head_dim ** -0.5
         return q, k, v
 
+    @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         new_cache = None
+        continuing = use_cache and cache is not None and "k" in cache
+        if not continuing and T > self.block_size:  # one block (T <= block) is the same either way
+            require_right_padding(mask, "DiagAttention")
         if use_cache:
             if not self.causal:
                 raise ValueError("use_cache needs a causal DiagAttention (decoding is causal)")
             valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
-            if cache is not None and "k" in cache:
+            if continuing:
                 o = cached_block_attend(q, k, v, cache, positions, valid, block=self.block_size, kernel=self.kernel)
             else:
                 # Prefill from empty: blocks by index, which the model guarantees equal blocks by

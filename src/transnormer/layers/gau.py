@@ -37,7 +37,7 @@ from ..ops.flash import (
 )
 from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import scale_offset_rope, silu_split
-from .base import TokenMixer, mask_and_positions, update_block_cache
+from .base import TokenMixer, mask_and_positions, reads_given_cache, require_right_padding, update_block_cache
 
 REL_BIAS_TYPES = ("toeplitz", "toeplitz_moving", "rope_bias", "t5", "none")
 
@@ -232,6 +232,7 @@ class GAU(_GatedUnit):
             return positions + 1
         return valid.sum(-1, keepdim=True)
 
+    @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions, cache)
@@ -313,6 +314,7 @@ class FLASH(_GatedUnit):
             return ((qpos // C) * C).clamp_min(1).to(dtype)[:, None, None]
         return float(C) if self.normalizer == "chunk" else 1.0
 
+    @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions, cache)
@@ -339,9 +341,7 @@ class FLASH(_GatedUnit):
                                       cache)
                 outs.append(o)
             return self.out_proj(u * torch.stack(outs, 1)), cache
-        if mask is not None and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-            raise ValueError("FLASH chunks by index and needs right-padded rows (real tokens first); "
-                             "TransNormerModel moves left padding to the right before the layers")
+        require_right_padding(mask, "FLASH")
         o = flash_attn(ql, kl, qg, kg, v, causal=self.causal, chunk_size=self.chunk_size,
                        normalizer=self.normalizer, local_bias=self.local_bias(x.device), key_padding_mask=mask,
                        local_branch=self.local_branch, global_branch=self.global_branch,

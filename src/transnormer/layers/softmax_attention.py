@@ -13,7 +13,7 @@ import torch
 
 from ..modules.positional import build_lrpe
 from ..ops.softmax import softmax_attn, softmax_attn_cached
-from .base import MultiHeadMixer, mask_and_positions
+from .base import MultiHeadMixer, mask_and_positions, reads_given_cache
 
 
 class SoftmaxAttention(MultiHeadMixer):
@@ -53,6 +53,7 @@ class SoftmaxAttention(MultiHeadMixer):
             q, k = self.rope(q, positions), self.rope(k, positions)
         return q, k, v
 
+    @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions, cache)

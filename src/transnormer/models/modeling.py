@@ -159,6 +159,23 @@ class TransNormerPreTrainedModel(PreTrainedModel):
         return owned
 
 
+def _check_position_ids(position_ids, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Accept HF ``position_ids`` only where they say what the model derives itself (the count of
+    real tokens before each, after the cache): other positions (e.g. packed sequences restarting
+    at 0) would need attention across rows' segments that the mixers do not model."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        raise ValueError(f"position_ids must be an integer [B, T] tensor, got {getattr(position_ids, 'shape', position_ids)}")
+    try:
+        given = position_ids.to(positions.device).expand_as(positions)
+    except RuntimeError:
+        raise ValueError(f"position_ids must be [B, T] = {tuple(positions.shape)}, got {tuple(position_ids.shape)}") from None
+    real = torch.ones_like(positions, dtype=torch.bool) if mask is None else mask
+    if not torch.equal(torch.where(real, given, 0), torch.where(real, positions, 0)):
+        raise ValueError("position_ids must count the real tokens before each token (after the cache), as the "
+                         "model derives them from attention_mask; other positions (e.g. packed sequences) are not "
+                         "supported: omit position_ids")
+
+
 class TransNormerModel(TransNormerPreTrainedModel):
     def __init__(self, config: TransNormerConfig):
         super().__init__(config)
@@ -202,6 +219,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         return_dict: bool | None = None,
         past_key_values: TransNormerCache | None = None,
         output_attentions: bool | None = None,
+        position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """``return_dict=False`` (or ``config.return_dict = False``) returns the output's tuple;
@@ -254,6 +272,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
             positions = prefix[:, None] + torch.arange(T, device=x.device)
         else:
             positions = prefix[:, None] + (mask.long().cumsum(-1) - 1).clamp_min(0)
+        if position_ids is not None:
+            _check_position_ids(position_ids, positions, mask)
 
         gather = None
         if mask is not None and not decoding:
@@ -349,7 +369,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
         return_logits: bool = True,
         **kwargs,
@@ -359,14 +379,17 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                          cache=cache if cache is not None else past_key_values, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
-                         return_dict=True)
+                         position_ids=kwargs.get("position_ids"), return_dict=True)
         h = out.last_hidden_state
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
+        if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
+            if labels is not None:
+                raise ValueError("logits_to_keep drops positions the labels score; pass one or the other")
+            # HF: an int keeps the last n positions, a 1-D tensor the positions it lists
+            h = h[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else h[:, -logits_to_keep:]
         logits = loss = None
         # Shift the labels, not the logits: slicing [B, T, V] logits copies them (and their gradient).
         shifted = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)
-        if shifted is not None and not return_logits and not logits_to_keep:
+        if shifted is not None and not return_logits:
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
         else:
             logits = self.lm_head(h)
@@ -379,6 +402,15 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # our layers keep recurrent states, not HF key/value caches
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate()'s cache set-up, plus an empty TransNormerCache up front: chunked prefill
+        (``prefill_chunk_size``) needs a cache before its first chunk, and HF makes none for
+        models without key/value caches."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
+                and model_kwargs.get("past_key_values") is None):
+            model_kwargs["cache"] = TransNormerCache.empty(self.config.num_hidden_layers)
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
                                       use_cache=True, past_key_values=None, **kwargs):

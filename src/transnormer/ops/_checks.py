@@ -45,12 +45,22 @@ def check_positive_int(name: str, value: int) -> None:
 
 def check_key_padding_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
     """Validate a [B, T] key mask (True / 1 = valid token) and return it as bool."""
+    return _check_mask(mask, (batch, length), "[B, T]")
+
+
+def check_step_mask(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Validate the [B] key mask of one decoding step (True / 1 = real token) and return it as bool."""
+    return _check_mask(mask, (batch,), "[B] for one step")
+
+
+def _check_mask(mask, shape: tuple, layout: str) -> torch.Tensor | None:
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.shape != (batch, length):
-        raise ValueError(f"key_padding_mask must have shape [B, T] = {(batch, length)}, got {tuple(mask.shape)}")
+    if mask.shape != shape:
+        raise ValueError(f"key_padding_mask must have shape {layout} = {shape}, got {tuple(mask.shape)}")
     if mask.is_floating_point():
         raise TypeError("key_padding_mask must be bool or integer (1 = valid), got a floating-point tensor")
+    # any non-zero integer means valid: a mask multiplies nothing by its values
     return mask.bool()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_step_mask
 from ._chunked import ChunkedCausalLinearAttn
 from ._dtypes import state_dtype_for
 
@@ -169,11 +169,10 @@ def norm_linear_attn_step(
         state = torch.zeros(B, H, D, E, dtype=sdt, device=q.device)
     else:
         _check_state(state, B, H, D, E, "state")
+    mask = check_step_mask(key_padding_mask, B)
     kv = k.to(sdt)[..., :, None] * v.to(sdt)[..., None, :]
-    if key_padding_mask is not None:
-        if key_padding_mask.shape != (B,):
-            raise ValueError(f"key_padding_mask must have shape [B] = {(B,)} for one step, got {tuple(key_padding_mask.shape)}")
-        kv = kv * key_padding_mask.to(sdt)[:, None, None, None]
+    if mask is not None:
+        kv = kv * mask.to(sdt)[:, None, None, None]
     state = state.to(sdt) + kv
     o = torch.einsum("bhd,bhde->bhe", q.to(sdt), state).to(q.dtype)
     return o, state
