@@ -83,3 +83,80 @@ def test_generate_refuses_out_of_range_sampling(run_dir, capsys, flags, match):
     _, out = run_dir
     assert main(["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "2", *flags]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--max-batches", "0"], "--max-batches must be >= 1"),
+    (["--max-batches", "-2"], "--max-batches must be >= 1"),
+    (["--task", "mlm", "--stride", "8"], "--stride applies to --task clm only"),
+    (["--text-column", "0"], "apply to --task cls only"),
+])
+def test_eval_refuses_flags_that_would_change_nothing(run_dir, capsys, flags, match):
+    root, out = run_dir
+    assert main(["eval", "--model", str(out), "--data", str(root), "--seq-len", "32",
+                 "--cache-dir", str(root / "cache"), *flags]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_train_refuses_cls_flags_for_clm(run_dir, capsys):
+    root, out = run_dir
+    assert main(["train", "--data", str(root), "--max-steps", "1", "--out", str(out.parent / "x"),
+                 "--no-progress", "--no-truncate"]) == 2
+    assert "apply to --task cls only" in capsys.readouterr().err
+
+
+def test_a_diverged_run_exits_non_zero(run_dir, tmp_path, capsys, monkeypatch):
+    import torch
+
+    root, _ = run_dir
+    orig = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        out = orig(self, *a, **k)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    assert main(["train", "--preset", "t2-lm-tiny", "--data", str(root), "--vocab-size", "300", "--seq-len", "32",
+                 "--batch-size", "4", "--max-steps", "4", "--out", str(tmp_path / "run"), "--no-progress",
+                 "--cache-dir", str(root / "cache"), "--set", "num_hidden_layers=2", "--set", "hidden_size=32",
+                 "--set", "num_attention_heads=2"]) == 1
+    assert "the run diverged at step 2" in capsys.readouterr().err
+
+
+def test_column_indices_of_a_headerless_cls_file(tmp_path):
+    """All-digit --text-column / --label-column are indices: as strings, a first row labelled "0"
+    or "1" had matched them as column names and been taken for a header."""
+    from transnormer.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--task", "cls", "--text-column", "0", "--label-column", "label"])
+    assert args.text_column == 0 and args.label_column == "label"
+    rng = random.Random(4)
+    for split, n in (("train", 24), ("dev", 9)):
+        rows = [f"{' '.join(rng.choice(WORDS) for _ in range(6))}\t{i % 2}" for i in range(n)]
+        (tmp_path / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    assert main(["train", "--task", "cls", "--preset", "t2-roberta-tiny", "--data", str(tmp_path), "--vocab-size",
+                 "300", "--seq-len", "16", "--batch-size", "4", "--max-steps", "1", "--out", str(out),
+                 "--no-progress", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
+                 "--label-column", "1"]) == 0
+    assert json.loads((out / "summary.json").read_text())["eval"]["n"] == 9  # every dev row, the first too
+
+
+def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, capsys):
+    """One text is tokenized once for all models: a model trained with another tokenizer would read
+    wrong ids (or ids past its embedding)."""
+    import shutil
+
+    from transnormer.cli import resolve_model_dir
+    from transnormer.data import train_bpe
+
+    root, out = run_dir
+    other = tmp_path / "other"
+    shutil.copytree(resolve_model_dir(out), other)
+    shutil.rmtree(other / "tokenizer")
+    train_bpe([(root / "train.txt").read_text()], vocab_size=280).save(other / "tokenizer")
+    assert main(["analyze", "dilution", "--models", f"{out},{other}", "--data", str(root), "--seq-len", "32",
+                 "--samples", "1", "--cache-dir", str(root / "cache"), "--out", str(tmp_path / "dil")]) == 2
+    assert "were trained with different tokenizers" in capsys.readouterr().err

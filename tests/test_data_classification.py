@@ -201,8 +201,11 @@ def test_errors(tmp_path, tok):
         ClassificationDataset(read_classification_file(dev), tok, label_set=labels, max_length=16)
 
     no_label = _write(tmp_path / "train2.tsv", "sentence\tscore\ngood\t0.5\n")
-    with pytest.raises(ValueError, match=r"train2\.tsv.*no label column"):
+    with pytest.raises(ValueError, match=r"train2\.tsv.*no label column.*pass label_column= \(CLI: --label-column\)"):
         read_classification_file(no_label)
+    odd = _write(tmp_path / "train3.tsv", "words\tlabel\ngood\t1\n")  # the hint names the CLI flag too
+    with pytest.raises(ValueError, match=r"which column holds the text.*text_column= \(CLI: --text-column"):
+        read_classification_file(odd)
     with pytest.raises(ValueError, match="label_column='stars' is not a column"):
         read_classification_file(train, label_column="stars")
     assert read_classification_file(no_label, require_labels=False)[0].label is None

@@ -264,6 +264,12 @@ def test_schedules_and_budgets():
     ("lr", 0.0, "lr must be > 0"), ("max_steps", 0, "max_steps must be >= 1"), ("eval_batches", 0, "eval_batches"),
     ("warmup", -5, "warmup must be >= 0"), ("eval_every", -1, "eval_every"), ("save_every", -1, "save_every"),
     ("keep_last", -2, "keep_last"), ("log_every", 0, "log_every"),
+    ("lr", float("inf"), "lr must be > 0 and finite"), ("min_lr_ratio", 3.0, r"min_lr_ratio must be in \[0, 1\]"),
+    ("budget", "0", "budget must be > 0"), ("budget", "0s", "budget must be > 0"),
+    ("overrides", {"dropuot": 0.0}, "'dropuot' is not a TransNormerConfig field; did you mean 'dropout'"),
+    ("overrides", {"dropout": "abc"}, "dropout='abc' must be float"),
+    ("overrides", {"hidden_size": 32.5}, "hidden_size=32.5 must be int"),
+    ("cls_read_kwargs", {"text_column": 0}, "task 'cls' only"), ("no_truncate", True, "task 'cls' only"),
 ])
 def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -451,3 +457,144 @@ def test_a_model_configured_with_return_dict_false_still_trains_and_evaluates(co
     cfg.overrides = {**cfg.overrides, "return_dict": False}
     s = train(cfg)
     assert s["steps"] == 2 and s["eval"]["loss"] > 0
+
+
+def test_init_from_refuses_a_config_and_fixed_fields():
+    """A pretrained model's config.json is its config: --config and shape overrides would be ignored."""
+    with pytest.raises(ValueError, match=r"config_file \(--config\) or init_from"):
+        TrainConfig(max_steps=1, init_from="runs/x", config_file="c.json").check()
+    with pytest.raises(ValueError, match="only dropout.*hidden_size"):
+        TrainConfig(max_steps=1, init_from="runs/x", overrides={"hidden_size": 64}).check()
+    TrainConfig(max_steps=1, init_from="runs/x", overrides={"dropout": 0.0}).check()
+
+
+@pytest.fixture(scope="module")
+def mlm_run(corpus_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mlm")
+    cfg = cfg_for(corpus_dir, tmp, task="mlm", preset="t2-roberta-tiny", max_steps=2, out_dir=str(tmp / "mlm"))
+    train(cfg)
+    return Path(cfg.out_dir)
+
+
+def test_clm_needs_a_causal_model(corpus_dir, tmp_path, mlm_run, capsys):
+    """A bidirectional model trained as a causal LM sees the tokens it predicts: refused, from a
+    preset, from a pretrained model, and in evaluation."""
+    with pytest.raises(ValueError, match="task 'clm' needs a causal model.*causal=False"):
+        train(cfg_for(corpus_dir, tmp_path, preset="t2-roberta-tiny", max_steps=1))
+    with pytest.raises(ValueError, match="task 'clm' needs a causal model"):
+        train(cfg_for(corpus_dir, tmp_path, preset=None, init_from=str(mlm_run), overrides={}, max_steps=1))
+    from transnormer.cli import main
+
+    assert main(["eval", "--model", str(mlm_run), "--task", "clm", "--data", str(corpus_dir), "--seq-len", "32",
+                 "--cache-dir", str(tmp_path.parent / "cache"), "--max-batches", "1"]) == 2
+    assert "task 'clm' needs a causal model" in capsys.readouterr().err
+
+
+def test_init_from_applies_a_dropout_override(corpus_dir, tmp_path, mlm_run):
+    import json
+
+    cfg = cfg_for(corpus_dir, tmp_path, task="mlm", preset=None, init_from=str(mlm_run),
+                  overrides={"dropout": 0.0}, max_steps=1)
+    train(cfg)
+    (ckpt,) = (Path(cfg.out_dir) / "checkpoints").glob("step-*")
+    assert json.loads((ckpt / "config.json").read_text())["dropout"] == 0.0
+
+
+def test_vocab_size_below_the_tokenizer_is_refused(corpus_dir, tmp_path):
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=1)
+    cfg.overrides = {**cfg.overrides, "vocab_size": 10}
+    with pytest.raises(ValueError, match="vocab_size 10 is below the tokenizer's 300 ids"):
+        train(cfg)
+
+
+def test_a_diverged_run_keeps_its_last_finite_checkpoint(corpus_dir, tmp_path, monkeypatch):
+    """The weights turn NaN after step 5; step 6's loss is NaN. The run stops there, saves no
+    checkpoint of the NaN weights and so keeps (keep_last=1) step 4's, and says it diverged."""
+    from safetensors.torch import load_file
+
+    from transnormer.train.checkpoint import list_checkpoints
+
+    orig, calls = torch.optim.AdamW.step, []
+
+    def step(self, *a, **k):
+        out = orig(self, *a, **k)
+        calls.append(1)
+        if len(calls) == 5:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=10, save_every=2, keep_last=1)
+    s = train(cfg)
+    assert s["diverged_at"] == 6 and s["steps"] == 6 and s["eval"] is None
+    (ckpt,) = list_checkpoints(Path(cfg.out_dir) / "checkpoints")
+    assert ckpt.name == "step-00000004"
+    assert all(bool(torch.isfinite(w).all()) for w in load_file(str(ckpt / "model.safetensors")).values())
+
+
+def test_a_kill_before_the_final_evaluation_is_made_good_on_resume(corpus_dir, tmp_path, monkeypatch):
+    import transnormer.train.tasks as tasks
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed during the final evaluation")
+
+    with monkeypatch.context() as m:
+        m.setattr(tasks, "_eval_lm", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg_for(corpus_dir, tmp_path, max_steps=3))  # the final checkpoint is written first
+    s = train(cfg_for(corpus_dir, tmp_path, max_steps=3, resume=True))
+    evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3] and s["eval"]["loss"] == evals[0]["loss"]
+
+
+def test_cls_without_a_dev_file_evaluates_its_train_split(tmp_path):
+    rng = random.Random(3)
+    lines = ["sentence\tlabel"] + [f"{' '.join(rng.choice(WORDS) for _ in range(8))}\t{i % 2}" for i in range(32)]
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path / "train.tsv"), vocab_size=300,
+                      seq_len=16, batch_size=8, max_steps=2, out_dir=str(tmp_path / "run"), progress=False,
+                      cache_dir=str(tmp_path / "cache"))
+    s = train(cfg)
+    (ev,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert ev["split"] == "train" and s["eval"]["n"] == 32
+
+
+def test_a_token_budget_and_max_steps_stop_at_whichever_comes_first(corpus_dir, tmp_path):
+    s = train(cfg_for(corpus_dir, tmp_path, max_steps=6, budget="256"))  # 4 x 32 = 128 tokens a step
+    assert s["steps"] == 2 and s["tokens"] == 256
+    s = train(cfg_for(corpus_dir, tmp_path, max_steps=1, budget="256"))
+    assert s["steps"] == 1
+
+
+def test_nothing_evaluated_is_no_loss():
+    """Zero scored tokens (e.g. zero batches) had reported loss 0, perplexity 1: a perfect model."""
+    import math
+
+    from transnormer.train.tasks import _eval_lm
+
+    res = _eval_lm(torch.nn.Linear(1, 1), [], DistInfo(), None, contextlib.nullcontext, shift=True)
+    assert math.isnan(res["loss"]) and res["eval_tokens"] == 0
+
+
+@pytest.mark.parametrize("device,match", [
+    ("foo", r"device \(--device\) must be 'cpu', 'cuda' or 'cuda:N', got 'foo'"),
+    ("cuda", r"device \(--device\) 'cuda' is not available here"),
+    ("cuda:0", r"device \(--device\) 'cuda:0' is not available here"),
+])
+def test_an_unusable_device_is_refused_up_front(device, match):
+    from transnormer.train.distributed import setup_distributed
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=match):
+        setup_distributed(device)
+
+
+def test_compare_keeps_a_given_eval_every(corpus_dir, tmp_path):
+    from transnormer.train.compare import compare
+
+    base = cfg_for(corpus_dir, tmp_path, max_steps=4, eval_every=3, out_dir=str(tmp_path / "cmp"))
+    compare(["t2-lm-tiny"], base)
+    evals = [r["step"] for r in read_metrics(tmp_path / "cmp" / "t2-lm-tiny" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [3, 4]  # not every step (4 steps // 8 evaluations per run)

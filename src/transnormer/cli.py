@@ -8,6 +8,29 @@ import sys
 from pathlib import Path
 
 
+def _column(value: str) -> int | str:
+    """A column name, or (all digits) a 0-based column index: a header-less file has no names."""
+    return int(value) if value.isdigit() else value
+
+
+CLS_COLUMNS = ("text_column", "text_pair_column", "label_column")
+
+
+def _add_cls_column_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-column", type=_column, help="cls: column name or 0-based index (default: detected)")
+    p.add_argument("--text-pair-column", type=_column)
+    p.add_argument("--label-column", type=_column)
+
+
+def _cls_read_kwargs(args) -> dict:
+    """The column flags given (an index 0 included); refused for a task that reads no columns."""
+    read = {k: getattr(args, k) for k in CLS_COLUMNS if getattr(args, k, None) is not None}
+    if args.task != "cls" and (read or getattr(args, "no_truncate", False)):
+        raise ValueError(f"--text-column, --text-pair-column, --label-column and --no-truncate apply to --task cls "
+                         f"only, not --task {args.task}")
+    return read
+
+
 def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False) -> None:
     from .train.loop import TrainConfig
 
@@ -23,15 +46,14 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--cache-dir")
-    p.add_argument("--text-column")
-    p.add_argument("--text-pair-column")
-    p.add_argument("--label-column")
+    _add_cls_column_args(p)
     p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process and micro-step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--budget", help="tokens ('200k', '2M') or time ('90s', '5min')")
+    p.add_argument("--max-steps", type=int, help="with --budget too, the run stops at whichever comes first")
+    p.add_argument("--budget", help="tokens ('200k', '2M') or time ('90s', '5min'); with --max-steps too, the run "
+                   "stops at whichever comes first (the schedule then follows --max-steps)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     p.add_argument("--warmup", type=int, default=d.warmup)
@@ -48,7 +70,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--device")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", dest="out_dir", default=d.out_dir)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps; 0 = at the end only (compare: 0 = 8 evaluations per run)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--keep-last", type=int, default=d.keep_last)
@@ -78,8 +101,7 @@ def _train_config(args) -> object:
         overrides = parse_overrides(args.set)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    read = {k: getattr(args, k) for k in ("text_column", "text_pair_column", "label_column")
-            if getattr(args, k, None)}
+    read = _cls_read_kwargs(args)
     fields = TrainConfig.__dataclass_fields__
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     kw["betas"] = tuple(args.betas)
@@ -91,6 +113,11 @@ def cmd_train(args) -> int:
 
     summary = train(_train_config(args))
     print(json.dumps(summary, indent=1, default=str))
+    if summary.get("diverged_at") is not None:  # a failed run: scripts must not take it for a model
+        print(f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite loss or "
+              "gradient); its weights were not saved, earlier checkpoints are kept (try a lower --lr or --clip)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -171,13 +198,16 @@ def cmd_eval(args) -> int:
     from .train.loop import TrainConfig, autocast_factory, build_model_for
     from .train.tasks import build_task_data
 
+    if args.max_batches is not None and args.max_batches < 1:  # 0 batches had reported loss 0 / ppl 1
+        raise ValueError(f"--max-batches must be >= 1 (or left out: the whole split), got {args.max_batches}")
+    if args.stride is not None and args.task != "clm":  # mlm and cls windows do not slide
+        raise ValueError(f"--stride applies to --task clm only, not --task {args.task}")
+    read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
     tok_dir = args.tokenizer or str(model_dir / "tokenizer")
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=tok_dir,
                       seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
-                      cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype,
-                      cls_read_kwargs={k: getattr(args, k) for k in ("text_column", "text_pair_column",
-                                                                     "label_column") if getattr(args, k)})
+                      cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read)
     info = setup_distributed(args.device)
 
     autocast = autocast_factory(info.device, args.dtype)
@@ -217,14 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--stride", type=int, help="clm sliding-window stride (default: seq-len)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-batches", type=int)
+    p.add_argument("--max-batches", type=int, help=">= 1 (default: the whole split)")
     p.add_argument("--tokenizer")
     p.add_argument("--cache-dir")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--device")
-    p.add_argument("--text-column")
-    p.add_argument("--text-pair-column")
-    p.add_argument("--label-column")
+    _add_cls_column_args(p)
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 

@@ -44,7 +44,7 @@ def cmd_dilution(args) -> int:
     for flag, value in (("--seq-len", args.seq_len), ("--samples", args.samples)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    models, tok = {}, None
+    models, toks = {}, {}
     for name in names:
         if Path(name).exists():
             from transformers import AutoModel
@@ -53,7 +53,15 @@ def cmd_dilution(args) -> int:
 
             d = resolve_model_dir(name)
             models[name] = AutoModel.from_pretrained(d).eval()
-            tok = tok or load_tokenizer_for(d, args.tokenizer)
+            toks[name] = load_tokenizer_for(d, args.tokenizer)
+            if toks[name].vocab_size > models[name].config.vocab_size:  # ids past its embedding
+                raise ValueError(f"--tokenizer: {toks[name].vocab_size} ids, more than the vocab_size "
+                                 f"{models[name].config.vocab_size} of {name}")
+    # every model reads the same ids: each model's own tokenizer must be the same one
+    if len({t.fingerprint for t in toks.values()}) > 1:
+        raise ValueError(f"--models: {', '.join(toks)} were trained with different tokenizers; compare models that "
+                         "share one (or analyze each in its own run)")
+    tok = next(iter(toks.values()), None)
     if tok is None:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(
             load_corpus(args.data, cache_dir=args.cache_dir), args.vocab_size, cache_dir=args.cache_dir)

@@ -273,7 +273,7 @@ def _detect_columns(columns: Sequence[str], path: Path) -> tuple[int, int | None
             return i, None
     raise ValueError(
         f"{str(path)!r}: cannot tell which column holds the text (columns: {list(columns)}); "
-        "pass text_column= (and text_pair_column= for pairs)"
+        "pass text_column= (CLI: --text-column; and text_pair_column= / --text-pair-column for pairs)"
     )
 
 
@@ -365,7 +365,7 @@ def read_classification_file(
         hint = " or require_labels=False for an unlabelled file" if labels_by_default else ""
         raise ValueError(
             f"{src!r}: no label column (columns: {list(columns)}; looked for {list(_LABEL_COLUMNS)}); "
-            f"pass label_column={hint}"
+            f"pass label_column= (CLI: --label-column){hint}"
         )
     if label_idx is not None and label_idx in (text_idx, pair_idx):
         raise ValueError(f"{src!r}: label column {columns[label_idx]!r} is also a text column")

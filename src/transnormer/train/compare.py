@@ -18,6 +18,8 @@ from .metrics import plot_curves, read_metrics
 
 
 def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) -> dict:
+    """Train each preset with ``base``'s settings; evaluate ``evals_per_run`` times per run unless
+    ``base`` sets eval_every or eval_every_s."""
     if not presets:
         raise ValueError("presets: give at least one preset name")
     if len(set(presets)) != len(presets):  # each run writes to out/NAME: a repeat would overwrite the first
@@ -34,13 +36,15 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
     for name in presets:
         cfg = copy.deepcopy(base)
         cfg.preset, cfg.out_dir = name, str(out / name)
-        if kind == "seconds":
+        if cfg.eval_every or cfg.eval_every_s:
+            pass  # the caller's evaluation interval is kept
+        elif kind == "seconds":
             cfg.eval_every_s = amount / evals_per_run
         elif kind == "steps":
             cfg.eval_every = max(1, amount // evals_per_run)
-        else:
+        else:  # tokens: the steps they take, or max_steps when that comes first (as train() stops)
             steps = math.ceil(amount / (cfg.batch_size * cfg.seq_len * cfg.grad_accum * world))
-            cfg.eval_every = max(1, steps // evals_per_run)
+            cfg.eval_every = max(1, min(steps, cfg.max_steps or steps) // evals_per_run)
         print(f"\n=== {name} ===", flush=True)
         summary = _train_isolated(cfg)
         summaries.append(summary)

@@ -39,11 +39,19 @@ def setup_distributed(device: str | None = None) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
+    try:
         dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device (--device) must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda" and dev.index is None:  # "cuda": this process's GPU under torchrun
+        dev = torch.device("cuda", local_rank)
+    try:
+        torch.empty(0, device=dev)  # an absent device fails here, not deep in the model
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"device (--device) {device!r} is not available here: "
+                         f"{str(e).splitlines()[0][:200]}") from None
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)

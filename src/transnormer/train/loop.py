@@ -54,7 +54,7 @@ class TrainConfig:
     task: str = "clm"  # clm | mlm | cls
     preset: str | None = "t2-lm-tiny"
     config_file: str | None = None  # a config.json (overrides preset)
-    overrides: dict = field(default_factory=dict)  # config fields, e.g. {"dropout": 0.0}
+    overrides: dict = field(default_factory=dict)  # config fields, e.g. {"dropout": 0.0} (check_overrides)
     init_from: str | None = None  # pretrained model dir to fine-tune from
     data: str = "stdlib"
     data_seed: int = 0
@@ -67,7 +67,7 @@ class TrainConfig:
     batch_size: int = 8  # per rank, per micro-step
     grad_accum: int = 1
     max_steps: int | None = None
-    budget: str | None = None  # "50k" / "2M" tokens, or "90s" / "5min" / "1h"
+    budget: str | None = None  # "50k" / "2M" tokens, or "90s" / "5min" / "1h"; with max_steps, whichever comes first
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
@@ -110,8 +110,10 @@ class TrainConfig:
                      "min_lr_ratio", "warmup_init_lr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be > 0 and finite, got {self.lr}")
+        if not self.min_lr_ratio <= 1:  # a fraction of lr: above 1 the "decay" would raise the rate
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 (or None with a budget), got {self.max_steps}")
         if self.eval_batches is not None and self.eval_batches < 1:
@@ -120,6 +122,15 @@ class TrainConfig:
             raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
         if self.budget is not None:
             parse_budget(self.budget)
+        if self.task != "cls" and (self.cls_read_kwargs or self.no_truncate):  # they would change nothing
+            raise ValueError(f"cls_read_kwargs (--text-column, --text-pair-column, --label-column) and no_truncate "
+                             f"apply to task 'cls' only, not {self.task!r}")
+        if self.init_from and self.config_file:  # the pretrained model's own config.json is the config
+            raise ValueError("give config_file (--config) or init_from (--init-from), not both")
+        check_overrides(self.overrides)
+        if self.init_from and set(self.overrides) - set(INIT_FROM_OVERRIDES):
+            raise ValueError(f"overrides (--set): with init_from only {', '.join(INIT_FROM_OVERRIDES)} can change "
+                             f"(the pretrained weights fix the rest), got {sorted(self.overrides)}")
         if self.preset and not (self.config_file or self.init_from):
             from ..presets import get_config
 
@@ -132,6 +143,56 @@ class TrainConfig:
 RESUMABLE_CHANGES = ("out_dir", "resume", "eval_every", "eval_every_s", "eval_batches", "eval_stride", "save_every",
                      "keep_last", "log_every", "grad_stats", "stop_after", "progress", "device", "compile",
                      "cache_dir", "batch_size")
+
+
+# What --set may change in a model loaded with init_from: its weights fix every other field.
+INIT_FROM_OVERRIDES = ("dropout", "attention_dropout", "classifier_dropout")
+
+
+def _has_type(value, hint) -> bool:
+    """Whether a JSON value fits a type hint such as ``float`` or ``list[str] | None``."""
+    import typing
+
+    kinds = [typing.get_origin(t) or t for t in (typing.get_args(hint) or (hint,))]
+    if isinstance(value, bool):  # a bool is an int to isinstance, not to a config
+        return bool in kinds
+    if isinstance(value, int) and float in kinds:
+        return True
+    return any(isinstance(value, k) for k in kinds)
+
+
+def check_overrides(overrides: dict) -> None:
+    """Each override must name a TransNormerConfig field and hold a value of its type: a typo would
+    otherwise be stored as an extra config key that changes nothing, and a wrong type would fail
+    deep in the model without naming the field."""
+    import difflib
+    import typing
+
+    from ..models import TransNormerConfig
+
+    if not overrides:
+        return
+    hints = typing.get_type_hints(TransNormerConfig.__init__)
+    known = set(hints) | set(TransNormerConfig().to_dict()) | {"num_labels"}  # ours and PretrainedConfig's
+    for key, value in overrides.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise ValueError(f"overrides (--set): {key!r} is not a TransNormerConfig field"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+        if key in hints and not _has_type(value, hints[key]):
+            kinds = typing.get_args(hints[key]) or (hints[key],)
+            names = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds)
+            raise ValueError(f"overrides (--set): {key}={value!r} must be {names} (a JSON value)")
+
+
+def check_model_fits(config, cfg: TrainConfig, vocab_size: int) -> None:
+    """The model must suit the task and cover the tokenizer's ids (before any training)."""
+    if cfg.task == "clm" and not getattr(config, "causal", True):  # it would see the tokens it predicts
+        raise ValueError(f"task 'clm' needs a causal model, but {cfg.preset or cfg.config_file or cfg.init_from} "
+                         "is bidirectional (causal=False); use an LM preset or task 'mlm'")
+    if config.vocab_size < vocab_size:  # an embedding lookup past its end
+        raise ValueError(f"vocab_size {config.vocab_size} is below the tokenizer's {vocab_size} ids; "
+                         "leave vocab_size unset (it follows the tokenizer) or give a smaller tokenizer")
 
 
 def config_changes(saved: dict, cfg: TrainConfig) -> list[str]:
@@ -148,6 +209,8 @@ def parse_budget(budget: str) -> tuple[str, float]:
     if not m:
         raise ValueError(f"budget must look like '200k' (tokens) or '5min' (time), got {budget!r}")
     x, unit = float(m.group(1)), m.group(2) or ""
+    if x <= 0:  # nothing to train: 0 tokens had still run one step, 0 seconds saved an untrained step 0
+        raise ValueError(f"budget must be > 0, got {budget!r}")
     if unit in ("s", "sec"):
         return "seconds", x
     if unit in ("m", "min"):
@@ -173,8 +236,10 @@ def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, 
         config = TransNormerConfig.from_json_file(cfg.config_file)
         for k, v in {**overrides, **extra}.items():
             setattr(config, k, v)
-        return config
-    return get_config(cfg.preset, **overrides, **extra)
+    else:
+        config = get_config(cfg.preset, **overrides, **extra)
+    check_model_fits(config, cfg, vocab_size)
+    return config
 
 
 def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
@@ -187,7 +252,10 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
         head = {"clm": "CausalLM", "mlm": "MaskedLM", "cls": "SequenceClassification"}[cfg.task]
         extra = {"num_labels": num_labels} if num_labels else {}
         init = resolve_model_dir(cfg.init_from, what="init_from")  # a run directory works too
-        return getattr(transformers, f"AutoModelFor{head}").from_pretrained(init, **extra)
+        # overrides: only INIT_FROM_OVERRIDES (TrainConfig.check); checked before the weights load
+        config = transformers.AutoConfig.from_pretrained(init, **extra, **cfg.overrides)
+        check_model_fits(config, cfg, vocab_size)
+        return getattr(transformers, f"AutoModelFor{head}").from_pretrained(init, config=config)
     return build_model(model_config_for(cfg, vocab_size, num_labels, pad_id), task=cfg.task)
 
 
@@ -277,12 +345,11 @@ def train(cfg: TrainConfig) -> dict:
                                   eps=cfg.adam_eps, fused=cfg.strategy != "fsdp" or not info.enabled)
     tokens_per_step = data.tokens_per_step * cfg.grad_accum * info.world_size
     budget_kind, budget = parse_budget(cfg.budget) if cfg.budget else ("steps", None)
-    if cfg.max_steps is not None:
-        total_steps = cfg.max_steps
-    elif budget_kind == "tokens":
-        total_steps = max(1, math.ceil(budget / tokens_per_step))
-    else:
-        total_steps = None  # time budget: estimated from the first steps' speed
+    # max_steps and a budget together: whichever comes first ends the run (a time budget stops the
+    # loop below; the schedule then follows max_steps)
+    total_steps = cfg.max_steps
+    if budget_kind == "tokens":
+        total_steps = min(total_steps or math.inf, max(1, math.ceil(budget / tokens_per_step)))
     sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or 10**9,
              "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
     scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
@@ -348,7 +415,10 @@ def train(cfg: TrainConfig) -> dict:
         if info.is_main:
             save_checkpoint(ckpt_root, step, unwrap(model), state, tokenizer=data.tokenizer, keep_last=cfg.keep_last)
 
-    def evaluate(split="valid"):
+    if data.eval_split != "valid":
+        log(f"{cfg.data} has no validation split: evaluating on its {data.eval_split} split")
+
+    def evaluate(split=data.eval_split):  # the task's split: a cls dataset may have no dev file
         res = data.evaluate(unwrap(model), split, cfg.eval_batches)
         metrics.log({"kind": "eval", "step": step, "split": split, "tokens": tokens_seen, "elapsed": elapsed, **res})
         return res
@@ -361,6 +431,7 @@ def train(cfg: TrainConfig) -> dict:
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
     last_eval, last_eval_step = None, None
     start_step = step
+    diverged_at = None
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
     while True:
         if total_steps is not None and step >= total_steps:
@@ -408,8 +479,11 @@ def train(cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
-        if not math.isfinite(loss_val):
-            log(f"step {step}: loss is {loss_val}; stopping")
+        # a non-finite gradient has just made the weights non-finite too (the optimizer applied it)
+        if not (math.isfinite(loss_val) and math.isfinite(float(grad_norm))):
+            log(f"step {step}: loss {loss_val}, gradient norm {float(grad_norm)}: the run diverged; stopping "
+                "without saving these weights (the checkpoints before them are kept)")
+            diverged_at = step
             break
         if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
             last_eval, last_eval_step = evaluate(), step
@@ -428,12 +502,22 @@ def train(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
 
-    if step == start_step and step > 0:  # resumed a finished run: its final checkpoint and evaluation exist
+    if diverged_at is not None:
+        # No final checkpoint: its non-finite weights would be what --resume and --model find, and
+        # keep_last would prune a good checkpoint for them. Nor an evaluation of them.
+        records = read_metrics(out / "metrics.jsonl") if info.is_main else []
+    elif step == start_step and step > 0:  # resumed a finished run: its final checkpoint exists
         log(f"resume: the run already reached step {step}; nothing to train")
         records = read_metrics(out / "metrics.jsonl") if info.is_main else []
         evals = [r for r in records if r.get("kind") == "eval" and r["step"] == step]
         last_eval = ({k: v for k, v in evals[-1].items() if k not in ("kind", "step", "split", "tokens", "elapsed")}
                      if evals else None)
+        # a kill between the final checkpoint and its evaluation: evaluate now (rank 0 read the
+        # metrics; every rank takes part in the evaluation)
+        (missing,) = all_reduce_sum([float(info.is_main and not evals)], info)
+        if missing:
+            last_eval = evaluate()
+            records = read_metrics(out / "metrics.jsonl") if info.is_main else []
     else:
         if saved_step != step:  # the checkpoint first: a failing evaluation must not lose it
             checkpoint()
@@ -448,6 +532,7 @@ def train(cfg: TrainConfig) -> dict:
         "tokens_per_s": float(np.median(speeds)) if speeds else tokens_seen / max(elapsed, 1e-9),
         "peak_mem_mb": peak_memory_mb(info), "final_train_loss": train_pts[-1][1] if train_pts else None,
         "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
+        "diverged_at": diverged_at,  # the step whose loss or gradient was not finite, else None
     }
     if recorder is not None and info.is_main:
         recorder.flush()

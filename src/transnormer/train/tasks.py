@@ -38,6 +38,7 @@ class TaskData:
     tokens_per_step: int  # tokens one optimizer micro-batch holds on this rank
     num_labels: int | None = None
     extra: dict = field(default_factory=dict)
+    eval_split: str = "valid"  # what the training loop evaluates (cls without a dev file: "train")
 
 
 class MLMBatches:
@@ -143,7 +144,7 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
         count += int((labels != -100).sum())
     model.train()
     total, count = all_reduce_sum([total, count], info)
-    loss = total / max(count, 1)
+    loss = total / count if count else float("nan")  # nothing scored: no loss (0 would read as perfect)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
 
 
@@ -195,7 +196,7 @@ def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batc
         p = torch.cat([g[0] for g in gathered])
         y = torch.cat([g[1] for g in gathered])
     (loss_sum,) = all_reduce_sum([loss_sum], info)
-    return {"loss": loss_sum / max(len(y), 1), **classification_metrics(p, y)}
+    return {"loss": loss_sum / len(y) if len(y) else float("nan"), **classification_metrics(p, y)}
 
 
 def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
@@ -265,5 +266,5 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
 
         return TaskData(tok, ClsBatches(datasets["train"], collate, sampler), evaluate,
                         cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),
-                        extra={"label_set": labels})
+                        extra={"label_set": labels}, eval_split=eval_split)
     raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {cfg.task!r}")
