@@ -49,7 +49,7 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
                     target = 0.5 if causal else 0.7
                     name = f"op {'causal' if causal else 'bidirectional'} {dname} T={T} [{r['backend']}]"
                     useful = (f"; useful FLOPs (causal half of the score tiles, which the fused kernel skips) "
-                              f"{r['frac_useful']:.0%} of it" if causal and r["backend"] == "native" else "")
+                              f"{r['frac_useful']:.0%} of it" if causal and r["backend"].startswith("native") else "")
                     # Two readings of "the measured GEMM throughput": the (a matmul of the same
                     # dtype and similar shape) and the stricter square-GEMM peak. Both are printed.
                     verdicts.append(verdict(
