@@ -336,3 +336,27 @@ def test_one_token_views_and_autocast(dtype):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert softmax_attn(q, q, q, causal=True).dtype == torch.bfloat16
         assert block_attn(q, q, q, block_size=64, causal=True).dtype == torch.bfloat16
+
+
+@needs_f32
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [1, 63, 65])
+def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, causal, T):
+    """No AMX: bf16 attention over all keys takes the fp32 kernel on fp32 copies (SDPA's bf16 form
+    ran at a third to a half of its speed there); blocks keep their PyTorch form."""
+    monkeypatch.setattr(_native, "amx_ready", lambda: False)
+    dtypes = []
+    real = _native.native_softmax_attn
+    monkeypatch.setattr(_native, "native_softmax_attn", lambda q, *a, **kw: dtypes.append(q.dtype) or real(q, *a, **kw))
+    q, k, v = (torch.randn(2, T, 2, 32, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    o = softmax_attn(q, k, v, causal=causal)
+    assert dtypes == [torch.float32] and o.dtype == torch.bfloat16
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = softmax_attn_reference(qd, kd, vd, causal=causal)
+    assert rel_err(o.double(), ref) < 5e-3
+    go = torch.randn_like(ref)
+    for g, r in zip(torch.autograd.grad(o, (q, k, v), go.bfloat16()), torch.autograd.grad(ref, (qd, kd, vd), go)):
+        assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
+    assert not _native.softmax_upcast_usable(q, k, v, window=64)  # blocks: the PyTorch bf16 form
+    monkeypatch.setattr(_native, "amx_ready", lambda: True)
+    assert not _native.softmax_upcast_usable(q, k, v)  # with AMX: the bf16 kernel

@@ -372,6 +372,17 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
     return False
 
 
+def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
+    """Whether bf16 softmax attention over all keys runs the fp32 kernel on fp32 copies: CPU bf16 q, k,
+    v with D, E multiples of 16, on a machine whose library has no AMX kernel. Not for blocks
+    (``window`` > 0): there the PyTorch bf16 form of ``block_attn`` was as fast or faster."""
+    if _mode == "torch" or torch.compiler.is_compiling() or window:
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)) or 0 in q.shape or 0 in v.shape:
+        return False
+    return q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and softmax_f32_ready() and not amx_ready()
+
+
 class NativeSoftmaxAttn(torch.autograd.Function):
     """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the AMX kernel, fp32: the AVX-512 one) with
     token rows readable in place (:func:`token_rows_ok`).
@@ -420,6 +431,10 @@ def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) 
         return None
     q, k, v = autocast_inputs(q, k, v)
     if not softmax_usable(q, k, v, window):
+        if softmax_upcast_usable(q, k, v, window):
+            # bf16 on a CPU without AMX: the fp32 kernel on fp32 copies, 1.7-3.5x the SDPA bf16 fallback
+            # (vanilla shapes, fwd+bwd, docs/benchmarks.md); fp32 math, the output rounds once to bf16
+            return native_softmax_attn(q.float(), k.float(), v.float(), causal=causal, scale=scale).to(q.dtype)
         return None
     B, T = q.shape[:2]
     if window and T % window == 0:
