@@ -153,3 +153,11 @@ def test_encoder_model_runs_all_bidirectional_types():
     for name in BIDIRECTIONAL:
         out = TransNormerModel(get_config(name, vocab_size=97))(torch.randint(0, 97, (2, 9)))
         assert torch.isfinite(out.last_hidden_state).all()
+
+
+def test_flash_tn_lm_has_the_ports_ten_layers():
+    # flash.md §6: OpenNLPLab's flash_wiki has 10 layers at d = 512; the paper's Table 4 lists 153M
+    with torch.device("meta"):
+        m = build_model("flash-tn-lm")
+    n = sum(p.numel() for p in m.parameters())
+    assert m.config.num_hidden_layers == 10 and abs(n / 1e6 - 153) < 1

@@ -19,7 +19,13 @@ attention + FFN), e = 2d, s = 128, ScaleNorm pre-norm and final ScaleNorm, scale
     flash-*        FLASH layers, C = 256, global N_g = visible
     flash-tn-*     flash.md §6 ``tn_baseline``: the numerics of the FLASH the TransNormer paper
                    compared against (OpenNLPLab port): C = 64, global N_g = 1/C, fairseq sinusoid
-                   on √d-scaled embeddings; padding masks stay correct
+                   on √d-scaled embeddings; padding masks stay correct. The LM has the port's 10
+                   layers (``flash_wiki``; 153.5M parameters, the paper's Table 4 lists 153M)
+
+Dropout: the GAU models keep the T2 presets' training dropout (0.1 on the embedding and the
+residual branches, none on A), so a comparison changes only the mixer. flash.md §1.4 leaves
+dropout open and names "on A only" as one choice [D]; dropout on A would also take causal FLASH
+off its fused path (``layers/gau.py``). Set ``attention_dropout`` (and ``dropout=0``) for it.
 
 The softmax baseline keeps T2's GLU FFN and SRMSNorm, so it isolates the attention rule; the
 fairseq ``transformer_lm`` block would be ``ffn_type="ffn", ffn_act="relu", ffn_hidden_size=2048,
@@ -78,6 +84,10 @@ def _tn_baseline(task: str, small: bool):
         cfg = flash()
         opts = dict(cfg["layer_options"]["flash"], chunk_size=32 if small else 64, normalizer="chunk")
         cfg.update(layer_options={"flash": opts}, abs_pos="sinusoidal", scale_embedding=True)
+        if task == "clm" and not small:
+            # the authors' flash_wiki: 10 layers at d = 512 (flash.md §6), 153.5M parameters with
+            # our vocabulary, as the paper's Table 4 lists for FLASH (153M; 12 layers: 156.8M)
+            cfg.update(_layers("flash", 10))
         return cfg
 
     return make

@@ -168,8 +168,11 @@ def flash_lra_config(task: str, *, tiny: bool = False, **kw) -> dict:
 
     Everything outside the token mixer is the TransNormer LRA stack (masked BatchNorm pre-norm, as in
     the authors' ``trans-flash-lra-*`` yamls, flash.md §6). FLASH: e = 2d, s = min(128, d), RoPE +
-    Toeplitz bias, global normaliser "visible", chunk C = 64 (the OpenNLPLab ports the TransNormer
-    paper compared against, flash.md §6 ``tn_baseline``; 32 for ``-tiny``).
+    Toeplitz bias; a mix of flash.md §6's two presets, chosen [D]: the chunk C = 64 of
+    ``tn_baseline`` (the OpenNLPLab ports the TransNormer paper compared against; 32 for ``-tiny``)
+    with the global normaliser "visible" of ``paper`` (``tn_baseline``'s 1/C grows with the
+    number of chunks, which on LRA's 1k–16k-token inputs is 16–256). Depth and width are the
+    TransNormer LRA stack's, doubled in layers, not the yamls' own.
     """
     cfg = lra_config(task, "t2", tiny=tiny)
     layers = 2 * cfg["num_hidden_layers"]
