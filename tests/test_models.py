@@ -255,9 +255,13 @@ def test_classification_labels_are_checked():
     assert torch.equal(cls(x, labels=torch.tensor([2, 0])).loss, cls(x, labels=torch.tensor([[2], [0]])).loss)
     with pytest.raises(ValueError, match="single-label labels"):
         cls(x, labels=torch.tensor([2, 0, 1]))
+    # the inferred problem type is kept in the config (HF's heads do so; pipelines read it)
+    assert reg.config.problem_type == "regression" and cls.config.problem_type == "single_label_classification"
+    cls.config.problem_type = None
     multi = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
     expected = torch.nn.functional.binary_cross_entropy_with_logits(cls(x).logits, multi)
     assert torch.allclose(cls(x, labels=multi).loss, expected)
+    assert cls.config.problem_type == "multi_label_classification"
     cls.config.problem_type = "ranking"
     with pytest.raises(ValueError, match="problem_type"):
         cls(x, labels=torch.tensor([2, 0]))
@@ -359,3 +363,49 @@ def test_fp64_classification_loss_stays_fp64():
         out = cls(input_ids=ids, labels=labels)
     assert out.loss.dtype == torch.float64
     assert float(out.loss) == pytest.approx(float(torch.nn.functional.cross_entropy(out.logits, labels)), abs=1e-15)
+
+
+
+@pytest.mark.parametrize("initializer", ["paper", "normal"])
+def test_an_encoder_loaded_as_masked_lm_gets_an_initialised_head(tmp_path, initializer):
+    # from_pretrained creates weights the checkpoint lacks with torch.empty and relies on
+    # _init_weights: the head's output bias (and, with "normal", its LayerNorm) were left as garbage
+    from transnormer.models import TransNormerForMaskedLM
+
+    torch.manual_seed(0)
+    base = TransNormerModel(small(causal=False, initializer=initializer))
+    base.save_pretrained(tmp_path)
+    for _ in range(2):
+        mlm = TransNormerForMaskedLM.from_pretrained(tmp_path)
+        head = mlm.lm_head
+        assert torch.equal(head.bias, torch.zeros_like(head.bias))
+        assert torch.equal(head.norm.weight, torch.ones_like(head.norm.weight))
+        assert torch.equal(head.norm.bias, torch.zeros_like(head.norm.bias))
+        assert torch.equal(mlm.model.embed_tokens.weight, base.embed_tokens.weight)  # loaded, not reset
+        assert torch.isfinite(mlm(torch.randint(3, 97, (2, 9))).logits).all()
+    head.bias.data.fill_(0.25)
+    mlm.save_pretrained(tmp_path / "mlm")
+    assert torch.equal(TransNormerForMaskedLM.from_pretrained(tmp_path / "mlm").lm_head.bias, head.bias)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("diag_num_attention_heads", -4, "diag_num_attention_heads must be None or an int >= 1"),
+    ("diag_num_attention_heads", 2.0, "diag_num_attention_heads must be None or an int >= 1"),
+    ("ffn_hidden_size", 0, "ffn_hidden_size must be None or an int >= 1"),
+    ("attention_dropout", 2.0, r"attention_dropout must be a probability in \[0, 1\]"),
+    ("classifier_dropout", -0.1, "classifier_dropout must be a probability"),
+    ("pre_norm", "no", "pre_norm must be a bool"),
+    ("layer_options", {"nrom": {}}, "unknown layer types \\['nrom'\\]"),
+    ("layer_options", {"norm": 3}, "layer_options must map layer types to dicts"),
+])
+def test_config_values_are_checked(field, value, match):
+    # these used to fail deep inside a layer, or (a truthy string, a misspelt type) be accepted
+    with pytest.raises((ValueError, TypeError), match=match):
+        TransNormerConfig(**{field: value}).check()
+
+
+def test_inputs_embeds_are_checked():
+    model = TransNormerForCausalLM(small()).eval()
+    for bad in (torch.randn(2, 8), torch.randn(2, 8, 16), torch.ones(2, 8, 32, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"inputs_embeds must be a floating-point \[B, T, hidden_size=32\]"):
+            model(inputs_embeds=bad)

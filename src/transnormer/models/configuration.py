@@ -160,6 +160,22 @@ class TransNormerConfig(PretrainedConfig):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("diag_num_attention_heads", "ffn_hidden_size"):  # None: derived
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        for name in ("dropout", "attention_dropout", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is None and name == "classifier_dropout":  # None: dropout's
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        for name in ("pre_norm", "final_norm", "scale_embedding", "embed_norm", "causal", "eps_inside_sqrt",
+                     "norm_per_head", "lrpe_learn_theta", "diag_norm"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "diag_norm" and value is None):
+                # a string such as "no" would otherwise count as True
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         if self.variant not in VARIANT_DEFAULTS:
             raise ValueError(f"variant must be one of {tuple(VARIANT_DEFAULTS)}, got {self.variant!r}")
         heads = [self.num_attention_heads] + ([self.diag_num_attention_heads] if self.diag_num_attention_heads else [])
@@ -167,6 +183,13 @@ class TransNormerConfig(PretrainedConfig):
             if self.hidden_size % h:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by the number of heads ({h})")
         self.validate_layer_type()
+        from ..layers import LAYER_TYPES
+
+        if not isinstance(self.layer_options, dict) or not all(isinstance(v, dict) for v in self.layer_options.values()):
+            raise TypeError(f"layer_options must map layer types to dicts of options, got {self.layer_options!r}")
+        unknown = sorted(set(self.layer_options) - set(LAYER_TYPES))
+        if unknown:  # a misspelt type's options would be ignored
+            raise ValueError(f"layer_options has unknown layer types {unknown}; known: {sorted(LAYER_TYPES)}")
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
         if self.ffn_type not in FFN_TYPES:

@@ -130,10 +130,18 @@ class TransNormerPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
-        if cfg.initializer == "normal":  # RoBERTa: N(0, 0.02²) weights, zero biases
+        if isinstance(module, TransNormerLMHead):
+            # its own output bias, a bare Parameter no branch below reaches: from_pretrained leaves
+            # a head the checkpoint lacks (an encoder loaded as a masked LM) as torch.empty
+            nn.init.zeros_(module.bias)
+        if cfg.initializer == "normal":  # RoBERTa: N(0, 0.02²) weights, zero biases, unit LayerNorms
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=cfg.initializer_range)
                 if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
                     nn.init.zeros_(module.bias)
             return
         if isinstance(module, nn.Embedding):  # fairseq LM: N(0, d^-1/2)
@@ -238,6 +246,12 @@ class TransNormerModel(TransNormerPreTrainedModel):
                 raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
             x = self.embed_tokens(input_ids)
         else:
+            d = self.config.hidden_size
+            if (not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != d
+                    or not inputs_embeds.is_floating_point()):
+                raise ValueError(f"inputs_embeds must be a floating-point [B, T, hidden_size={d}] tensor, got "
+                                 f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds))} "
+                                 f"{tuple(getattr(inputs_embeds, 'shape', ()))}")
             x = inputs_embeds
         x = x * self.embed_scale
         B, T = x.shape[:2]
@@ -535,7 +549,11 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)
         logits = self.classifier(pool(out.last_hidden_state, attention_mask, self.config.classifier_pooling))
-        loss = None if labels is None else classification_loss(logits, labels, self.config.problem_type)
+        loss = None
+        if labels is not None:
+            if self.config.problem_type is None:  # kept, as HF's heads do: pipelines read it
+                self.config.problem_type = infer_problem_type(logits, labels)
+            loss = classification_loss(logits, labels, self.config.problem_type)
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
@@ -547,18 +565,22 @@ def _loss_dtype(logits: torch.Tensor) -> torch.Tensor:
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
 
+def infer_problem_type(logits: torch.Tensor, labels: torch.Tensor) -> str:
+    """HF's rule: regression for one output, multi-label for float labels [B, C], else single-label."""
+    if logits.shape[-1] == 1:
+        return "regression"
+    if labels.is_floating_point() and tuple(labels.shape) == tuple(logits.shape):
+        return "multi_label_classification"
+    return "single_label_classification"
+
+
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None) -> torch.Tensor:
     """The loss of logits [B, C] as Hugging Face's heads define it: ``problem_type`` (or, when None,
     regression for C = 1, multi-label for float labels [B, C], else single-label) decides MSE,
     BCE-with-logits or cross-entropy. Labels of the wrong size raise instead of broadcasting."""
     B, C = logits.shape
     if problem_type is None:
-        if C == 1:
-            problem_type = "regression"
-        elif labels.is_floating_point() and tuple(labels.shape) == (B, C):
-            problem_type = "multi_label_classification"
-        else:
-            problem_type = "single_label_classification"
+        problem_type = infer_problem_type(logits, labels)
     if problem_type == "regression":
         if labels.numel() != B * C:
             raise ValueError(f"regression labels must have B·num_labels = {B * C} values ([B] or [B, {C}]), got "
