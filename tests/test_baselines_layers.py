@@ -359,3 +359,26 @@ def test_diag_and_flash_refuse_left_padding_when_blocks_matter():
     with pytest.raises(ValueError, match="FLASH cuts blocks by index"):
         FLASH(16, causal=True, qk_dim=8, chunk_size=4)(x, attention_mask=mask)
     DiagAttention(16, 2, causal=True, block_size=16)(x, attention_mask=mask)  # one block: no difference
+
+
+def test_performer_redraw_leaves_pending_backward_intact():
+    # a redraw rewrote the projection in place, which an earlier call's graph had saved
+    torch.manual_seed(0)
+    layer = Performer(16, 2, causal=True, redraw_interval=2).train()
+    x = torch.randn(1, 5, 16, requires_grad=True)
+    y1, _ = layer(x)
+    layer(x)
+    y3, _ = layer(x)  # the third training call draws a new projection
+    assert layer.num_redraws.item() >= 1
+    (y1.sum() + y3.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_mixers_check_the_mask_and_positions_shape():
+    # an all-true mask of the wrong shape used to be dropped unchecked
+    layer = SoftmaxAttention(8, 2, causal=True)
+    x = torch.randn(1, 5, 8)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\] = \(1, 5\)"):
+        layer(x, attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="positions must be"):
+        layer(x, positions=torch.arange(4)[None])

@@ -378,11 +378,48 @@ def test_performer_works_at_large_head_dims():
         assert ya.norm() > 0 and rel_err(ya, yb) < 1e-4
 
 
-def test_eps_must_be_positive():
+def test_eps_zero_divides_exactly_and_negative_eps_is_refused():
     from transnormer.layers import LinearAttention
 
-    with pytest.raises(ValueError, match="eps must be > 0"):
-        LinearAttention(16, 2, causal=True, eps=0.0)
-    q = torch.rand(1, 5, 1, 4)
-    with pytest.raises(ValueError, match="eps must be > 0"):
-        kernel_linear_attn(q, q, q, causal=True, eps=0.0)
+    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+        LinearAttention(16, 2, causal=True, eps=-1e-6)
+    q = torch.rand(1, 5, 1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        kernel_linear_attn(q, q, q, causal=True, eps=-1.0)
+    mask = torch.tensor([[False, False, True, True, True]])  # left padding: rows 0-1 see no key
+    o, _ = kernel_linear_attn(q, q, q, causal=True, eps=0.0, key_padding_mask=mask)
+    ref = kernel_linear_attn_reference(q, q, q, causal=True, eps=0.0, key_padding_mask=mask)
+    assert torch.equal(o[:, :2], torch.zeros_like(o[:, :2])) and rel_err(o, ref) < 1e-12
+    assert torch.allclose(o[:, 2], q[:, 2])  # one visible key: exactly its value
+
+
+def test_performer_is_the_exact_favor_ratio_at_any_scale():
+    # eps = 1e-6 added to FAVOR+'s denominator pulled outputs towards 0 once |q|, |k| grew: the key
+    # features are not rescaled (that would leak the future), so the denominator fell below eps.
+    # At causal position 0 the ratio is exactly v_0 whatever the features.
+    from transnormer.layers import Performer
+
+    torch.manual_seed(0)
+    layer = Performer(256, 4, causal=True).double().eval()
+    x = 4.0 * torch.randn(1, 6, 256, dtype=torch.float64)
+    with torch.no_grad():
+        q, k, v = layer._project(x)
+        o = layer(x)[0]
+        v0 = layer.out_proj(v[:, :1].reshape(1, 1, 256))
+    assert rel_err(o[:, :1], v0) < 1e-12
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_causal_softmax_with_a_non_positive_scale_has_no_nan_rows(scale):
+    # SDPA's is_causal path returned NaN rows for scale <= 0 on CPU
+    q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.float64) for _ in range(3))
+    o = softmax_attn(q, k, v, causal=True, scale=scale)
+    assert rel_err(o, softmax_attn_reference(q, k, v, causal=True, scale=scale)) < 1e-12
+
+
+def test_cosformer_max_len_must_be_positive():
+    from transnormer.ops.linear_baselines import cosformer_attn
+
+    q = torch.rand(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="max_len must be >= 1"):
+        cosformer_attn(q, q, q, causal=True, positions=torch.arange(4)[None], max_len=0)

@@ -115,6 +115,12 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
     """A mixer's optional arguments resolved: (key mask [B, T] or None, positions [B, T]).
     With a cache the positions must be given: counting from 0 again would place every decoded
     token at the start of the sequence."""
+    B, T = x.shape[:2]
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, T):  # before an all-true one is dropped
+        raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
+    if positions is not None and (positions.dim() not in (1, 2) or positions.shape[-1] != T
+                                  or positions.dim() == 2 and positions.shape[0] not in (1, B)):
+        raise ValueError(f"positions must be [B, T] = {(B, T)} (or [1, T], [T]), got {tuple(positions.shape)}")
     if positions is None:
         if cache is not None:
             raise ValueError("positions must be given with a cache (the tokens' positions in the whole sequence)")

@@ -40,8 +40,9 @@ class KernelLinearAttention(MultiHeadMixer):
         super().__init__()
         if not isinstance(denominator, bool):
             raise TypeError(f"denominator must be a bool, got {denominator!r}")
-        if not eps > 0:  # keeps rows with no visible key at 0 instead of 0/0
-            raise ValueError(f"eps must be > 0, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            # > 0 keeps rows with no visible key at 0 instead of 0/0; 0 divides exactly (ops.linear_baselines)
+            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
         self.causal, self.denominator, self.eps, self.chunk_size = causal, denominator, eps, chunk_size
         self._build_projections(hidden_size, num_heads)
 

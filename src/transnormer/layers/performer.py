@@ -17,7 +17,6 @@ import torch
 
 from ..modules.recompute import recomputing
 from ..ops.linear_baselines import (
-    DEFAULT_EPS,
     default_num_features,
     draw_favor_projection,
     favor_features,
@@ -48,7 +47,7 @@ class Performer(KernelLinearAttention):
         orthogonal: bool = True,
         feature_seed: int = 0,
         redraw_interval: int | None = 1000,
-        eps: float = DEFAULT_EPS,
+        eps: float = 0.0,
         chunk_size: int = 64,
     ):
         super().__init__(hidden_size, num_heads, causal=causal, denominator=True, eps=eps, chunk_size=chunk_size)
@@ -101,8 +100,11 @@ class Performer(KernelLinearAttention):
             if int(self.calls_since_redraw) >= self.redraw_interval:
                 self.redraw_features()
             self.calls_since_redraw += 1
-        return (favor_features(q, self.proj, is_query=True),
-                favor_features(k, self.proj, is_query=False))
+        # a snapshot: autograd saves the projection it used, and a later redraw rewrites self.proj
+        # in place (a buffer DDP keeps by reference) while an earlier call may still await backward
+        proj = self.proj.clone()
+        return (favor_features(q, proj, is_query=True),
+                favor_features(k, proj, is_query=False))
 
     def extra_repr(self) -> str:
         return (f"num_features={self.num_features}, orthogonal={self.orthogonal}, "

@@ -17,7 +17,10 @@ The decoding state is therefore [B, H, F, E + 1]: Σ k_jᵀ v_j next to the key 
 
 ``eps`` sits in the denominator (default 1e-6, as in Katharopoulos et al.): it keeps rows with no
 visible key (fully padded, or left padding in causal mode) at 0 instead of 0/0. It is not
-scale-free; every feature map below keeps its features O(1) so eps stays negligible.
+scale-free: it is negligible for the O(1) features of 1+elu and cosFormer, not for FAVOR+, whose
+key features are not rescaled (a rescale by their max over tokens would leak the future) and fall
+far below 1 once |q|, |k| grow. ``eps=0`` divides exactly and gives 0 only where the denominator
+is 0; the Performer layer uses it.
 ``denominator=False`` gives the un-normalised numerator alone: the paper's "1+elu without
 scaling" that diverges when no norm follows it (spec §9, Table 1).
 
@@ -49,9 +52,17 @@ def _augment(v: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio(o: torch.Tensor, eps: float) -> torch.Tensor:
-    if not eps > 0:  # a row with no visible key (padding, or all-zero ReLU features) would be 0/0
-        raise ValueError(f"eps must be > 0 with a denominator, got {eps!r}")
-    return o[..., :-1] / (o[..., -1:] + eps)
+    return safe_ratio(o[..., :-1], o[..., -1:], eps)
+
+
+def safe_ratio(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
+    """num / (den + eps); ``eps`` = 0: the exact ratio, with a zero denominator (a row with no
+    visible key, whose numerator is 0 too when the features are >= 0) giving 0 instead of 0/0."""
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0 with a denominator, got {eps!r}")
+    if eps == 0:
+        return num / torch.where(den > 0, den, torch.ones_like(den))
+    return num / (den + eps)
 
 
 def kernel_linear_attn(
@@ -237,6 +248,8 @@ def cosformer_attn(
     positions [B, T]; max_len M (number or [B]). Returns o [B, T, H, E]."""
     check_qkv(q, k, v)
     check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1])
+    if not isinstance(max_len, torch.Tensor) and not max_len >= 1:  # M = 0 made every weight NaN
+        raise ValueError(f"max_len must be >= 1 (or a [B] tensor of row lengths), got {max_len!r}")
     qf = cosformer_features(q, positions, max_len)
     kf = cosformer_features(k, positions, max_len)
     o, _ = kernel_linear_attn(qf, kf, v, causal=causal, eps=eps, chunk_size=chunk_size,

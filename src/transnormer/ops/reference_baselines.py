@@ -46,7 +46,7 @@ def ratio_attn_reference(
     if not denominator:
         return num
     den = w.sum(-1).transpose(1, 2)[..., None]  # [B, T, H, 1]
-    return num / (den + eps)
+    return num / (den + eps) if eps > 0 else num / torch.where(den > 0, den, torch.ones_like(den))
 
 
 def kernel_linear_attn_reference(qf, kf, v, *, causal, denominator=True, eps=1e-6, key_padding_mask=None):

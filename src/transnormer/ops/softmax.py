@@ -52,9 +52,11 @@ def softmax_attn(
         if o is not None:
             return o
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    if mask is None:
+    if mask is None and (not causal or scale is None or scale > 0):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, dropout_p=dropout_p, scale=scale)
         return o.transpose(1, 2)
+    if mask is None:  # SDPA's is_causal path returned NaN rows for scale <= 0 (torch 2.13, CPU)
+        mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
     allowed = mask[:, None, None, :].expand(B, 1, T, T)
     if causal:
         allowed = allowed & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
