@@ -328,3 +328,25 @@ def test_padded_query_rows_do_not_count_in_the_negative_share(preset):
     for a, b in norm_layers:
         assert a["negative_fraction"] == pytest.approx(b["negative_fraction"], abs=1e-12)
         assert a["flagged"] == b["flagged"] and a["curve"] == pytest.approx(b["curve"], abs=1e-6)
+
+
+def test_uniform_reference_follows_the_real_lengths_of_padded_samples():
+    # the reference used the padded T although each sample is scored at its own length
+    from transnormer.analysis.dilution import dilution_curves, uniform_reference
+
+    torch.manual_seed(0)
+    model = build_model("t2-roberta-tiny", num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                        vocab_size=64, block_size=8, chunk_size=8).eval()
+    ids = torch.randint(3, 64, (2, 32))
+    mask = torch.zeros(2, 32, dtype=torch.long)
+    mask[0, :8], mask[1, :16] = 1, 1
+    res = dilution_curves(model, ids, mask, rs=[0.5, 1.0])
+    want = (8 * torch.tensor(uniform_reference(8, [0.5, 1.0]), dtype=torch.float64)
+            + 16 * torch.tensor(uniform_reference(16, [0.5, 1.0]), dtype=torch.float64))
+    assert res["uniform_reference"] == pytest.approx((want / 24).tolist(), abs=1e-12)
+    with pytest.raises(ValueError, match="input_ids must be a non-empty"):
+        dilution_curves(model, ids[0])
+    with pytest.raises(ValueError, match="no real token"):
+        dilution_curves(model, ids, torch.zeros_like(mask))
+    with pytest.raises(ValueError, match="rs must hold"):
+        dilution_curves(model, ids, rs=[])

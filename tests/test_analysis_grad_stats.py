@@ -149,3 +149,42 @@ def test_a_new_recording_starts_its_file_anew_and_mixed_records_are_refused(tmp_
     path.write_text(path.read_text() * 2)  # two runs' records in one file
     with pytest.raises(ValueError, match="steps must increase"):
         rsd_from_jsonl(path)
+
+
+def test_fp64_gradients_are_recorded_in_fp64():
+    # _foreach_norm(dtype=fp32) refused fp64 gradients
+    lin = torch.nn.Linear(3, 2).double()
+    lin(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    rec = GradientRecorder("all")
+    rec.record(lin, 1)
+    want = torch.sqrt(sum(p.grad.pow(2).sum() for p in lin.parameters()))
+    assert rec.values[0] == pytest.approx(float(want), rel=1e-15)
+
+
+def test_resumed_per_layer_lists_stay_aligned(tmp_path):
+    # a file written without per_layer, resumed with it, left the per-layer lists short (zip errors)
+    p = tmp_path / "grad_norms.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "grad_norm": 1.0 + s}) + "\n" for s in (1, 2)))
+    model = _tiny()
+    rec = GradientRecorder("mixer", per_layer=True, jsonl_path=p, resume=True)
+    model(torch.randint(0, 50, (1, 8)), labels=torch.randint(0, 50, (1, 8))).loss.backward()
+    rec.record(model, 3)
+    s = rec.summary()
+    assert rec.steps == [1, 2, 3] and all(len(v) == 3 for v in rec.layer_values.values())
+    assert all(lay["num_steps"] == 1 for lay in s["per_layer"].values())
+    rec.save_jsonl(tmp_path / "copy.jsonl")
+
+
+def test_rsd_from_a_training_metrics_file_reads_train_records_only(tmp_path):
+    # eval records carry "loss" at train steps: "steps must increase" had stopped --key loss
+    p = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": 1, "loss": 3.0, "grad_norm": 1.0},
+            {"kind": "train", "step": 2, "loss": 2.0, "grad_norm": 3.0},
+            {"kind": "eval", "step": 2, "loss": 2.5}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert rsd_from_jsonl(p, "loss")["num_steps"] == 2
+    assert rsd_from_jsonl(p)["param_set"] == "all"  # the loop's grad_norm: all parameters
+    with pytest.raises(ValueError, match="start"):
+        rsd_from_jsonl(p, start=5, end=1)
+    with pytest.raises(ValueError, match="no recorded step lies in"):
+        rsd_from_jsonl(p, start=10, end=20)

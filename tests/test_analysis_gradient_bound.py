@@ -72,3 +72,15 @@ def test_run_gradient_bound_writes_files(tmp_path):
     s = data["summary"]
     assert s["softmax_within_quarter"] and s["norm_attention_within_bound"]
     assert s["linear_at_min_score"]["max"] > 1e4 and res["summary"] == s
+
+
+def test_bad_arguments_are_named():
+    from transnormer.analysis.gradient_bound import norm_attention_grad, unified_sweep
+
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        norm_attention_grad(kernel="relu2")
+    for kw, name in (({"eps": 0.0}, "eps"), ({"eps": -1.0}, "eps"), ({"score_scale": 0.0}, "score_scale")):
+        with pytest.raises(ValueError, match=f"{name} must be one or more numbers > 0"):
+            norm_attention_grad(**kw)
+    with pytest.raises(ValueError, match="scales must be"):
+        unified_sweep([0.0])

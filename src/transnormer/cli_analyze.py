@@ -81,7 +81,8 @@ def cmd_dilution(args) -> int:
 def cmd_grad_stats(args) -> int:
     from .analysis import run_grad_stats
 
-    res = run_grad_stats(args.metrics, args.out, key=args.key, start=args.start, end=args.end)
+    res = run_grad_stats(args.metrics, args.out, key=args.key, start=args.start, end=args.end,
+                         param_set=args.param_set)
     _dump(res)
     return 0
 
@@ -142,6 +143,8 @@ def register(sub) -> None:
     q.add_argument("--key", default="grad_norm")
     q.add_argument("--start", type=int)
     q.add_argument("--end", type=int)
+    q.add_argument("--param-set", help="what the norms cover, for the report (default: the file's param_set "
+                   "field; 'all' for a training run's metrics.jsonl grad_norm)")
     q.add_argument("--out", default="runs/analysis/grad_stats")
     q.set_defaults(func=cmd_grad_stats)
 

@@ -155,6 +155,16 @@ def dilution_curves(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     rs = [float(r) for r in rs]
+    if not rs:
+        raise ValueError("rs must hold at least one window fraction")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask must be [B, T] = {tuple(input_ids.shape)}, got "
+                             f"{tuple(attention_mask.shape)}")
+        if not bool(attention_mask.bool().any()):
+            raise ValueError("attention_mask marks no real token: nothing to score")
     B, T = input_ids.shape
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -200,8 +210,12 @@ def dilution_curves(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                        "curve": curve.tolist(), "auc": curve_auc(rs, curve)})
     causal = bool(getattr(getattr(model, "config", None), "causal",
                           any(getattr(m, "causal", False) for _, m, *_ in captured)))
+    # The fully diluted reference over the same rows as the curves: each sample is scored at its
+    # own real length N_b, so the reference pools the uniform matrices of those lengths, row-weighted
+    lengths = [T] * B if attention_mask is None else [int(n) for n in attention_mask.bool().sum(1).tolist() if n]
+    ref = sum(n * torch.tensor(uniform_reference(n, rs, mode, causal), dtype=torch.float64) for n in lengths)
     return {"mode": mode, "rs": rs, "seq_len": T, "num_samples": B, "num_rows": num_rows, "causal": causal,
-            "uniform_reference": uniform_reference(T, rs, mode, causal), "layers": layers, "skipped": skipped}
+            "uniform_reference": (ref / sum(lengths)).tolist(), "layers": layers, "skipped": skipped}
 
 
 # --------------------------------------------------------------------------- plots

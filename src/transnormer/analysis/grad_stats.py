@@ -44,12 +44,16 @@ def _layer_key(name: str, param_set: str) -> str:
 def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, key: str = "grad_norm",
               start: int | None = None, end: int | None = None) -> dict:
     """RSD of ``values`` restricted to steps in [start, end]; non-finite values are counted and excluded."""
+    if start is not None and end is not None and start > end:
+        raise ValueError(f"start ({start}) must be <= end ({end})")
     bad = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
     if bad is not None:  # two runs' records mixed in one file, or a resumed run's repeated steps
         raise ValueError(f"steps must increase, got step {steps[bad]} after {steps[bad - 1]} (records of more than "
                          "one run in one file?)")
     pairs = [(s, v) for s, v in zip(steps, values, strict=True)
              if (start is None or s >= start) and (end is None or s <= end)]
+    if steps and not pairs:  # a range that misses every record: an RSD of nothing would read as a result
+        raise ValueError(f"no recorded step lies in [{start}, {end}] (recorded: {steps[0]}..{steps[-1]})")
     finite = [(s, v) for s, v in pairs if v is not None and math.isfinite(v)]
     out = {"mode": MODE, "param_set": param_set, "key": key, "std": "population (ddof=0)",
            "step_range": [finite[0][0], finite[-1][0]] if finite else None,
@@ -96,11 +100,20 @@ class GradientRecorder:
         self._appending = False  # False: the first flush starts the file anew
         if resume and self.jsonl_path is not None and self.jsonl_path.exists():
             for rec in read_jsonl(self.jsonl_path):
-                self._steps.append(int(rec["step"]))
-                self._values.append(rec["grad_norm"])
-                for g, v in rec.get("per_layer", {}).items() if self.per_layer else ():
-                    self._layer_values.setdefault(g, []).append(v)
+                self._append(int(rec["step"]), rec["grad_norm"], rec.get("per_layer", {}))
             self._appending = True
+
+    def _append(self, step: int, value: float, per_layer: dict) -> None:
+        """One record; every per-layer list stays aligned with ``steps`` (NaN where a record lacks
+        the group: a resumed file written without per_layer, or a layer with no gradient)."""
+        self._steps.append(step)
+        self._values.append(value)
+        if not self.per_layer:
+            return
+        for g in per_layer.keys() - self._layer_values.keys():
+            self._layer_values[g] = [float("nan")] * (len(self._steps) - 1)
+        for g, vals in self._layer_values.items():
+            vals.append(per_layer.get(g, float("nan")))
 
     # -- selection ------------------------------------------------------------------------
     def _select(self, model) -> tuple[list[tuple[str, torch.nn.Parameter]], list[str]]:
@@ -130,7 +143,16 @@ class GradientRecorder:
         # the global norm equals √Σ‖g_p‖², the per-layer norms are partial sums of the same terms
         # (selection by Python lists of 0-d tensors, not index tensors: no host→device copies)
         # (dtype=fp32: the norm itself is accumulated in fp32, not rounded to bf16 or overflowing fp16)
-        sq = [n.pow(2) for n in torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float32)]
+        # (fp64 gradients keep fp64: _foreach_norm refuses to narrow them, and an fp64 run wants fp64)
+        grads = [g for _, g in with_grad]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(torch.promote_types(g.dtype, torch.float32), []).append(i)
+        sq: list = [None] * len(grads)
+        acc = max(by_dtype, key=lambda d: torch.finfo(d).bits)  # one dtype for the sums
+        for dt, idx in by_dtype.items():
+            for i, n in zip(idx, torch._foreach_norm([grads[i] for i in idx], 2, dtype=dt), strict=True):
+                sq[i] = n.to(acc).pow(2)
         norms = [torch.stack(sq).sum().sqrt()]
         if self.per_layer:
             keys = [_layer_key(n, self.param_set) for n, _ in with_grad]
@@ -148,13 +170,10 @@ class GradientRecorder:
         host = torch.stack([v for _, v, _ in self._pending]).double().cpu().tolist()
         lines = []
         for (step, _, groups), vals in zip(self._pending, host, strict=True):
-            self._steps.append(step)
-            self._values.append(vals[0])
+            per = dict(zip(groups, vals[1:], strict=True)) if self.per_layer else {}
+            self._append(step, vals[0], per)
             rec = {"step": step, "grad_norm": vals[0], "param_set": self.param_set}
             if self.per_layer:
-                per = dict(zip(groups, vals[1:], strict=True))
-                for g, v in per.items():
-                    self._layer_values.setdefault(g, []).append(v)
                 rec["per_layer"] = per
             lines.append(rec)
         self._pending.clear()
@@ -250,18 +269,22 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
     ``param_set`` is recorded in the summary; if None it is taken from the lines' "param_set"
     field when present, else "unknown" (name it: spec §10 asks every RSD to say what it covers).
     """
-    steps, values, sets = [], [], set()
+    steps, values, sets, kinds = [], [], set(), set()
     for rec in read_jsonl(path):
-        if key in rec and step_key in rec:
+        # a training run's metrics.jsonl: its eval records also carry "loss" at the same steps
+        if key in rec and step_key in rec and rec.get("kind", "train") == "train":
             steps.append(int(rec[step_key]))
             values.append(rec[key])
+            kinds.add(rec.get("kind"))
             if "param_set" in rec:
                 sets.add(rec["param_set"])
     if not values:
         raise ValueError(f"{path}: no record has both {key!r} and {step_key!r} (is it a metrics or grad_norms "
                          "JSONL file, and the key right?)")
     if param_set is None:
-        param_set = ",".join(sorted(sets)) or "unknown"
+        # the training loop's grad_norm is over all parameters, before clipping (train/loop.py)
+        default = "all" if key == "grad_norm" and kinds == {"train"} else "unknown"
+        param_set = ",".join(sorted(sets)) or default
     out = summarize(values, steps, param_set=param_set, key=key, start=start, end=end)
     out["source"] = str(path)
     return out
@@ -272,7 +295,7 @@ def run_grad_stats(metrics_jsonl, out_dir="analysis_out/grad_stats", *, key: str
     """RSD from a metrics JSONL: writes grad_rsd.json and grad_norms.png; returns the summary."""
     out = Path(out_dir)
     summary = rsd_from_jsonl(metrics_jsonl, key, start=start, end=end, param_set=param_set)
-    recs = [r for r in read_jsonl(metrics_jsonl) if key in r and "step" in r]
+    recs = [r for r in read_jsonl(metrics_jsonl) if key in r and "step" in r and r.get("kind", "train") == "train"]
     files = [save_json(summary, out / "grad_rsd.json"),
              plot_grad_norms([r["step"] for r in recs], [r[key] for r in recs], out / "grad_norms.png",
                              title=f"{key}: RSD={summary['rsd']} ({summary['param_set']})")]

@@ -69,6 +69,11 @@ def _families(n_values: Sequence[int], random_draws: int, n_random: int, seed: i
     return fams
 
 
+def _check_positive(name: str, values: Sequence[float]) -> None:
+    if len(values) == 0 or not all(v > 0 for v in values):
+        raise ValueError(f"{name} must be one or more numbers > 0, got {list(values)!r}")
+
+
 def unified_sweep(scales: Sequence[float] = DEFAULT_SCALES, n_values: Sequence[int] = (2, 8),
                   random_draws: int = 8, n_random: int = 8, seed: int = 0) -> dict:
     """Max |∂p_ij/∂s_ik| per score magnitude, per kind and family.
@@ -77,6 +82,7 @@ def unified_sweep(scales: Sequence[float] = DEFAULT_SCALES, n_values: Sequence[i
     "max_times_s": [S]}, "analytic": {kind: {"constant-n{n}": [S]}}} — ``analytic`` is the closed
     form (1/n)(1 − 1/n)·(f′/f)(s) of the constant family, for comparison.
     """
+    _check_positive("scales", scales)
     fams = _families(n_values, random_draws, n_random, seed)
     out = {"scales": list(scales)}
     for kind in ("softmax", "linear"):
@@ -107,9 +113,14 @@ def norm_attention_grad(n: int = 16, d: int = 16, eps: float = 1e-6, score_scale
     SimpleRMSNorm reduces in float32 internally; the margin to the bound is orders of magnitude,
     far beyond that rounding.
     """
+    kernels = {"1+elu": lambda x: 1 + F.elu(x), "elu": F.elu, "relu": F.relu}
+    if kernel not in kernels:
+        raise ValueError(f"kernel must be one of {tuple(kernels)}, got {kernel!r}")
+    _check_positive("eps", [eps])  # the bound divides by √ε
+    _check_positive("score_scale", [score_scale])
     gen = torch.Generator().manual_seed(seed)
     Q, K, V, G = (torch.randn(n, d, generator=gen, dtype=torch.float64) for _ in range(4))
-    phi = {"1+elu": lambda x: 1 + F.elu(x), "elu": F.elu, "relu": F.relu}[kernel]
+    phi = kernels[kernel]
     S = phi(Q) @ phi(K).T
     S = (S * (score_scale / S.abs().max())).requires_grad_()
     norm = SimpleRMSNorm(d, eps=eps, eps_inside_sqrt=True)
@@ -128,6 +139,8 @@ def norm_attention_sweep(eps_values: Sequence[float] = DEFAULT_EPS, scales: Sequ
     The same Q, K, V, G (one seed) for every ε and scale, so only ε and the magnitude change;
     ``ratio`` = max measured / bound (must be ≤ 1).
     """
+    _check_positive("eps_values", eps_values)
+    _check_positive("scales", scales)
     out = {"scales": list(scales), "n": n, "d": d, "kernel": kernel, "eps": {}}
     for eps in eps_values:
         runs = [norm_attention_grad(n, d, eps, s, kernel, seed) for s in scales]
