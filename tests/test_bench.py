@@ -193,7 +193,7 @@ def test_threads_reach_the_measuring_process(monkeypatch):
 
 @pytest.mark.parametrize("argv", [["bench", "train", "--lengths", "0"], ["bench", "ops", "--threads", "-1"],
                                   ["bench", "train", "--vocab-size", "0"], ["bench", "train", "--max-step-s", "0"],
-                                  ["bench", "infer", "--max-mem-gb", "-2"]])
+                                  ["bench", "infer", "--max-mem-gb", "-2"], ["bench", "infer", "--max-mem-gb", "inf"]])
 def test_bench_refuses_sizes_below_one(argv):
     from transnormer.cli import main
 
@@ -286,3 +286,43 @@ def test_a_memory_cap_turns_a_configuration_too_large_into_an_error():
             train_step_throughput("t2-lm-tiny", 64, max_mem_gb=bad)
     with pytest.raises(ValueError, match="isolate"):
         train_step_throughput("t2-lm-tiny", 64, max_mem_gb=2, isolate=False)
+
+
+def test_only_a_killed_child_counts_as_out_of_memory():
+    # every child death used to read as "out of memory" (the message names -9), ending the sweep
+    from transnormer.bench.suite import _did_not_fit
+
+    def died(code):
+        return RuntimeError(f"_measure died in its fresh process (exit code {code}) before returning; a negative "
+                            "code is the signal that killed it (-9: out of memory, most likely)")
+
+    assert _did_not_fit(died(-9)).startswith("_measure died in its fresh process (exit code -9)")
+    assert _did_not_fit(died(-11)) is None  # a crash is a bug to surface, not a row
+
+
+def test_bench_refuses_bidirectional_presets():
+    from transnormer.bench.train_step import build_bench_model
+
+    with pytest.raises(ValueError, match="bidirectional"):
+        build_bench_model("t2-roberta-tiny", 64, 100, {})
+
+
+def test_bench_small_pieces():
+    from transnormer.bench.report import markdown_table
+    from transnormer.bench.timing import measure
+
+    assert "1,000" in markdown_table([{"v": 999.7}], ["v"])  # not 1e+03
+    with pytest.raises(ValueError, match="repeat must be an int >= 1"):
+        measure(lambda: None, repeat=0)
+
+
+def test_memory_target_per_dtype(monkeypatch, tmp_path):
+    from transnormer.bench import suite
+
+    def fake(preset, T, *, dtype, **kw):
+        return {"seq_len": T, "peak_mem_mb": T / 1000 + (1.0 if dtype == "fp32" else 10.0), "step_s": 1.0}
+
+    monkeypatch.setattr(suite, "train_step_throughput", fake)
+    res = suite.bench_memory(tmp_path, lengths=(4096, 16384))
+    assert [v.split()[2] for v in res["verdicts"]] == ["fp32", "bf16"]
+    assert res["verdicts"][0].startswith("PASS") and res["verdicts"][1].startswith("PASS")

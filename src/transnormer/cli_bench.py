@@ -22,8 +22,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
     return value
 
 
@@ -55,7 +55,7 @@ def cmd_bench(args) -> int:
                                     tokens_per_step=args.tokens_per_step, max_step_s=args.max_step_s,
                                     max_mem_gb=args.max_mem_gb)
         elif w == "memory":
-            res = suite.bench_memory(out, vocab_size=args.vocab_size)
+            res = suite.bench_memory(out, vocab_size=args.vocab_size, dtypes=args.dtypes)
         elif w == "long":
             res = suite.bench_long(out)
         else:

@@ -27,7 +27,7 @@ def environment() -> dict:
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def fmt(v):
         if isinstance(v, float):
-            return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+            return f"{v:,.3g}" if abs(v) < 999.5 else f"{v:,.0f}"  # 999.7 would print as 1e+03
         return str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

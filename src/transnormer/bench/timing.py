@@ -19,6 +19,8 @@ def measure(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3, min_t
 
     Returns {"median_s", "min_s", "iqr_s", "n"}.
     """
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
     for _ in range(warmup):
         fn()
     times: list[float] = []

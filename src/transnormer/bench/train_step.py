@@ -17,11 +17,14 @@ def build_bench_model(preset: str, seq_len: int, vocab_size: int | None, overrid
         from .peers import build_peer_model
 
         return build_peer_model(preset[5:], seq_len=seq_len, vocab_size=vocab_size, **overrides)
-    from ..presets import build_model
+    from ..presets import build_model, get_config
 
     kw = {"dropout": 0.0, "max_position_embeddings": max(seq_len, 512), **overrides}
     if vocab_size:
         kw["vocab_size"] = vocab_size
+    if not get_config(preset, **kw).causal:  # trained as an LM it would see the tokens it predicts
+        raise ValueError(f"preset {preset!r} is bidirectional (causal=False): bench train/infer measure causal "
+                         "LM steps; use an -lm preset")
     return build_model(preset, task="clm", **kw)
 
 
@@ -157,8 +160,8 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
     for the machine fails with an out-of-memory error instead of being killed.
     """
     if max_mem_gb is not None:
-        if isinstance(max_mem_gb, bool) or not isinstance(max_mem_gb, (int, float)) or not max_mem_gb > 0:
-            raise ValueError(f"max_mem_gb must be a number of GB > 0, got {max_mem_gb!r}")
+        if isinstance(max_mem_gb, bool) or not isinstance(max_mem_gb, (int, float)) or not 0 < max_mem_gb < 2**20:
+            raise ValueError(f"max_mem_gb must be a finite number of GB > 0 (below 2^20), got {max_mem_gb!r}")
         if not isolate:
             raise ValueError("max_mem_gb needs isolate=True: the cap would stay on the calling process")
     args = (preset, seq_len, dtype, tokens_per_step, vocab_size, steps, threads, overrides or {}, mode, max_mem_gb)
