@@ -218,6 +218,11 @@ def test_missing_files(tmp_path):
 def test_workers_do_not_change_the_output(small_gen):
     par = lo.generate_listops(SMALL.n_total, seed=0, config=SMALL, workers=2)
     assert [s.tokens for s in par.samples] == [s.tokens for s in small_gen.samples]
+    # and the statistics generation.json records: a pool computes a chunk per worker even for a few
+    # samples, and those extra chunks used to be counted
+    one, two = (lo.generate_listops(5, seed=0, config=SMALL, workers=w) for w in (1, 2))
+    assert (one.attempts, one.accepted, one.duplicates, one.chunks) == \
+        (two.attempts, two.accepted, two.duplicates, two.chunks)
 
 
 def test_parameters_that_admit_no_tree_raise_instead_of_sampling_forever():

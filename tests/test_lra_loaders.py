@@ -259,3 +259,14 @@ def test_write_idx_round_trip(tmp_path):
 def test_real_fmnist_test_split_if_present():
     x, y, _ = im.load_fmnist_split(None, "test")
     assert x.shape == (10_000, 1024) and np.bincount(y, minlength=10).tolist() == [1000] * 10
+
+
+def test_cifar_results_record_the_files_sha256(tmp_path):
+    # lra.md §6.4: the registry never passed the folder, so the image task's record had no hashes
+    from transnormer.data.lra import load_lra
+    from transnormer.train.lra_tasks import _source_files
+
+    _cifar(tmp_path)
+    ds = load_lra("image", tmp_path, "train")
+    names = sorted(p.name for p in _source_files(ds))
+    assert names and all("_batch" in n for n in names)

@@ -207,3 +207,18 @@ def test_presets_and_config_validation():
         pf.PathfinderConfig(margins=[1])
     with pytest.raises(RuntimeError, match="restarts"):
         pf.sample_geometry(pf.PathfinderConfig(resolution=16, max_restarts=3), pf.image_rng(0, 0))
+
+
+def test_regenerating_into_the_same_folder_leaves_no_stale_batches(tmp_path):
+    # 20 images then 10 into one folder: the first run's batch 1 was read into the second's splits
+    from transnormer.data.lra import load_lra
+
+    pf.write_pathfinder(tmp_path, seed=1, config=pf.PathfinderConfig(n_images=20, batch_size=10))
+    pf.write_pathfinder(tmp_path, seed=2, config=pf.PathfinderConfig(n_images=10, batch_size=10))
+    base = tmp_path / "pathfinder32" / "curv_contour_length_14"
+    assert sorted(p.name for p in (base / "metadata").iterdir() if p.suffix == ".npy") == ["0.npy"]
+    assert sorted(p.name for p in (base / "imgs").iterdir()) == ["0"]
+    assert sum(len(load_lra("pathfinder32", tmp_path, s)) for s in ("train", "val", "test")) == 10
+    (base / "metadata" / "7.npy").write_text("")  # a batch the sidecar does not list
+    with pytest.raises(ValueError, match="not in its generation.json"):
+        load_lra("pathfinder32", tmp_path, "train")

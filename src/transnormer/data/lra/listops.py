@@ -251,7 +251,7 @@ def generate_listops(
     workers = check_int("workers", workers, minimum=1)
     seen: set[bytes] = set()
     samples: list[ListOpsSample] = []
-    attempts = accepted = duplicates = 0
+    attempts = accepted = duplicates = used_chunks = 0
     next_chunk = 0
     pool = None
     try:
@@ -272,6 +272,9 @@ def generate_listops(
                 results = map(_chunk_worker, tasks)
             before = len(samples)
             for trees, n_att in results:
+                if len(samples) >= n:  # a chunk only a pool of workers computed: not counted, so the
+                    continue           # counts (and generation.json) do not depend on ``workers``
+                used_chunks += 1
                 attempts += n_att
                 accepted += len(trees)  # every tree the chunk accepted, as its attempts count every root
                 for t in trees:
@@ -293,7 +296,7 @@ def generate_listops(
         if pool is not None:
             pool.close()
             pool.join()
-    return ListOpsGeneration(samples, attempts, accepted, duplicates, next_chunk)
+    return ListOpsGeneration(samples, attempts, accepted, duplicates, used_chunks)
 
 
 # --------------------------------------------------------------------------- labels / strings

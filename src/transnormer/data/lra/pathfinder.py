@@ -741,6 +741,7 @@ def write_pathfinder(
             results = list(pool.imap(_write_batch, tasks))
     else:
         results = [_write_batch(t) for t in tasks]
+    _remove_stale_batches(dest, n_batches)
     labels = [sum(r["labels"][k] for r in results) for k in (0, 1)]
     meta = {
         "task": f"pathfinder{cfg.resolution}",
@@ -761,6 +762,21 @@ def write_pathfinder(
     }
     write_json(dest / SIDECAR_NAME, meta)
     return meta
+
+
+def _remove_stale_batches(dest: Path, n_batches: int) -> None:
+    """Delete the batches an earlier, larger generation left in ``dest``: the loader reads every
+    metadata file there, and they would mix into this generation's splits."""
+    import shutil
+
+    keep = {str(b) for b in range(n_batches)}
+    for p in (dest / "metadata").glob("*.npy"):
+        if p.stem not in keep:
+            p.unlink()
+    imgs = dest / "imgs"
+    for d in imgs.iterdir() if imgs.is_dir() else ():
+        if d.is_dir() and d.name not in keep:
+            shutil.rmtree(d)
 
 
 # --------------------------------------------------------------------------- loading

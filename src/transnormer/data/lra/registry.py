@@ -172,6 +172,14 @@ def _verify_sidecar(folder: Path, meta: dict, files: dict[str, str], *, split: s
         raise ValueError(f"{folder}: the {split} split has {rows} rows but {SIDECAR_NAME} records {counts[split]}")
 
 
+def _check_override(provenance: str | None, meta: dict | None, task: str) -> None:
+    """Files our generator wrote (their generation.json matched) are never official (lra.md §6.2):
+    an override may only make them a stand-in or fixture."""
+    if meta is not None and provenance == "official":
+        raise ValueError(f"provenance='official' for {task} data our generator wrote (its {SIDECAR_NAME} was verified, "
+                         f"seed {meta.get('seed')}): regenerated data must not share a column with published numbers")
+
+
 def _unlabelled_id(task: str, default: str, provenance: str, name: str | None) -> str:
     if provenance == "stand-in":
         return f"{task}-{name or 'custom'} (stand-in)"
@@ -245,6 +253,7 @@ def load_lra(
             did = meta.get("dataset_id") or _listops.listops_dataset_id(int(meta["seed"]), cfg)
         else:
             prov, did = "official", "listops (official LRA files)"
+        _check_override(provenance, meta, t)
         if provenance is not None and provenance != prov:
             prov, did = provenance, _unlabelled_id(t, did, provenance, name)
         return LRADataset(
@@ -276,6 +285,7 @@ def load_lra(
         opts = take(("gray_rule",))
         rule = opts.get("gray_rule", "tf")
         x, labels = _image.load_cifar_split(root, split, gray_rule=rule)
+        cifar_dir = str(_image.find_cifar_dir(root))  # its files' SHA-256 go into the results (lra.md §6.4)
         prov = provenance or "official"
         did = _unlabelled_id(t, f"image-cifar10-gray(rule={rule})", prov, name)
         return LRADataset(
@@ -284,7 +294,7 @@ def load_lra(
             provenance=prov,
             dataset_id=did,
             max_len=max_len,
-            info={"gray_rule": rule},
+            info={"gray_rule": rule, "dir": cifar_dir},
             **common,
         )
     if t == "image-fmnist32":
@@ -303,10 +313,16 @@ def load_lra(
     images, labels, info = _pf.load_pathfinder_split(root, split, resolution=res, difficulty=difficulty, **opts)
     meta = _read_sidecar(Path(info["dir"]), "transnormer.data.lra.pathfinder")
     if meta is not None:  # the per-batch metadata files are small; the PNGs' digests are not re-derived
-        _verify_sidecar(Path(info["dir"]), meta, (meta.get("sha256") or {}).get("metadata") or {})
+        listed = (meta.get("sha256") or {}).get("metadata") or {}
+        found = {f"metadata/{p.name}" for p in (Path(info["dir"]) / "metadata").glob("*.npy")}
+        if found - set(listed):  # an earlier, larger generation left batches behind: read, they would mix in
+            raise ValueError(f"{info['dir']}: metadata files {sorted(found - set(listed))[:5]} are not in its "
+                             f"{SIDECAR_NAME}; they come from another generation. Regenerate into an empty folder")
+        _verify_sidecar(Path(info["dir"]), meta, listed)
         prov, did = "regenerated", meta.get("dataset_id", f"pathfinder{res}-regen")
     else:
         prov, did = "official", f"{'pathx128' if res == 128 else f'pathfinder{res}'}-{difficulty} (official LRA files)"
+    _check_override(provenance, meta, t)
     if provenance is not None and provenance != prov:
         prov, did = provenance, _unlabelled_id(t, did, provenance, name)
     info["sidecar"] = meta
