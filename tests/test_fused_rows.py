@@ -787,3 +787,32 @@ def test_flash_attn_checks_its_branches_and_keeps_the_value_dtype():
         flash_attn(q, q, q, q, q, causal=True, chunk_size=8, local_branch=False, global_branch=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert flash_attn(q, q, q, q, q, causal=True, chunk_size=8).dtype == torch.float32
+
+
+def test_projected_silu_gate_takes_fp32_biases_with_bf16_weights_on_every_backend():
+    # the fused path took them; the PyTorch form's F.linear refused mixed dtypes
+    from transnormer.ops import _native, set_kernel_backend
+    from transnormer.ops.rowwise import projected_silu_gate
+
+    x = torch.randn(2, 7, 5).bfloat16()
+    w1, w2 = torch.randn(3, 5).bfloat16(), torch.randn(3, 5).bfloat16()
+    b1, b2 = torch.randn(3), torch.randn(3)
+    before = _native.backend()
+    try:
+        outs = []
+        for mode in ("auto", "torch"):
+            set_kernel_backend(mode)
+            outs.append(projected_silu_gate(x, w1, w2, b1, b2))
+    finally:
+        set_kernel_backend(before)
+    a, b = outs[0].float(), outs[1].float()
+    assert outs[1].dtype == torch.bfloat16 and (a - b).abs().max() < 2e-2 * b.abs().max()  # bf16 roundings
+
+
+def test_block_attn_with_zero_width_heads():
+    from transnormer.ops import block_attn, block_attn_reference
+
+    q = torch.zeros(1, 5, 2, 0)
+    v = torch.randn(1, 5, 2, 3)
+    o = block_attn(q, q, v, block_size=4, causal=True)  # was ZeroDivisionError (scale = D^-1/2)
+    assert torch.allclose(o, block_attn_reference(q, q, v, block_size=4, causal=True))

@@ -236,3 +236,13 @@ def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, T):
         assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
     monkeypatch.setattr(_native, "amx_ready", lambda: True)  # with AMX, never the upcast
     assert not _native.upcast_usable(q, k, v)
+
+
+@needs_kernel
+def test_native_mode_runs_bidirectional_bf16_without_amx(monkeypatch, native):
+    # causal bf16 ran on the upcast kernel under backend "native"; bidirectional raised
+    monkeypatch.setattr(_native, "amx_ready", lambda: False)
+    q, k, v = (torch.randn(1, 70, 2, 32, dtype=torch.bfloat16).mul_(0.3) for _ in range(3))
+    o, _ = norm_linear_attn(q, k, v, causal=False)
+    want, _ = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=False)
+    assert o.dtype == torch.bfloat16 and rel_err(o.double(), want) < 1e-2

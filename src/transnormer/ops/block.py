@@ -52,7 +52,7 @@ def block_attn(
     E = v.shape[-1]
     mask = check_key_padding_mask(key_padding_mask, B, T)
     if scale is None:
-        scale = D ** -0.5
+        scale = D ** -0.5 if D else 1.0  # D = 0: every score is 0 whatever the scale
     w = min(block_size, T) if T > 0 else block_size
     if kernel == "softmax" and mask is None and dropout_p == 0.0:
         # one block (T <= block_size) is plain attention over the sequence: window 0

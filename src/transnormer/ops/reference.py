@@ -79,7 +79,7 @@ def block_attn_reference(
     B, T, H, D = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)
     if scale is None:
-        scale = D ** -0.5
+        scale = D ** -0.5 if D else 1.0
     allowed = block_allowed_mask(T, block_size, causal, mask, B, q.device)[:, None]  # [B,1,T,T]
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     if kernel == "softmax":

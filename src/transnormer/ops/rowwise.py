@@ -184,6 +184,8 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
             and fused_projection_ok(x, w1)):
         return _ProjectedSiluGate.apply(x, w1, w2, b1, b2, projection_dtype(x))
     bias = None if b1 is None else torch.cat((b1, b2))
+    if bias is not None and bias.dtype != w1.dtype and not torch.is_autocast_enabled(x.device.type):
+        bias = bias.to(w1.dtype)  # F.linear takes one dtype (the fused path adds an fp32 bias itself)
     return silu_gate(F.linear(x, torch.cat((w1, w2)), bias))
 
 
