@@ -160,3 +160,20 @@ def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, ca
     assert main(["analyze", "dilution", "--models", f"{out},{other}", "--data", str(root), "--seq-len", "32",
                  "--samples", "1", "--cache-dir", str(root / "cache"), "--out", str(tmp_path / "dil")]) == 2
     assert "were trained with different tokenizers" in capsys.readouterr().err
+
+
+def test_only_rank_zero_prints_the_train_summary(run_dir, tmp_path, capsys, monkeypatch):
+    # under torchrun every rank printed a summary, and the other ranks' lacked rank 0's metrics
+    import transnormer.train as train_pkg
+
+    root, _ = run_dir
+    monkeypatch.setattr(train_pkg, "train", lambda cfg: {"steps": 1, "diverged_at": 1})
+    argv = ["train", "--preset", "t2-lm-tiny", "--data", str(root), "--max-steps", "1", "--out", str(tmp_path / "r")]
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 1  # every rank still fails a diverged run
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    assert '"steps": 1' in out.out and "diverged at step 1" in out.err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -72,7 +73,9 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--out", dest="out_dir", default=d.out_dir)
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="steps; 0 = at the end only (compare: 0 = 8 evaluations per run)")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="batches each process evaluates (under torchrun the split is shared out, so N processes "
+                   "score up to N times as many; default: the whole split)")
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--keep-last", type=int, default=d.keep_last)
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
@@ -112,11 +115,14 @@ def cmd_train(args) -> int:
     from .train import train
 
     summary = train(_train_config(args))
-    print(json.dumps(summary, indent=1, default=str))
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 reports (the others lack its metrics)
+    if main:
+        print(json.dumps(summary, indent=1, default=str))
     if summary.get("diverged_at") is not None:  # a failed run: scripts must not take it for a model
-        print(f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite loss or "
-              "gradient); its weights were not saved, earlier checkpoints are kept (try a lower --lr or --clip)",
-              file=sys.stderr)
+        if main:
+            print(f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite loss "
+                  "or gradient); its weights were not saved, earlier checkpoints are kept (try a lower --lr or "
+                  "--clip)", file=sys.stderr)
         return 1
     return 0
 

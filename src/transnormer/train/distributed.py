@@ -103,6 +103,15 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` in one process."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def main_first(info: DistInfo, fn):
     """Run ``fn()`` on rank 0, then (after a barrier) on the other ranks: rank 0 fills a shared cache
     (tokenizer, token ids) and the others read it instead of building it concurrently."""

@@ -39,6 +39,7 @@ from .distributed import (
     all_reduce_sum,
     check_strategy,
     cleanup,
+    gather_objects,
     main_first,
     setup_distributed,
     unwrap,
@@ -374,7 +375,9 @@ def train(cfg: TrainConfig) -> dict:
             scheduler.load_state_dict(state["scheduler"])
             sched.update(state["sched"])
             data.train.load_state_dict(state["data"])
-            set_rng_state(state["rng"])
+            per_rank = state.get("rng_per_rank")
+            # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's
+            set_rng_state(per_rank[info.rank] if per_rank and len(per_rank) == info.world_size else state["rng"])
             step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
             total_steps = state["total_steps"]
             if info.is_main:
@@ -410,6 +413,9 @@ def train(cfg: TrainConfig) -> dict:
         state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
+        # each rank's own generators: ranks draw different amounts (dropout on batches padded to
+        # their own longest example), so rank 0's state is not the others'
+        state["rng_per_rank"] = gather_objects(state["rng"], info)
         if recorder is not None:  # grad_norms.jsonl reaches at least the checkpoint's step
             recorder.flush()
         if info.is_main:
