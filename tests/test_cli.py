@@ -156,6 +156,7 @@ def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, ca
     other = tmp_path / "other"
     shutil.copytree(resolve_model_dir(out), other)
     shutil.rmtree(other / "tokenizer")
+    (other / "manifest.json").unlink()  # a model directory of its own, not a (now altered) checkpoint
     train_bpe([(root / "train.txt").read_text()], vocab_size=280).save(other / "tokenizer")
     assert main(["analyze", "dilution", "--models", f"{out},{other}", "--data", str(root), "--seq-len", "32",
                  "--samples", "1", "--cache-dir", str(root / "cache"), "--out", str(tmp_path / "dil")]) == 2
@@ -177,3 +178,21 @@ def test_only_rank_zero_prints_the_train_summary(run_dir, tmp_path, capsys, monk
     assert main(argv) == 1
     out = capsys.readouterr()
     assert '"steps": 1' in out.out and "diverged at step 1" in out.err
+
+
+def test_compare_and_generate_refuse_bad_input_up_front(run_dir, tmp_path, capsys):
+    root, out = run_dir
+    common = ["--data", str(root), "--seq-len", "32", "--out", str(tmp_path / "cmp")]
+    assert main(["compare", "--presets", ",", "--max-steps", "1", *common]) == 2
+    assert "--presets: give one or more" in capsys.readouterr().err
+    assert main(["compare", "--presets", "t2-lm-tiny", *common]) == 2  # no steps or budget
+    assert "give max_steps or budget" in capsys.readouterr().err
+    assert main(["compare", "--presets", "t2-lm-tiny,t2-roberta-tiny", "--max-steps", "1", *common]) == 2
+    assert "'t2-roberta-tiny' is bidirectional" in capsys.readouterr().err
+    assert not (tmp_path / "cmp" / "t2-lm-tiny").exists()  # refused before any training
+    from transnormer.data import train_bpe
+
+    big = train_bpe([(root / "train.txt").read_text()], vocab_size=600)
+    big.save(tmp_path / "big")
+    assert main(["generate", "--model", str(out), "--tokenizer", str(tmp_path / "big"), "--prompt", "x"]) == 2
+    assert "more than the model's vocab_size" in capsys.readouterr().err

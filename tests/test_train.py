@@ -493,9 +493,9 @@ def test_clm_needs_a_causal_model(corpus_dir, tmp_path, mlm_run, capsys):
 def test_init_from_applies_a_dropout_override(corpus_dir, tmp_path, mlm_run):
     import json
 
-    cfg = cfg_for(corpus_dir, tmp_path, task="mlm", preset=None, init_from=str(mlm_run),
+    cfg = cfg_for(corpus_dir, tmp_path, task="mlm", preset="t2-lm-tiny", init_from=str(mlm_run),
                   overrides={"dropout": 0.0}, max_steps=1)
-    train(cfg)
+    assert train(cfg)["name"] == str(mlm_run)  # not the defaulted preset's name
     (ckpt,) = (Path(cfg.out_dir) / "checkpoints").glob("step-*")
     assert json.loads((ckpt / "config.json").read_text())["dropout"] == 0.0
 
@@ -632,3 +632,52 @@ def test_ddp_resume_is_exact_when_ranks_draw_different_amounts(tmp_path):
     a, b = (load_file(str(tmp_path / r / "checkpoints" / "step-00000006" / "model.safetensors"))
             for r in ("full", "split"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
+def test_pruning_never_costs_the_new_checkpoint_or_the_last_good_one(tmp_path):
+    # keep_last counted folders by name: a newer corrupt step-6 (a run resumed from step 4) kept
+    # its place while the fresh step-5 and the good step-4 were deleted: nothing left to resume
+    import json
+
+    from transnormer.presets import build_model
+    from transnormer.train.checkpoint import latest_valid_checkpoint, save_checkpoint
+
+    model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
+    root = tmp_path / "checkpoints"
+    for s in (2, 4, 6):
+        save_checkpoint(root, s, model, {"step": s})
+    f = root / "step-00000006" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    save_checkpoint(root, 5, model, {"step": 5}, keep_last=2)
+    names = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+    assert names == ["step-00000004", "step-00000005", "step-00000006"]
+    assert latest_valid_checkpoint(root, log=lambda m: None).name == "step-00000005"
+    # a manifest of the wrong shape, a copied step, a manifest without the model: reported, skipped
+    (root / "step-00000006" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no per-file size and sha256"):
+        verify_checkpoint(root / "step-00000006")
+    import shutil
+
+    shutil.copytree(root / "step-00000005", root / "step-00000009")
+    with pytest.raises(CheckpointError, match="holds step 5"):
+        verify_checkpoint(root / "step-00000009")
+    m = json.loads((root / "step-00000005" / "manifest.json").read_text())
+    m["files"].pop("model.safetensors")
+    (root / "step-00000004" / "manifest.json").write_text(json.dumps({**m, "step": 4}))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        verify_checkpoint(root / "step-00000004")
+
+
+def test_model_dirs_without_latest_and_named_checkpoints_are_verified(tmp_path):
+    from transnormer.presets import build_model
+    from transnormer.train.checkpoint import resolve_model_dir, save_checkpoint
+
+    model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
+    root = tmp_path / "run" / "checkpoints"
+    ckpt = save_checkpoint(root, 2, model, {"step": 2})
+    (root / "latest").unlink()  # killed before "latest" was written: the step folder still counts
+    assert resolve_model_dir(tmp_path / "run") == ckpt
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):  # named directly: verified too
+        resolve_model_dir(ckpt)

@@ -131,6 +131,8 @@ def cmd_compare(args) -> int:
     from .train.compare import compare
 
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if not presets:
+        raise ValueError(f"--presets: give one or more comma-separated preset names, got {args.presets!r}")
     args.preset = presets[0]
     cfg = _train_config(args)
     result = compare(presets, cfg)
@@ -172,6 +174,9 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     model_dir = resolve_model_dir(model_path)
     tok = load_tokenizer_for(model_dir, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if tok.vocab_size > model.config.vocab_size:  # its ids past the embedding would fail inside the model
+        raise ValueError(f"--tokenizer has {tok.vocab_size} ids, more than the model's vocab_size "
+                         f"{model.config.vocab_size}: use the tokenizer the model was trained with")
     ids = tok.encode(prompt)
     if tok.bos_id is not None:
         ids = [tok.bos_id] + ids

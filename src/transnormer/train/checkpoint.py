@@ -61,6 +61,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):  # left by a process killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".latest-*"):
+        stale.unlink(missing_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     tmp.mkdir()
@@ -88,9 +90,25 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
     latest_tmp = root / f".latest-{os.getpid()}"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, root / "latest")
-    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if keep_last > 0:
+        # Keep the one just written and the newest keep_last - 1 before it that verify. A folder
+        # named after a later step (a run resumed from an earlier checkpoint, or a corrupt one)
+        # is not pruned and does not count: by name alone it could crowd out the new one.
+        older = [c for c in list_checkpoints(root) if c.name < final.name]
+        keep, drop = [], []
+        for c in reversed(older):
+            (keep if len(keep) < keep_last - 1 and _verifies(c) else drop).append(c)
+        for old in drop:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+        return True
+    except CheckpointError:
+        return False
 
 
 def _restore_moved_aside(root: Path) -> None:
@@ -112,6 +130,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
+ESSENTIAL_FILES = ("model.safetensors", "config.json", STATE)
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict:
     """Check every file against the manifest; return the manifest or raise CheckpointError."""
     path = Path(path)
@@ -122,7 +143,16 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         manifest = json.loads(mf.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint manifest {mf} is corrupt: {e}") from e
-    for name, meta in manifest["files"].items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(m, dict) and {"size", "sha256"} <= m.keys()
+                                              for m in files.values()):
+        raise CheckpointError(f"checkpoint manifest {mf} is corrupt: no per-file size and sha256")
+    absent = [f for f in ESSENTIAL_FILES if f not in files]
+    if absent:
+        raise CheckpointError(f"checkpoint {path} lists no {absent} in its manifest (not a training checkpoint)")
+    if path.name.startswith("step-") and path.name[5:].isdigit() and manifest.get("step") != int(path.name[5:]):
+        raise CheckpointError(f"checkpoint {path} holds step {manifest.get('step')} (copied or renamed?)")
+    for name, meta in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
@@ -183,11 +213,15 @@ def resolve_model_dir(path: str | os.PathLike, *, what: str = "model") -> Path:
 
     path = Path(path)
     for root in (path, path / "checkpoints"):
-        if (root / "latest").is_file():
+        # "latest" may be missing after a kill just before it was written: the step folders count
+        if (root / "latest").is_file() or list_checkpoints(root):
             ckpt = latest_valid_checkpoint(root, log=lambda msg: print(msg, file=sys.stderr))
             if ckpt is None:
                 raise ValueError(f"{what}: no checkpoint under {root} passes verification")
             return ckpt
+    if (path / MANIFEST).is_file():  # one checkpoint named directly: verified like the others
+        verify_checkpoint(path)
+        return path
     if (path / "config.json").is_file():
         return path
     raise ValueError(f"{what}: no model in {path} (expected config.json, or a run/checkpoint directory)")

@@ -26,8 +26,11 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
         raise ValueError(f"presets: each preset once, got {list(presets)}")
     from ..presets import get_config
 
+    base.check()  # e.g. neither max_steps nor budget: said before any arithmetic on them
     for p in presets:
-        get_config(p)  # fail fast on an unknown name, before any training
+        config = get_config(p)  # fail fast on an unknown name, before any training
+        if base.task == "clm" and not config.causal:  # found only after the earlier presets trained
+            raise ValueError(f"presets: {p!r} is bidirectional; task 'clm' needs causal (-lm) presets")
     out = Path(base.out_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this; rank 0 writes

@@ -186,10 +186,15 @@ def check_overrides(overrides: dict) -> None:
             raise ValueError(f"overrides (--set): {key}={value!r} must be {names} (a JSON value)")
 
 
+def run_name(cfg: TrainConfig) -> str:
+    """What the run trains: a pretrained model or a config file wins over the (defaulted) preset."""
+    return cfg.init_from or cfg.config_file or cfg.preset
+
+
 def check_model_fits(config, cfg: TrainConfig, vocab_size: int) -> None:
     """The model must suit the task and cover the tokenizer's ids (before any training)."""
     if cfg.task == "clm" and not getattr(config, "causal", True):  # it would see the tokens it predicts
-        raise ValueError(f"task 'clm' needs a causal model, but {cfg.preset or cfg.config_file or cfg.init_from} "
+        raise ValueError(f"task 'clm' needs a causal model, but {run_name(cfg)} "
                          "is bidirectional (causal=False); use an LM preset or task 'mlm'")
     if config.vocab_size < vocab_size:  # an embedding lookup past its end
         raise ValueError(f"vocab_size {config.vocab_size} is below the tokenizer's {vocab_size} ids; "
@@ -402,7 +407,7 @@ def train(cfg: TrainConfig) -> dict:
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str))
-    log(f"{cfg.preset or cfg.config_file or cfg.init_from}: {n_params / 1e6:.2f}M parameters, task {cfg.task}, "
+    log(f"{run_name(cfg)}: {n_params / 1e6:.2f}M parameters, task {cfg.task}, "
         f"{tokens_per_step} tokens/step, world size {info.world_size}, {cfg.dtype}")
 
     saved_step = None
@@ -533,7 +538,7 @@ def train(cfg: TrainConfig) -> dict:
     train_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and r["step"] > 2]
     summary = {
-        "name": cfg.preset or cfg.config_file or cfg.init_from, "task": cfg.task, "params": n_params,
+        "name": run_name(cfg), "task": cfg.task, "params": n_params,
         "steps": step, "tokens": tokens_seen, "elapsed_s": elapsed,
         "tokens_per_s": float(np.median(speeds)) if speeds else tokens_seen / max(elapsed, 1e-9),
         "peak_mem_mb": peak_memory_mb(info), "final_train_loss": train_pts[-1][1] if train_pts else None,
