@@ -61,7 +61,7 @@ def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B
     t = measure(run, warmup=1, repeat=repeat, min_time=min_time)["median_s"]  # ms-scale: many repeats are cheap
     flops = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H)
     useful = norm_attn_flops(T, D, D, causal=causal, chunk=chunk, batch_heads=B * H, useful=True)
-    if causal and not _native.amx_usable(q, k, v, chunk) and _native.upcast_usable(q, k, v):
+    if causal and _native.upcast_usable(q, k, v):
         backend = "native-fp32"  # bf16 without AMX: the fp32 kernel on fp32 copies (ops/norm_linear.py)
     else:
         fused = (_native.amx_usable(q, k, v, chunk) or _native.usable(q, k, v)) if causal else _native.bidir_usable(q, k, v)

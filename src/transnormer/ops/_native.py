@@ -238,9 +238,10 @@ def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) ->
 
 
 def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal bf16 ``norm_linear_attn`` runs the fp32 AVX-512 kernel on fp32 copies: CPU bf16
-    q, k, v on a machine whose library has no AMX kernel, under the current backend mode. There the
-    PyTorch bf16 form is the slower one (benchmarks: docs/benchmarks.md, a CPU without AMX)."""
+    """Whether bf16 q, k, v run an fp32 AVX-512 kernel on fp32 copies: CPU bf16 tensors on a machine
+    whose library has no AMX kernel, under the current backend mode. There the PyTorch bf16 forms of
+    causal ``norm_linear_attn`` and of softmax attention are the slower ones (docs/benchmarks.md,
+    a CPU without AMX); see also :func:`softmax_upcast_usable`."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False
     if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
@@ -376,11 +377,9 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
     """Whether bf16 softmax attention over all keys runs the fp32 kernel on fp32 copies: CPU bf16 q, k,
     v with D, E multiples of 16, on a machine whose library has no AMX kernel. Not for blocks
     (``window`` > 0): there the PyTorch bf16 form of ``block_attn`` was as fast or faster."""
-    if _mode == "torch" or torch.compiler.is_compiling() or window:
+    if window or 0 in q.shape or 0 in v.shape:
         return False
-    if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)) or 0 in q.shape or 0 in v.shape:
-        return False
-    return q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and softmax_f32_ready() and not amx_ready()
+    return q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and softmax_f32_ready() and upcast_usable(q, k, v)
 
 
 class NativeSoftmaxAttn(torch.autograd.Function):

@@ -114,7 +114,7 @@ def norm_linear_attn(
         # of 32 rows, at most T rounded up), fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp).
         # The PyTorch form below is the fallback and the GPU path.
         amx_chunk = min(chunk_size, -(-T // 32) * 32)
-        if not _native.amx_usable(q, k, v, chunk_size) and _native.upcast_usable(q, k, v):
+        if _native.upcast_usable(q, k, v):  # (only without AMX: never beside the AMX kernel)
             # bf16 without AMX: the fp32 kernel on fp32 copies beats the PyTorch bf16 form (fp32
             # math, the output rounds once to bf16; autograd casts the gradients back)
             o, final = _native.native_causal_linear_attn(q.float(), k.float(), v.float(), init, chunk=c)

@@ -370,7 +370,7 @@ def train(cfg: TrainConfig) -> dict:
         if ckpt is None:
             log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
         else:
-            state = load_trainer_state(ckpt)
+            state = load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint just verified it
             changed = config_changes(state.get("config", {}), cfg)
             if changed:
                 raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
