@@ -65,7 +65,7 @@ def main() -> None:
         dtype = DTYPES[dname]
         probe = torch.zeros(1, 1, 1, 64, dtype=dtype)
         if not _native.softmax_usable(probe, probe, probe):
-            print(f"{dname}: no softmax kernel on this machine (bf16 needs AMX; both need a C++ compiler)")
+            print(f"{dname}: no softmax kernel on this machine (bf16 needs AMX or AVX512-BF16; both need a C++ compiler)")
             continue
         vanilla_rows(dname, dtype, args)
     blocks_rows(args)
@@ -93,7 +93,7 @@ def vanilla_rows(dname: str, dtype: torch.dtype, args) -> None:
 
 
 def blocks_rows(args) -> None:
-    if not _native.amx_ready():
+    if not _native.bf16_ready():
         return
     H, D = 8, 64
     print("\nbf16, DiagAttention blocks (64 tokens, causal), block_attn fwd+bwd:\n")

@@ -1,5 +1,6 @@
-"""The bf16 AMX kernels for norm_linear_attn (ops/_native_amx.cpp), causal and bidirectional,
-against the fp64 reference.
+"""The bf16 kernels for norm_linear_attn (ops/_native_amx.cpp), causal and bidirectional,
+against the fp64 reference. Their products run on AMX tiles or AVX512-BF16 dot products,
+whichever the CPU has (ops/_native_amx.h); the same tests hold either engine.
 
 The oracle is the quadratic reference in fp64 on the same bf16-rounded inputs. The kernel rounds
 what the PyTorch form under autocast rounds (the state and the score tiles as bf16 operands,
@@ -13,7 +14,29 @@ import torch
 from conftest import model_loss_and_grads, on_one_and_two_threads, rel_err
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
-needs_amx = pytest.mark.skipif(not _native.amx_ready(), reason="no AMX-BF16 kernel on this machine")
+needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason="no bf16 kernel on this machine (needs AMX or AVX512-BF16)")
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+@pytest.mark.skipif(not _native.load(), reason="no kernel library")
+def test_bf16_engine_is_the_one_the_cpu_has():
+    """AMX where the CPU has AMX-BF16 (and Linux grants the tile state), else AVX512-BF16 dot
+    products where it has those, else none: the library is built with -march=native."""
+    try:
+        flags = _cpu_flags()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    engine = _native.bf16_engine()
+    if "amx_bf16" in flags and engine == "amx":
+        assert _native.bf16_ready()
+    elif "avx512_bf16" in flags and "amx_bf16" not in flags:
+        assert engine == "avx512-bf16" and _native.bf16_ready()
+    elif "avx512_bf16" not in flags:
+        assert engine is None and not _native.bf16_ready()
 
 
 @pytest.fixture
@@ -54,7 +77,7 @@ def _reference(q, k, v, S0):
     return norm_linear_attn_reference(q, k, v, causal=True, initial_state=S0)
 
 
-@needs_amx
+@needs_bf16_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 @pytest.mark.parametrize("H,D,E,chunk", [(2, 64, 64, 64), (3, 32, 96, 32), (1, 128, 64, 128), (2, 128, 64, 32)])
 def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, E, chunk):
@@ -74,7 +97,7 @@ def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, 
             assert err < 1.25 * torch_err + 1e-4, (name, err, torch_err)
 
 
-@needs_amx
+@needs_bf16_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 @pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96), (1, 128, 32)])
 def test_bidirectional_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, monkeypatch, T, H, D, E):
@@ -101,7 +124,7 @@ def test_bidirectional_kernel_matches_fp64_reference_as_well_as_the_torch_form(m
             assert _norm_err(a, b) < 1.25 * _norm_err(t, b) + 1e-4, name
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_kernel_runs_for_bf16_and_pads_short_sequences(mode, monkeypatch):
     """bf16 with D, E, chunk multiples of 32 takes the kernel; a short sequence is one chunk of T
     rounded up to 32 rows (not a padded chunk_size: scratch grows with the chunk squared)."""
@@ -123,7 +146,7 @@ def test_kernel_runs_for_bf16_and_pads_short_sequences(mode, monkeypatch):
     assert not calls
 
 
-@needs_amx
+@needs_bf16_kernel
 @pytest.mark.parametrize("causal", [True, False])
 def test_same_result_on_one_and_two_threads(mode, causal):
     mode("native")
@@ -137,7 +160,7 @@ def test_same_result_on_one_and_two_threads(mode, causal):
         assert torch.equal(a, b)
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_native_mode_raises_for_bf16_shapes_no_kernel_takes(mode):
     mode("native")
     q = torch.randn(1, 70, 2, 48).bfloat16()
@@ -147,7 +170,7 @@ def test_native_mode_raises_for_bf16_shapes_no_kernel_takes(mode):
         norm_linear_attn(q, q, q, causal=False)
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_strided_inputs_no_state_and_unused_outputs(mode):
     mode("native")
     x = torch.randn(2, 3, 130, 64).mul(0.5).bfloat16()  # [B, H, T, D]: permuted views below
@@ -163,14 +186,14 @@ def test_strided_inputs_no_state_and_unused_outputs(mode):
     assert rel_err(gq.double(), gq_ref) < 1e-2
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_kernel_rejects_shapes_it_cannot_tile():
     q = torch.zeros(1, 64, 1, 48, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="failed with code 1"):
         _native.native_causal_linear_attn(q, q, q, None, chunk=64)
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_t2_model_under_autocast_takes_the_kernel_and_agrees(mode, monkeypatch):
     """A T2 LM with 32-wide heads under bf16 autocast: the same loss and gradients as the PyTorch
     form up to bf16 rounding, and the AMX kernel did run."""

@@ -36,9 +36,11 @@ def test_op_throughput_reports_the_backend_that_ran():
         for causal in (True, False):
             r = op_throughput(96, causal=causal, dtype=dtype, H=2, repeat=1, min_time=0.0)
             built = _native.load() is not None
-            fused = built and (dtype == torch.float32 or _native.amx_ready())
-            upcast = built and causal and dtype == torch.bfloat16 and not _native.amx_ready()
+            fused = built and (dtype == torch.float32 or _native.bf16_ready())
+            upcast = built and causal and dtype == torch.bfloat16 and not _native.bf16_ready()
             assert r["backend"] == ("native-fp32" if upcast else "native" if fused else "torch")
+            bf16_kernel = r["backend"] == "native" and dtype == torch.bfloat16
+            assert r["engine"] == (_native.bf16_engine() if bf16_kernel else None)
             assert r["seconds"] > 0 and r["gflops"] > 0
             assert same_shape_gemm_gflops(96, causal=causal, dtype=dtype, H=2, repeat=1, min_time=0.0) > 0
 

@@ -1,6 +1,6 @@
-"""The softmax-attention kernels (bf16 on AMX tiles: ops/_native_softmax_amx.cpp; fp32 on AVX-512:
-ops/_native_softmax.cpp) against the fp64 dense references: vanilla attention (``softmax_attn``)
-and DiagAttention's blocks (``block_attn``).
+"""The softmax-attention kernels (bf16 on AMX tiles or AVX512-BF16: ops/_native_softmax_amx.cpp;
+fp32 on AVX-512: ops/_native_softmax.cpp) against the fp64 dense references: vanilla attention
+(``softmax_attn``) and DiagAttention's blocks (``block_attn``).
 
 The oracle is the dense quadratic formula in fp64 on the same inputs. The fp32 kernel is held
 to fp32 accuracy. The bf16 kernel rounds as FlashAttention-2 does (bf16 operands P and dS, fp32 accumulation and softmax, one
@@ -17,7 +17,7 @@ from transnormer.ops import _native, block_attn, block_attn_reference
 from transnormer.ops.reference_baselines import softmax_attn_reference
 from transnormer.ops.softmax import softmax_attn
 
-needs_amx = pytest.mark.skipif(not _native.amx_ready(), reason="no AMX-BF16 kernel on this machine")
+needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason="no bf16 kernel on this machine (needs AMX or AVX512-BF16)")
 needs_f32 = pytest.mark.skipif(not _native.softmax_f32_ready(),
                                reason="no fp32 softmax kernel (needs AVX-512 and a C++ compiler)")
 
@@ -80,7 +80,7 @@ def _check(got, ref, torch_form):
             assert rel_err(a.double(), b) < 2e-2, name
 
 
-@needs_amx
+@needs_bf16_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96), (1, 128, 32)])
@@ -98,7 +98,7 @@ def test_vanilla_attention_matches_fp64_reference_as_well_as_the_autocast_form(m
     _check(got, ref, torch_form)
 
 
-@needs_amx
+@needs_bf16_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 301])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block", [32, 64, 96, 128])
@@ -136,7 +136,7 @@ def test_whole_blocks_as_sequences_equal_the_windowed_kernel(mode, kernel_calls,
         assert torch.equal(a, b)
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls):
     mode("auto")
     q = torch.randn(2, 100, 2, 64).bfloat16()
@@ -161,7 +161,7 @@ def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls)
 
 
 @pytest.mark.parametrize("window", [0, 64])
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx),
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_kernel),
                                    pytest.param(torch.float32, marks=needs_f32)])
 def test_same_result_on_one_and_two_threads(dtype, window):
     q, k, v, go = (x.to(dtype) for x in _case(2, 200, 3, 64, 32))
@@ -175,7 +175,7 @@ def test_same_result_on_one_and_two_threads(dtype, window):
         assert torch.equal(a, b)
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_views_of_a_fused_projection_are_read_in_place():
     qkv = torch.randn(2, 130, 3, 2, 64).bfloat16()  # [B, T, 3, H, D] as a fused q/k/v projection gives
     q, k, v = qkv.unbind(2)
@@ -185,7 +185,7 @@ def test_views_of_a_fused_projection_are_read_in_place():
     assert torch.equal(strided, packed)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_amx),
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_kernel),
                                    pytest.param(torch.float32, marks=needs_f32)])
 @pytest.mark.parametrize("layout", ["fused", "transposed"])
 def test_one_token_of_several_sequences(layout, dtype):
@@ -210,7 +210,7 @@ def test_one_token_of_several_sequences(layout, dtype):
     assert grads[0].abs().max() < 1e-3 and grads[1].abs().max() < 1e-3
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_kernel_rejects_shapes_it_cannot_tile():
     q = torch.zeros(1, 64, 1, 48, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="failed with code 1"):
@@ -220,7 +220,7 @@ def test_kernel_rejects_shapes_it_cannot_tile():
         _native.native_softmax_attn(q, q, q, causal=True, scale=0.1, window=80)
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_large_scores_do_not_overflow():
     """Scores far beyond exp's range (the online max keeps every exponent <= 0)."""
     q, k, v, go = _case(1, 150, 2, 64, 64)
@@ -246,7 +246,7 @@ def _kernel_vs_torch_model(mode, preset, *, amp):
     return abs(loss - loss_ref) / abs(loss_ref), float((g - g_ref).norm() / g_ref.norm())
 
 
-@needs_amx
+@needs_bf16_kernel
 @pytest.mark.parametrize("preset", ["vanilla-lm-tiny", "t2-lm-tiny"])
 def test_models_under_autocast_take_the_kernel_and_agree(mode, kernel_calls, preset):
     """vanilla-lm (softmax attention) and t2-lm (DiagAttention blocks) under bf16 autocast: the same
@@ -344,7 +344,7 @@ def test_one_token_views_and_autocast(dtype):
 def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, causal, T):
     """No AMX: bf16 attention over all keys takes the fp32 kernel on fp32 copies (SDPA's bf16 form
     ran at a third to a half of its speed there); blocks keep their PyTorch form."""
-    monkeypatch.setattr(_native, "amx_ready", lambda: False)
+    monkeypatch.setattr(_native, "bf16_ready", lambda: False)
     dtypes = []
     real = _native.native_softmax_attn
     monkeypatch.setattr(_native, "native_softmax_attn", lambda q, *a, **kw: dtypes.append(q.dtype) or real(q, *a, **kw))
@@ -358,5 +358,5 @@ def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, causal, T)
     for g, r in zip(torch.autograd.grad(o, (q, k, v), go.bfloat16()), torch.autograd.grad(ref, (qd, kd, vd), go)):
         assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
     assert not _native.softmax_upcast_usable(q, k, v, window=64)  # blocks: the PyTorch bf16 form
-    monkeypatch.setattr(_native, "amx_ready", lambda: True)
+    monkeypatch.setattr(_native, "bf16_ready", lambda: True)
     assert not _native.softmax_upcast_usable(q, k, v)  # with AMX: the bf16 kernel

@@ -9,7 +9,7 @@ Models (``build_peer_model``; the harness name is ``peer:NAME``, see ``bench/tra
     performer-pytorch    performer_pytorch.PerformerLM, causal, sized like ``performer-lm`` (d, depth,
                          heads, dim_head, vocab); projections fixed (``fix_projection_matrices_()``)
     sdpa                 not a peer model: our ``vanilla-lm`` preset *is* the SDPA softmax baseline
-                         (peers.md §3.1; on CPU in bf16 it runs our AMX softmax kernel instead,
+                         (peers.md §3.1; on CPU in bf16 it runs our bf16 softmax kernel instead,
                          timed against SDPA by benchmarks/softmax_attn.py); asking for it raises
                          with that hint
 

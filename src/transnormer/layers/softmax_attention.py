@@ -17,8 +17,8 @@ from .base import MultiHeadMixer, mask_and_positions, reads_given_cache
 
 
 class SoftmaxAttention(MultiHeadMixer):
-    """softmax(Q Kᵀ / √e) V per head through ``ops.softmax_attn`` (SDPA; bf16 on an AMX CPU: the fused
-    kernel); x: [B, T, d] → [B, T, d].
+    """softmax(Q Kᵀ / √e) V per head through ``ops.softmax_attn`` (SDPA; on CPU the fused kernels, see
+    ``ops.softmax_attn``); x: [B, T, d] → [B, T, d].
 
     ``rope``: rotate-half RoPE (θ_i = 10000^{-2i/e}) on q and k at the real-token positions.
     Decoding keeps a KV cache (``cache = {"k", "v", "valid"}``, keys stored after RoPE), whose

@@ -1,7 +1,8 @@
 """Fused CPU kernels, built at first use: ``norm_linear_attn``, causal and bidirectional
-(``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16 on AMX tiles), softmax
-attention for ``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp`` for bf16 on AMX
-tiles, ``_native_softmax.cpp`` for fp32), and the row kernels of a training step: the LRPE
+(``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16), softmax attention for
+``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp`` for bf16, ``_native_softmax.cpp``
+for fp32). The bf16 kernels run their products on AMX tiles or, on a CPU without AMX, on
+AVX512-BF16 dot products (``_native_amx.h``; see :func:`bf16_engine`), and the row kernels of a training step: the LRPE
 feature map (``_native_lrpe.cpp``), the LM loss's softmax cross-entropy rows
 (``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the GLU's SiLU gate
 (``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
@@ -45,7 +46,7 @@ _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_nat
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS_TRIED_FIRST = ("-fopenmp", "-march=native")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 10
+_ABI = 11
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -105,11 +106,11 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_fl
 # Exported functions: name -> (suffixes, argument types); every one returns an int status and
 # takes the thread count last.
 _SIGNATURES = {
-    "tn_causal_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 6),  # bf16: AMX (_native_amx.cpp)
+    "tn_causal_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 6),  # bf16: _native_amx.cpp
     "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
     "tn_bidir_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 5),
     "tn_bidir_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 5),
-    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # bf16: AMX
+    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # bf16: _native_softmax_amx.cpp
     "tn_softmax_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 6 + [_I64] * 6 + [_I32, _F32]),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
@@ -174,7 +175,7 @@ def set_backend(mode: str) -> None:
     """Choose the CPU backend of the fused kernels.
 
     ``"auto"`` (default) uses each fused kernel where it applies (``norm_linear_attn``:
-    fp32/fp64, and bf16 on a CPU with AMX when D, E and the chunk are multiples of 32; softmax
+    fp32/fp64, and bf16 on a CPU with AMX or AVX512-BF16 when D, E and the chunk are multiples of 32; softmax
     attention: see :func:`softmax_usable`; the row kernels: fp32/bf16) when the library builds;
     ``"torch"`` always runs the PyTorch forms;
     ``"native"`` is ``"auto"`` that raises if the library is absent, and also if
@@ -201,7 +202,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     ok = ok and len({t.dtype for t in tensors}) == 1
     if _mode == "native" and not ok:
         raise RuntimeError("backend 'native' needs CPU float32/float64 tensors of one dtype, or bfloat16 with D, E "
-                           "and the chunk multiples of 32 on a CPU with AMX")
+                           "and the chunk multiples of 32 on a CPU with AMX or AVX512-BF16")
     return ok and load() is not None
 
 
@@ -216,10 +217,18 @@ def _build_flag(symbol: str) -> bool:
     return _build_flags[symbol]
 
 
-def amx_ready() -> bool:
-    """Whether the bf16 kernels can run: the library was built with AMX (``-march=native`` on a CPU
-    with AMX-BF16) and Linux grants this process the AMX tile state."""
-    return _build_flag("tn_amx_ready")
+def bf16_ready() -> bool:
+    """Whether the bf16 kernels can run: the library was built with AVX512-BF16 (``-march=native``
+    on such a CPU), and, where it was built for AMX, Linux grants this process the AMX tile state."""
+    return _build_flag("tn_bf16_ready")
+
+
+def bf16_engine() -> str | None:
+    """What the bf16 kernels run their products on: ``"amx"`` (tiles), ``"avx512-bf16"`` (dot
+    products on vectors, e.g. AMD Zen 4/5), or None when they cannot run."""
+    if not bf16_ready():
+        return None
+    return {1: "amx", 2: "avx512-bf16"}.get(load().tn_bf16_engine())
 
 
 def softmax_f32_ready() -> bool:
@@ -227,34 +236,34 @@ def softmax_f32_ready() -> bool:
     return _build_flag("tn_softmax_f32_ready")
 
 
-def amx_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> bool:
-    """Whether ``norm_linear_attn`` runs on the AMX kernel: CPU bf16 q, k, v with D, E and the chunk
+def bf16_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> bool:
+    """Whether ``norm_linear_attn`` runs on the bf16 kernel: CPU bf16 q, k, v with D, E and the chunk
     multiples of 32, under the current backend mode (the bidirectional form walks chunks of 64)."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False
     if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
         return False
-    return q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0 and chunk % 32 == 0 and amx_ready()
+    return q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0 and chunk % 32 == 0 and bf16_ready()
 
 
 def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether bf16 q, k, v run an fp32 AVX-512 kernel on fp32 copies: CPU bf16 tensors on a machine
-    whose library has no AMX kernel, under the current backend mode. There the PyTorch bf16 forms of
-    causal ``norm_linear_attn`` and of softmax attention are the slower ones (docs/benchmarks.md,
-    a CPU without AMX); see also :func:`softmax_upcast_usable`."""
+    whose library has no bf16 kernel (AVX-512 without AVX512-BF16), under the current backend mode.
+    There the PyTorch bf16 forms of causal ``norm_linear_attn`` and of softmax attention are the
+    slower ones (docs/benchmarks.md, twelfth round); see also :func:`softmax_upcast_usable`."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False
     if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
         return False
-    return load() is not None and not amx_ready()
+    return load() is not None and not bf16_ready()
 
 
 BIDIR_CHUNK = 64  # rows per step of the bidirectional kernels' walk (kBidirChunk in both .cpp files)
 
 
 def bidir_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the bidirectional ``norm_linear_attn`` runs a fused kernel (AMX for bf16, else fp32/fp64)."""
-    return amx_usable(q, k, v, BIDIR_CHUNK) or usable(q, k, v)
+    """Whether the bidirectional ``norm_linear_attn`` runs a fused kernel (bf16, fp32 or fp64)."""
+    return bf16_usable(q, k, v, BIDIR_CHUNK) or usable(q, k, v)
 
 
 def _ptr(x: torch.Tensor | None):
@@ -276,7 +285,7 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
 
 
 class NativeCausalLinearAttn(torch.autograd.Function):
-    """q, k: [B, T, H, D], v: [B, T, H, E], contiguous, one dtype (fp32, fp64, or bf16 on the AMX
+    """q, k: [B, T, H, D], v: [B, T, H, E], contiguous, one dtype (fp32, fp64, or bf16 on the bf16
     kernel), T >= 1; init: [B, H, D, E] or None, in the state dtype (fp32 for bf16)."""
 
     @staticmethod
@@ -353,12 +362,12 @@ def native_bidir_linear_attn(q, k, v, init):
 
 
 # ------------------------------------------------------------------------------------------------
-# Softmax attention (vanilla attention and DiagAttention blocks): bf16 on AMX tiles
-# (_native_softmax_amx.cpp), fp32 on AVX-512 (_native_softmax.cpp)
+# Softmax attention (vanilla attention and DiagAttention blocks): bf16 on AMX tiles or
+# AVX512-BF16 (_native_softmax_amx.cpp), fp32 on AVX-512 (_native_softmax.cpp)
 # ------------------------------------------------------------------------------------------------
 def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
     """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs a fused CPU kernel: bf16 on
-    AMX tiles (D, E and ``window`` multiples of 32) or fp32 on AVX-512 (D, E multiples of 16,
+    the bf16 kernel (D, E and ``window`` multiples of 32) or fp32 on AVX-512 (D, E multiples of 16,
     ``window`` of 64); ``window`` 0 means all keys. Also: no empty dim, backend mode not "torch",
     not being traced."""
     if _mode == "torch" or torch.compiler.is_compiling():
@@ -367,7 +376,7 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
         return False
     D, E = q.shape[-1], v.shape[-1]
     if q.dtype == torch.bfloat16:
-        return D % 32 == 0 and E % 32 == 0 and window % 32 == 0 and amx_ready()
+        return D % 32 == 0 and E % 32 == 0 and window % 32 == 0 and bf16_ready()
     if q.dtype == torch.float32:
         return D % 16 == 0 and E % 16 == 0 and window % 64 == 0 and softmax_f32_ready()
     return False
@@ -375,7 +384,7 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
 
 def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
     """Whether bf16 softmax attention over all keys runs the fp32 kernel on fp32 copies: CPU bf16 q, k,
-    v with D, E multiples of 16, on a machine whose library has no AMX kernel. Not for blocks
+    v with D, E multiples of 16, on a machine whose library has no bf16 kernel. Not for blocks
     (``window`` > 0): there the PyTorch bf16 form of ``block_attn`` was as fast or faster."""
     if window or 0 in q.shape or 0 in v.shape:
         return False
@@ -383,7 +392,7 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
 
 
 class NativeSoftmaxAttn(torch.autograd.Function):
-    """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the AMX kernel, fp32: the AVX-512 one) with
+    """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the bf16 kernel, fp32: the AVX-512 one) with
     token rows readable in place (:func:`token_rows_ok`).
     Saves q, k, v, o and the per-query log-sum-exp lse [B, H, T] (fp32) for the backward."""
 
@@ -431,7 +440,7 @@ def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) 
     q, k, v = autocast_inputs(q, k, v)
     if not softmax_usable(q, k, v, window):
         if softmax_upcast_usable(q, k, v, window):
-            # bf16 on a CPU without AMX: the fp32 kernel on fp32 copies, 1.7-3.5x the SDPA bf16 fallback
+            # bf16 on a CPU without a bf16 kernel: the fp32 kernel on fp32 copies, 1.7-3.5x the SDPA bf16 fallback
             # (vanilla shapes, fwd+bwd, docs/benchmarks.md); fp32 math, the output rounds once to bf16
             return native_softmax_attn(q.float(), k.float(), v.float(), causal=causal, scale=scale).to(q.dtype)
         return None

@@ -1,30 +1,60 @@
-// AMX tile helpers shared by the bf16 kernels (_native_amx.cpp: linear attention;
-// _native_softmax_amx.cpp: softmax attention): the tile configuration, the product C (+)= A B
-// on 32 x 32 blocks of C, and the packs into the operand layouts.
+// bf16 product helpers shared by the bf16 kernels (_native_amx.cpp: linear attention;
+// _native_softmax_amx.cpp: softmax attention): the product C (+)= A B on 32 x 32 blocks of C,
+// and the packs into the operand layouts. The product runs on one of two engines, chosen when
+// the library is built (-march=native):
+//   AMX tiles (TN_AMX; Intel Sapphire Rapids and later): TDPBF16PS on 16 x 16 tiles;
+//   AVX512-BF16 (TN_BF16 without TN_AMX; e.g. AMD Zen 4/5): VDPBF16PS on 16-lane vectors.
+// Both take the same operand layouts and give the same sums up to the order of the fp32 adds,
+// so the kernels above them are written once.
 //
-// AMX basics. A tile is up to 16 rows of 64 bytes. TDPBF16PS C += A B takes A as 16 rows of 32
-// bf16 (row-major, the reduction along the row) and B in "VNNI" form: 16 rows, row r holding
-// the pairs (B[2r][n], B[2r+1][n]) for n = 0..15 as 32-bit words. So B operands are repacked:
+// The layouts are AMX's. A tile is up to 16 rows of 64 bytes. TDPBF16PS C += A B takes A as 16
+// rows of 32 bf16 (row-major, the reduction along the row) and B in "VNNI" form: 16 rows, row r
+// holding the pairs (B[2r][n], B[2r+1][n]) for n = 0..15 as 32-bit words (VDPBF16PS takes the
+// same words: lane n gets B[2r][n] A[m][2r] + B[2r+1][n] A[m][2r+1]). So B operands are repacked:
 // a row-major X becomes VNNI(X) by interleaving row pairs, and VNNI(X^T) is simply the 32-bit
-// transpose of X (its bf16 pairs are already the pairs needed). TN_AMX is defined when the
-// build has AMX; Linux must also grant the process the tile state (tn_amx_ready).
+// transpose of X (its bf16 pairs are already the pairs needed). With AMX, Linux must also grant
+// the process the tile state (tn_bf16_ready).
 #pragma once
+
+#include <cstring>
 
 #include "_native_common.h"
 #include "_native_simd.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(TN_AVX512)
+#if defined(__AVX512BF16__) && defined(TN_AVX512)
+#define TN_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TN_AMX 1
+#endif
 
-extern "C" int tn_amx_ready();
+extern "C" int tn_bf16_ready();
 
 namespace tn_amx {
 
 typedef uint16_t bf;  // bf16 bits
 typedef uint32_t w32;  // a pair of bf16
 
+// One operand pair of a product: A [M x K] row-major bf16 (row stride lda) and B given as
+// VNNI(B) [K/2 x N] words (row stride ldb). A may be triangular (a c x c score tile), so that
+// row block m sums over k <= m (kLowerA) or k >= m (kUpperA) only.
+enum Tri { kDense, kLowerA, kUpperA };
+struct Pair {
+    idx K;
+    const bf* A;
+    idx lda;
+    const w32* B;
+    idx ldb;
+    Tri shape;
+};
+
+// Which blocks of C are needed: a c x c score tile is triangular, and blocks wholly above
+// (kLowerC) or below (kUpperC) its diagonal are skipped, left unset for the masked conversion
+// after the product to zero.
+enum Out { kAll, kLowerC, kUpperC };
+
+#if defined(TN_AMX)
 // ---------------------------------------------------------------------------------------------
-// Tiles and the product
+// Engine 1: AMX tiles
 // ---------------------------------------------------------------------------------------------
 
 struct alignas(64) TileConfig {
@@ -39,19 +69,7 @@ struct alignas(64) TileConfig {
 inline const TileConfig kTiles = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 inline void configure_tiles() { _tile_loadconfig(&kTiles); }
-
-// One operand pair of a product: A [M x K] row-major bf16 (row stride lda) and B given as
-// VNNI(B) [K/2 x N] words (row stride ldb). A may be triangular (a c x c score tile), so that
-// row block m sums over k <= m (kLowerA) or k >= m (kUpperA) only.
-enum Tri { kDense, kLowerA, kUpperA };
-struct Pair {
-    idx K;
-    const bf* A;
-    idx lda;
-    const w32* B;
-    idx ldb;
-    Tri shape;
-};
+inline void release_tiles() { _tile_release(); }
 
 inline void pair_step(const Pair& p, idx m0, idx n0, idx k) {
     _tile_loadd(4, p.A + m0 * p.lda + k, p.lda * 2);
@@ -68,11 +86,6 @@ inline void pair_sum(const Pair& p, idx m0, idx n0) {
     const idx k0 = p.shape == kUpperA ? m0 : 0, k1 = p.shape == kLowerA ? std::min(p.K, m0 + 32) : p.K;
     for (idx k = k0; k < k1; k += 32) pair_step(p, m0, n0, k);
 }
-
-// Which blocks of C are needed: a c x c score tile is triangular, and blocks wholly above
-// (kLowerC) or below (kUpperC) its diagonal are skipped, left unset for the masked conversion
-// after the product to zero.
-enum Out { kAll, kLowerC, kUpperC };
 
 // C [M x N] fp32 (row stride ldc) = or += the sum of np products A_i B_i: the sum runs in the
 // tiles, so C is loaded and stored once. M, N and each K multiples of 32.
@@ -100,6 +113,69 @@ inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bo
             _tile_stored(3, c + 16 * ldc + 16, cs);
         }
 }
+#else
+// ---------------------------------------------------------------------------------------------
+// Engine 2: AVX512-BF16 dot products
+// ---------------------------------------------------------------------------------------------
+// C is walked in blocks of 8 rows x 32 columns held in 16 accumulators (VDPBF16PS has a
+// latency of several cycles and two issue ports: 16 independent sums keep both busy); per pair
+// of k, one B row (2 vectors, in L1) and 8 broadcast A words. Triangular A and C are cut at
+// 8-row granularity, finer than the tiles' 32: the skipped A entries and C blocks are zero or
+// masked by the callers either way.
+
+inline void configure_tiles() {}
+inline void release_tiles() {}
+
+constexpr idx kDpRows = 8;
+
+inline __m512bh a_pair(const bf* p) {  // the bf16 pair at p, in every lane
+    int32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return (__m512bh)_mm512_set1_epi32(w);
+}
+
+// acc[8 x 32] += A rows [m0, m0 + 8) x B columns [n0, n0 + 32), over k in [k0, k1) (even).
+inline void dp_rows(const Pair& p, idx m0, idx n0, idx k0, idx k1, __m512 (&acc)[kDpRows][2]) {
+    const bf* a = p.A + m0 * p.lda;
+    for (idx k = k0; k < k1; k += 2) {
+        const w32* b = p.B + (k / 2) * p.ldb + n0;
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+#pragma GCC unroll 8
+        for (idx i = 0; i < kDpRows; ++i) {
+            const __m512bh ai = a_pair(a + i * p.lda + k);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+        }
+    }
+}
+
+// C [M x N] fp32 (row stride ldc) = or += the sum of np products A_i B_i (M, N and each K
+// multiples of 32; the same contract as the AMX engine's).
+inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll) {
+    for (idx n0 = 0; n0 < N; n0 += 32)
+        for (idx m0 = 0; m0 < M; m0 += kDpRows) {
+            if ((out == kLowerC && n0 > m0 + kDpRows - 1) || (out == kUpperC && n0 + 31 < m0)) continue;
+            float* c = C + m0 * ldc + n0;
+            __m512 acc[kDpRows][2];
+#pragma GCC unroll 8
+            for (idx i = 0; i < kDpRows; ++i) {
+                acc[i][0] = accumulate ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+                acc[i][1] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+            }
+            for (int j = 0; j < np; ++j) {
+                const Pair& p = ps[j];
+                const idx k0 = p.shape == kUpperA ? m0 : 0;
+                const idx k1 = p.shape == kLowerA ? std::min(p.K, m0 + kDpRows) : p.K;
+                dp_rows(p, m0, n0, k0, k1, acc);
+            }
+#pragma GCC unroll 8
+            for (idx i = 0; i < kDpRows; ++i) {
+                _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+                _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+            }
+        }
+}
+#endif  // engines
 
 // C = or += A1 B1 (+ A2 B2)
 inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc, bool accumulate, Out out = kAll) {
@@ -158,7 +234,7 @@ inline void unpair(idx C2, idx R, const w32* v, bf* dst) {
 
 enum Mask { kNone, kLower, kUpper };  // keep j <= i / j >= i
 
-using tn::to_bf16;  // one instruction here: AMX comes with AVX512-BF16
+using tn::to_bf16;  // one instruction here (AVX512-BF16)
 
 // dst [R x C] bf16 (row stride ldd) = src [R x C] fp32 (lds), rounded, optionally masked to a triangle.
 inline void to_bf16_rows(idx R, idx C, const float* src, idx lds, bf* dst, idx ldd, Mask mask = kNone) {
@@ -186,4 +262,4 @@ inline void stream_bf16_rows(idx R, idx C, const float* src, idx lds, bf* dst, i
 }
 
 }  // namespace tn_amx
-#endif  // TN_AMX
+#endif  // TN_BF16

@@ -1,5 +1,7 @@
-// bf16 softmax attention on AMX tiles, forward and backward, in the FlashAttention-2 scheme:
-// the quadratic baseline's attention (vanilla-lm) and DiagAttention's blocks.
+// bf16 softmax attention, forward and backward, in the FlashAttention-2 scheme: the quadratic
+// baseline's attention (vanilla-lm) and DiagAttention's blocks. The products run on AMX tiles or
+// on AVX512-BF16 dot products (_native_amx.h; without AMX, 1.4-2.4x the fp32 kernel on upcast
+// copies for vanilla shapes, 2.7-3.1x PyTorch's bf16 form for 64-token blocks).
 //
 // Why this file exists: under bf16 autocast PyTorch's CPU SDPA kernel runs the forward at about
 // a third of the AMX rate but its backward at a tenth (16k tokens, 8 heads of 64: 0.38 s forward,
@@ -30,7 +32,7 @@
 #include "_native_amx.h"
 #include "_native_softmax_walk.h"
 
-#if defined(TN_AMX)
+#if defined(TN_BF16)
 #include <limits>
 
 namespace {
@@ -87,7 +89,7 @@ struct Worker : Walk {
     }
     ~Worker() {
         _mm_sfence();  // the streamed output rows
-        _tile_release();
+        release_tiles();
     }
 
     // Operands that span the sequence are stored in blocks of the rows one product reads
@@ -279,17 +281,17 @@ struct Worker : Walk {
 };
 
 }  // namespace
-#endif  // TN_AMX
+#endif  // TN_BF16
 
 extern "C" {
 
 typedef const uint16_t* in_t;  // bf16 tensors as their bits
 typedef uint16_t* out_t;
 
-// Status: 0 ok, 1 bad shape (D, E and w multiples of 32, scale > 0), 2 AMX unavailable.
-#if defined(TN_AMX)
+// Status: 0 ok, 1 bad shape (D, E and w multiples of 32, scale > 0), 2 kernels unavailable.
+#if defined(TN_BF16)
 #define TN_SOFTMAX_RUN(BWD, CALL)                                                                      \
-    if (tn_amx_ready() != 1) return 2;                                                                 \
+    if (tn_bf16_ready() != 1) return 2;                                                                 \
     const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \
     if (!shape_ok(s, 32, kQ)) return 1;                                                                \
     run_heads<Worker>(s, BWD, nthreads, [&](Worker& wk, idx n) { wk.CALL; });                          \

@@ -79,12 +79,12 @@ def norm_linear_attn(
 
     kernels_apply = q.numel() > 0 and v.numel() > 0 and (init is None or init.device.type == "cpu")
     if not causal and kernels_apply and _native.backend() == "native" and _native.upcast_usable(q, k, v):
-        # bf16 without AMX where kernels are required: the fp32 kernel on copies (in "auto" the
-        # PyTorch bf16 GEMMs below are faster: 3.8 vs 5.4 ms at T = 4k)
+        # bf16 without a bf16 kernel where kernels are required: the fp32 kernel on copies (in
+        # "auto" the PyTorch bf16 GEMMs below are faster: 3.8 vs 5.4 ms at T = 4k)
         o, final = _native.native_bidir_linear_attn(q.float(), k.float(), v.float(), init)
         return o.to(q.dtype), (final if output_final_state else None)
     if not causal and kernels_apply and _native.bidir_usable(q, k, v):
-        # Fused CPU kernels: S, then O = Q S, chunk by chunk in place (bf16 on AMX tiles)
+        # Fused CPU kernels: S, then O = Q S, chunk by chunk in place (bf16: ops/_native_amx.cpp)
         o, final = _native.native_bidir_linear_attn(q, k, v, init)
         return o, (final if output_final_state else None)
     if not causal:
@@ -110,16 +110,16 @@ def norm_linear_attn(
     c = min(chunk_size, T)
     if kernels_apply:
         # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX
-        # tiles (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk is a multiple
+        # tiles or AVX512-BF16 (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk is a multiple
         # of 32 rows, at most T rounded up), fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp).
         # The PyTorch form below is the fallback and the GPU path.
         amx_chunk = min(chunk_size, -(-T // 32) * 32)
-        if _native.upcast_usable(q, k, v):  # (only without AMX: never beside the AMX kernel)
-            # bf16 without AMX: the fp32 kernel on fp32 copies beats the PyTorch bf16 form (fp32
+        if _native.upcast_usable(q, k, v):  # (only without a bf16 kernel: never beside it)
+            # bf16 on AVX-512 without AVX512-BF16 or AMX: the fp32 kernel on fp32 copies beats the PyTorch bf16 form (fp32
             # math, the output rounds once to bf16; autograd casts the gradients back)
             o, final = _native.native_causal_linear_attn(q.float(), k.float(), v.float(), init, chunk=c)
             return o.to(q.dtype), (final if output_final_state else None)
-        kernel_chunk = amx_chunk if _native.amx_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
+        kernel_chunk = amx_chunk if _native.bf16_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
         if kernel_chunk:
             o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=kernel_chunk)
             return o, (final if output_final_state else None)
