@@ -8,6 +8,31 @@ def _seed_and_threads():
     yield
 
 
+# The bf16 kernels' product engines (ops/_native_amx.h). The library is built for this CPU, so it
+# holds one: AMX where the CPU has it, else AVX512-BF16. On an AMX CPU the AVX512-BF16 engine is
+# also built, as a variant without AMX, so that both are tested wherever the tests run on AMX.
+_NO_AMX_FLAGS = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+def bf16_engine_params() -> list[str]:
+    from transnormer.ops import _native
+
+    return ["built", "avx512-bf16-variant"] if _native.bf16_engine() == "amx" else ["built"]
+
+
+def use_bf16_engine(param: str, monkeypatch) -> None:
+    """For a test module's autouse fixture with ``params=bf16_engine_params()``: "built" leaves the
+    library as built; "avx512-bf16-variant" swaps in the variant for the test."""
+    from transnormer.ops import _native
+
+    if param == "avx512-bf16-variant":
+        lib = _native.load_variant(_NO_AMX_FLAGS)
+        assert lib.tn_bf16_engine() == 2, "the variant without AMX must take the AVX512-BF16 engine"
+        monkeypatch.setattr(_native, "_lib", lib)
+        monkeypatch.setattr(_native, "_build_flags", {})
+        assert _native.bf16_engine() == "avx512-bf16"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors: a second intra-op thread only adds sync overhead on the shared 2-core box."""

@@ -11,10 +11,16 @@ gradient are sums of exact products of bf16 numbers in fp32, held to fp32 accura
 import pytest
 import torch
 
-from conftest import model_loss_and_grads, on_one_and_two_threads, rel_err
+from conftest import bf16_engine_params, model_loss_and_grads, on_one_and_two_threads, rel_err, use_bf16_engine
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
 needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason="no bf16 kernel on this machine (needs AMX or AVX512-BF16)")
+
+
+@pytest.fixture(autouse=True, params=bf16_engine_params())
+def _engine(request, monkeypatch):
+    """Every test here on each bf16 product engine this machine can build (conftest.py)."""
+    use_bf16_engine(request.param, monkeypatch)
 
 
 def _cpu_flags() -> set[str]:

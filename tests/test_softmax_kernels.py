@@ -12,12 +12,18 @@ CPU SDPA backward runs its products in fp32 and is more accurate than either, an
 import pytest
 import torch
 
-from conftest import model_loss_and_grads, on_one_and_two_threads, rel_err
+from conftest import bf16_engine_params, model_loss_and_grads, on_one_and_two_threads, rel_err, use_bf16_engine
 from transnormer.ops import _native, block_attn, block_attn_reference
 from transnormer.ops.reference_baselines import softmax_attn_reference
 from transnormer.ops.softmax import softmax_attn
 
 needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason="no bf16 kernel on this machine (needs AMX or AVX512-BF16)")
+
+
+@pytest.fixture(autouse=True, params=bf16_engine_params())
+def _engine(request, monkeypatch):
+    """Every test here on each bf16 product engine this machine can build (conftest.py)."""
+    use_bf16_engine(request.param, monkeypatch)
 needs_f32 = pytest.mark.skipif(not _native.softmax_f32_ready(),
                                reason="no fp32 softmax kernel (needs AVX-512 and a C++ compiler)")
 

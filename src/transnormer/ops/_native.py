@@ -73,7 +73,9 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _compile(out: Path) -> None:
+def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Build the library at ``out``. With ``extra_flags`` (a variant build) only the full flag set
+    plus those is tried, and a failure raises instead of falling back to a portable build."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -84,7 +86,9 @@ def _compile(out: Path) -> None:
         # -fopenmp: share PyTorch's OpenMP threads (_native_common.h); some compilers lack it, and
         # some compilers (or CPUs) reject -march=native
         first_error = None
-        for extra in (list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], []):
+        attempts = ([*_FLAGS_TRIED_FIRST, *extra_flags],) if extra_flags else (
+            list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], [])
+        for extra in attempts:
             proc = subprocess.run([compiler, *_FLAGS, *extra, *map(str, _SOURCES), "-o", tmp], capture_output=True,
                                   text=True)
             if proc.returncode == 0:
@@ -142,6 +146,30 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn.restype = _I32
 
 
+def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The library built with ``extra_flags``, compiled first if the cache does not hold it."""
+    ident = " ".join([*_FLAGS, *extra_flags, str(_compiler()), _cpu_signature()]).encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + ident).hexdigest()
+    path = _cache_dir() / f"kernels_{key[:16]}.so"
+    if not path.exists():
+        _compile(path, extra_flags)
+    lib = ctypes.CDLL(str(path))  # RTLD_LOCAL: variants load beside the default library
+    if lib.tn_abi_version() != _ABI:
+        raise RuntimeError(f"stale library {path} (ABI {lib.tn_abi_version()}, expected {_ABI})")
+    _declare(lib)
+    return lib
+
+
+def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernel library built with extra compiler flags, beside the default one, for tests of a
+    code path this CPU would not take: ``("-mno-amx-tile", "-mno-amx-bf16")`` builds the bf16
+    kernels on the AVX512-BF16 engine on a CPU with AMX. Raises RuntimeError when it cannot be built."""
+    if not extra_flags:
+        raise ValueError("extra_flags must name at least one flag (the default build is load())")
+    with _lock:
+        return _open(tuple(extra_flags))
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None when it cannot be built."""
     global _lib, _tried, _error
@@ -154,17 +182,8 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("TRANSNORMER_NATIVE", "1") == "0":
             _error = "disabled by TRANSNORMER_NATIVE=0"
             return None
-        ident = " ".join([*_FLAGS, str(_compiler()), _cpu_signature()]).encode()
-        key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + ident).hexdigest()
-        path = _cache_dir() / f"kernels_{key[:16]}.so"
         try:
-            if not path.exists():
-                _compile(path)
-            lib = ctypes.CDLL(str(path))
-            if lib.tn_abi_version() != _ABI:
-                raise RuntimeError(f"stale library {path} (ABI {lib.tn_abi_version()}, expected {_ABI})")
-            _declare(lib)
-            _lib = lib
+            _lib = _open()
         except (OSError, RuntimeError) as exc:
             _error = str(exc)
             warnings.warn(f"transnormer: fused CPU kernel unavailable, using the PyTorch form ({exc})", stacklevel=2)
