@@ -11,16 +11,24 @@ gradient are sums of exact products of bf16 numbers in fp32, held to fp32 accura
 import pytest
 import torch
 
-from conftest import bf16_engine_params, model_loss_and_grads, on_one_and_two_threads, rel_err, use_bf16_engine
+from conftest import (
+    NO_BF16_KERNEL,
+    bf16_engine_params,
+    model_loss_and_grads,
+    on_one_and_two_threads,
+    rel_err,
+    use_bf16_engine,
+)
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
-needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason="no bf16 kernel on this machine (needs AMX or AVX512-BF16)")
+needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason=NO_BF16_KERNEL)
 
 
 @pytest.fixture(autouse=True, params=bf16_engine_params())
 def _engine(request, monkeypatch):
-    """Every test here on each bf16 product engine this machine can build (conftest.py)."""
-    use_bf16_engine(request.param, monkeypatch)
+    """Every bf16 test here on each bf16 product engine this machine can build (conftest.py)."""
+    use_bf16_engine(request, monkeypatch)
+
 
 
 def _cpu_flags() -> set[str]:
@@ -28,21 +36,23 @@ def _cpu_flags() -> set[str]:
         return set(next((line for line in f if line.startswith("flags")), "").split())
 
 
-@pytest.mark.skipif(not _native.load(), reason="no kernel library")
+@pytest.mark.skipif(not _native.softmax_f32_ready(), reason="no library built with -march=native on AVX-512")
 def test_bf16_engine_is_the_one_the_cpu_has():
-    """AMX where the CPU has AMX-BF16 (and Linux grants the tile state), else AVX512-BF16 dot
-    products where it has those, else none: the library is built with -march=native."""
+    """The library is built with -march=native: its bf16 kernels take AMX tiles where the CPU has
+    AMX-BF16, else AVX512-BF16 dot products where it has those, else there are none."""
     try:
         flags = _cpu_flags()
     except OSError:
         pytest.skip("no /proc/cpuinfo")
-    engine = _native.bf16_engine()
-    if "amx_bf16" in flags and engine == "amx":
-        assert _native.bf16_ready()
-    elif "avx512_bf16" in flags and "amx_bf16" not in flags:
-        assert engine == "avx512-bf16" and _native.bf16_ready()
-    elif "avx512_bf16" not in flags:
-        assert engine is None and not _native.bf16_ready()
+    built = _native.load().tn_bf16_engine()
+    if "amx_bf16" in flags:
+        assert built == 1
+        assert _native.bf16_engine() in ("amx", None)  # None: Linux refused the process the tile state
+        assert _native.bf16_ready() == (_native.bf16_engine() == "amx")
+    elif "avx512_bf16" in flags:
+        assert built == 2 and _native.bf16_engine() == "avx512-bf16" and _native.bf16_ready()
+    else:
+        assert built == 0 and _native.bf16_engine() is None and not _native.bf16_ready()
 
 
 @pytest.fixture
@@ -202,7 +212,7 @@ def test_kernel_rejects_shapes_it_cannot_tile():
 @needs_bf16_kernel
 def test_t2_model_under_autocast_takes_the_kernel_and_agrees(mode, monkeypatch):
     """A T2 LM with 32-wide heads under bf16 autocast: the same loss and gradients as the PyTorch
-    form up to bf16 rounding, and the AMX kernel did run."""
+    form up to bf16 rounding, and the bf16 kernel did run."""
     from transnormer.presets import build_model
 
     calls = []

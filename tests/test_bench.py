@@ -314,6 +314,7 @@ def test_bench_small_pieces():
     from transnormer.bench.timing import measure
 
     assert "1,000" in markdown_table([{"v": 999.7}], ["v"])  # not 1e+03
+    assert markdown_table([{"a": 1, "engine": None}], ["a", "engine"]).splitlines()[-1] == "| 1 |  |"  # not "None"
     with pytest.raises(ValueError, match="repeat must be an int >= 1"):
         measure(lambda: None, repeat=0)
 

@@ -638,7 +638,7 @@ def test_models_agree_with_and_without_the_fused_kernels(backend_mode, preset):
     model = build_model(preset, task="mlm" if "roberta" in preset else "clm", vocab_size=300, dropout=0.0).eval()
     ids = torch.randint(0, 300, (2, 37))
     out = {}
-    for mode in ("torch", "auto"):  # auto: every kernel where it applies (bf16 causal op: AMX CPUs)
+    for mode in ("torch", "auto"):  # auto: every kernel where it applies (bf16 causal op: CPUs with AMX or AVX512-BF16)
         backend_mode(mode)
         out[mode, False] = model_loss_and_grads(model, ids, amp=False)
         out[mode, True] = model_loss_and_grads(model, ids, amp=True)

@@ -214,8 +214,8 @@ def test_disabled_by_environment(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65])
-def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, T):
-    """No AMX: causal bf16 takes the fp32 kernel on fp32 copies (faster there than the PyTorch bf16
+def test_bf16_without_bf16_kernel_runs_the_fp32_kernel_on_copies(monkeypatch, T):
+    """No bf16 kernel (AVX-512 without AVX512-BF16): causal bf16 takes the fp32 kernel on fp32 copies (faster there than the PyTorch bf16
     form); the result is that kernel's, rounded once, and the gradients come back in bf16."""
     monkeypatch.setattr(_native, "bf16_ready", lambda: False)
     seen = []
@@ -234,12 +234,12 @@ def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, T):
     ref, _ = norm_linear_attn_reference(qd, kd, vd, causal=True, initial_state=S0.double())
     for g, r in zip(grads, torch.autograd.grad((ref ** 2).sum(), (qd, kd, vd))):
         assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
-    monkeypatch.setattr(_native, "bf16_ready", lambda: True)  # with AMX, never the upcast
+    monkeypatch.setattr(_native, "bf16_ready", lambda: True)  # with the bf16 kernel, never the upcast
     assert not _native.upcast_usable(q, k, v)
 
 
 @needs_kernel
-def test_native_mode_runs_bidirectional_bf16_without_amx(monkeypatch, native):
+def test_native_mode_runs_bidirectional_bf16_without_bf16_kernel(monkeypatch, native):
     # causal bf16 ran on the upcast kernel under backend "native"; bidirectional raised
     monkeypatch.setattr(_native, "bf16_ready", lambda: False)
     q, k, v = (torch.randn(1, 70, 2, 32, dtype=torch.bfloat16).mul_(0.3) for _ in range(3))

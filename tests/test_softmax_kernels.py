@@ -12,18 +12,26 @@ CPU SDPA backward runs its products in fp32 and is more accurate than either, an
 import pytest
 import torch
 
-from conftest import bf16_engine_params, model_loss_and_grads, on_one_and_two_threads, rel_err, use_bf16_engine
+from conftest import (
+    NO_BF16_KERNEL,
+    bf16_engine_params,
+    model_loss_and_grads,
+    on_one_and_two_threads,
+    rel_err,
+    use_bf16_engine,
+)
 from transnormer.ops import _native, block_attn, block_attn_reference
 from transnormer.ops.reference_baselines import softmax_attn_reference
 from transnormer.ops.softmax import softmax_attn
 
-needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason="no bf16 kernel on this machine (needs AMX or AVX512-BF16)")
+needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason=NO_BF16_KERNEL)
 
 
 @pytest.fixture(autouse=True, params=bf16_engine_params())
 def _engine(request, monkeypatch):
-    """Every test here on each bf16 product engine this machine can build (conftest.py)."""
-    use_bf16_engine(request.param, monkeypatch)
+    """Every bf16 test here on each bf16 product engine this machine can build (conftest.py)."""
+    use_bf16_engine(request, monkeypatch)
+
 needs_f32 = pytest.mark.skipif(not _native.softmax_f32_ready(),
                                reason="no fp32 softmax kernel (needs AVX-512 and a C++ compiler)")
 
@@ -347,8 +355,8 @@ def test_one_token_views_and_autocast(dtype):
 @needs_f32
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T", [1, 63, 65])
-def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, causal, T):
-    """No AMX: bf16 attention over all keys takes the fp32 kernel on fp32 copies (SDPA's bf16 form
+def test_bf16_without_bf16_kernel_runs_the_fp32_kernel_on_copies(monkeypatch, causal, T):
+    """No bf16 kernel: bf16 attention over all keys takes the fp32 kernel on fp32 copies (SDPA's bf16 form
     ran at a third to a half of its speed there); blocks keep their PyTorch form."""
     monkeypatch.setattr(_native, "bf16_ready", lambda: False)
     dtypes = []
@@ -365,4 +373,4 @@ def test_bf16_without_amx_runs_the_fp32_kernel_on_copies(monkeypatch, causal, T)
         assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
     assert not _native.softmax_upcast_usable(q, k, v, window=64)  # blocks: the PyTorch bf16 form
     monkeypatch.setattr(_native, "bf16_ready", lambda: True)
-    assert not _native.softmax_upcast_usable(q, k, v)  # with AMX: the bf16 kernel
+    assert not _native.softmax_upcast_usable(q, k, v)  # the bf16 kernel runs instead

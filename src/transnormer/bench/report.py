@@ -26,6 +26,8 @@ def environment() -> dict:
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def fmt(v):
+        if v is None:  # a column that does not apply to the row (e.g. the bf16 engine of an fp32 op)
+            return ""
         if isinstance(v, float):
             return f"{v:,.3g}" if abs(v) < 999.5 else f"{v:,.0f}"  # 999.7 would print as 1e+03
         return str(v)

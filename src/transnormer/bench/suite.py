@@ -47,7 +47,8 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
                 rows.append(r)
                 if T >= 4096:
                     target = 0.5 if causal else 0.7
-                    name = f"op {'causal' if causal else 'bidirectional'} {dname} T={T} [{r['backend']}]"
+                    path = r["backend"] + (f", {r['engine']}" if r["engine"] else "")  # engine: of the bf16 kernel
+                    name = f"op {'causal' if causal else 'bidirectional'} {dname} T={T} [{path}]"
                     useful = (f"; useful FLOPs (causal half of the score tiles, which the fused kernel skips) "
                               f"{r['frac_useful']:.0%} of it" if causal and r["backend"].startswith("native") else "")
                     # Two readings of "the measured GEMM throughput": the (a matmul of the same
@@ -60,8 +61,8 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
                         f"{name} vs square GEMM", r["frac_square"] >= target,
                         f"{r['frac_square']:.0%} of the {square:.0f} GFLOP/s 2048^3 GEMM (target "
                         f"{target:.0%}){useful}"))
-    rep = write_report(rows, out_dir, "ops", ["preset", "backend", "seq_len", "step_s", "gflops", "frac_same_shape",
-                                              "frac_square", "frac_useful"],
+    rep = write_report(rows, out_dir, "ops", ["preset", "backend", "engine", "seq_len", "step_s", "gflops",
+                                              "frac_same_shape", "frac_square", "frac_useful"],
                        plots=("step_s",), extra={"verdicts": verdicts})
     return {"rows": rows, "verdicts": verdicts, **rep}
 

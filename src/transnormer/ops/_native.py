@@ -1,11 +1,11 @@
 """Fused CPU kernels, built at first use: ``norm_linear_attn``, causal and bidirectional
 (``_native_linear_attn.cpp`` for fp32/fp64, ``_native_amx.cpp`` for bf16), softmax attention for
 ``softmax_attn`` and ``block_attn`` (``_native_softmax_amx.cpp`` for bf16, ``_native_softmax.cpp``
-for fp32). The bf16 kernels run their products on AMX tiles or, on a CPU without AMX, on
-AVX512-BF16 dot products (``_native_amx.h``; see :func:`bf16_engine`), and the row kernels of a training step: the LRPE
-feature map (``_native_lrpe.cpp``), the LM loss's softmax cross-entropy rows
-(``_native_xent.cpp``), SimpleRMSNorm (``_native_norm.cpp``), the GLU's SiLU gate
-(``_native_glu.cpp``) and the GAU/FLASH query-key heads (``_native_heads.cpp``).
+for fp32), and the row kernels of a training step: the LRPE feature map (``_native_lrpe.cpp``),
+the LM loss's softmax cross-entropy rows (``_native_xent.cpp``), SimpleRMSNorm
+(``_native_norm.cpp``), the GLU's SiLU gate (``_native_glu.cpp``) and the GAU/FLASH query-key
+heads (``_native_heads.cpp``). The bf16 kernels run their products on AMX tiles or, on a CPU
+without AMX, on AVX512-BF16 dot products (``_native_amx.h``; see :func:`bf16_engine`).
 
 The C++ sources are compiled once per machine with the system compiler (``-O3 -march=native
 -fopenmp``) into one library in a cache directory and loaded with ctypes: no torch headers, so
@@ -49,6 +49,7 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-d
 _ABI = 11
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_variants: dict[tuple[str, ...], ctypes.CDLL] = {}  # load_variant's libraries, by their extra flags
 _tried = False
 _error: str | None = None
 _mode = "auto"  # "auto": native when available; "torch": never; "native": required
@@ -74,8 +75,9 @@ def _compiler() -> str | None:
 
 
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """Build the library at ``out``. With ``extra_flags`` (a variant build) only the full flag set
-    plus those is tried, and a failure raises instead of falling back to a portable build."""
+    """Build the library at ``out``. With ``extra_flags`` (a variant build) only builds for this
+    CPU (-march=native) plus those are tried: a failure raises rather than falling back to a
+    portable build."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -86,7 +88,7 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
         # -fopenmp: share PyTorch's OpenMP threads (_native_common.h); some compilers lack it, and
         # some compilers (or CPUs) reject -march=native
         first_error = None
-        attempts = ([*_FLAGS_TRIED_FIRST, *extra_flags],) if extra_flags else (
+        attempts = ([*_FLAGS_TRIED_FIRST, *extra_flags], ["-march=native", *extra_flags]) if extra_flags else (
             list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], [])
         for extra in attempts:
             proc = subprocess.run([compiler, *_FLAGS, *extra, *map(str, _SOURCES), "-o", tmp], capture_output=True,
@@ -163,11 +165,15 @@ def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     """The kernel library built with extra compiler flags, beside the default one, for tests of a
     code path this CPU would not take: ``("-mno-amx-tile", "-mno-amx-bf16")`` builds the bf16
-    kernels on the AVX512-BF16 engine on a CPU with AMX. Raises RuntimeError when it cannot be built."""
+    kernels on the AVX512-BF16 engine on a CPU with AMX. Raises RuntimeError (or OSError) when it
+    cannot be built (or loaded)."""
     if not extra_flags:
         raise ValueError("extra_flags must name at least one flag (the default build is load())")
+    key = tuple(extra_flags)
     with _lock:
-        return _open(tuple(extra_flags))
+        if key not in _variants:
+            _variants[key] = _open(key)
+        return _variants[key]
 
 
 def load() -> ctypes.CDLL | None:
@@ -267,7 +273,8 @@ def bf16_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -
 
 def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether bf16 q, k, v run an fp32 AVX-512 kernel on fp32 copies: CPU bf16 tensors on a machine
-    whose library has no bf16 kernel (AVX-512 without AVX512-BF16), under the current backend mode.
+    whose bf16 kernels cannot run (AVX-512 without AVX512-BF16, or an AMX build whose tile state
+    Linux refused), under the current backend mode.
     There the PyTorch bf16 forms of causal ``norm_linear_attn`` and of softmax attention are the
     slower ones (docs/benchmarks.md, twelfth round); see also :func:`softmax_upcast_usable`."""
     if _mode == "torch" or torch.compiler.is_compiling():

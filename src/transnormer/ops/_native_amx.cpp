@@ -249,7 +249,9 @@ bool shape_ok(idx B, idx T, idx H, idx D, idx E, idx c) {
     return B >= 1 && T >= 1 && H >= 1 && D >= 32 && E >= 32 && c >= 32 && D % 32 == 0 && E % 32 == 0 && c % 32 == 0;
 }
 
-bool bf16_granted = false;
+#if defined(TN_AMX)
+bool bf16_granted = false;  // asked for once, by tn_bf16_ready
+#endif
 
 constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any size gives the same sums)
 
@@ -269,8 +271,7 @@ int tn_bf16_ready() {
     }
     return bf16_granted ? 1 : 0;
 #elif defined(TN_BF16)
-    bf16_granted = true;
-    return 1;
+    return 1;  // nothing to grant
 #else
     return 0;
 #endif
@@ -290,7 +291,7 @@ int tn_bf16_engine() {
 // The kernels' status: 0 ok, 1 bad shape (D, E, c must be multiples of 32), 2 kernels unavailable.
 #if defined(TN_BF16)
 #define TN_BF16_RUN(c, CALL)                                                                            \
-    if (!bf16_granted) return 2;                                                                        \
+    if (tn_bf16_ready() != 1) return 2;                                                                 \
     if (!shape_ok(B, T, H, D, E, c)) return 1;                                                          \
     const Shape s{B, T, H, D, E, c};                                                                    \
     tn::parallel_ranges(B * H, nthreads, [&](idx lo, idx hi) { Worker(s, lo, hi).CALL; });              \

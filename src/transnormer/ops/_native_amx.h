@@ -1,6 +1,6 @@
 // bf16 product helpers shared by the bf16 kernels (_native_amx.cpp: linear attention;
-// _native_softmax_amx.cpp: softmax attention): the product C (+)= A B on 32 x 32 blocks of C,
-// and the packs into the operand layouts. The product runs on one of two engines, chosen when
+// _native_softmax_amx.cpp: softmax attention): the product C (+)= A B (M, N and K multiples of
+// 32; triangular A or C cut by blocks), and the packs into the operand layouts. The product runs on one of two engines, chosen when
 // the library is built (-march=native):
 //   AMX tiles (TN_AMX; Intel Sapphire Rapids and later): TDPBF16PS on 16 x 16 tiles;
 //   AVX512-BF16 (TN_BF16 without TN_AMX; e.g. AMD Zen 4/5): VDPBF16PS on 16-lane vectors.

@@ -1,7 +1,8 @@
-// The walk both softmax-attention kernels share (_native_softmax_amx.cpp: bf16 on AMX tiles;
-// _native_softmax.cpp: fp32 on AVX-512): the call's shape, where a head's rows lie, which keys a
-// block of queries sees (its windows, and j <= i when causal) as lane masks, the key steps and
-// query blocks each walk visits, delta = rowsum(dO * O), and the split of heads over threads.
+// The walk both softmax-attention kernels share (_native_softmax_amx.cpp: bf16 on AMX tiles or
+// AVX512-BF16; _native_softmax.cpp: fp32 on AVX-512): the call's shape, where a head's rows lie,
+// which keys a block of queries sees (its windows, and j <= i when causal) as lane masks, the key
+// steps and query blocks each walk visits, delta = rowsum(dO * O), and the split of heads over
+// threads.
 //
 // Layouts: q, k [B, T, H, D], v [B, T, H, E] with token rows at strides ldq, ldk, ldv (the batch
 // stride T times it); o, dO, dq, dk, dv contiguous [B, T, H, D|E]; lse [B, H, T]. Keys of query

@@ -113,13 +113,14 @@ def norm_linear_attn(
         # tiles or AVX512-BF16 (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk is a multiple
         # of 32 rows, at most T rounded up), fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp).
         # The PyTorch form below is the fallback and the GPU path.
-        amx_chunk = min(chunk_size, -(-T // 32) * 32)
+        bf16_chunk = min(chunk_size, -(-T // 32) * 32)
         if _native.upcast_usable(q, k, v):  # (only without a bf16 kernel: never beside it)
-            # bf16 on AVX-512 without AVX512-BF16 or AMX: the fp32 kernel on fp32 copies beats the PyTorch bf16 form (fp32
-            # math, the output rounds once to bf16; autograd casts the gradients back)
+            # bf16 where the bf16 kernel cannot run (AVX-512 without AVX512-BF16): the fp32 kernel on
+            # fp32 copies beats the PyTorch bf16 form (fp32 math, the output rounds once to bf16;
+            # autograd casts the gradients back)
             o, final = _native.native_causal_linear_attn(q.float(), k.float(), v.float(), init, chunk=c)
             return o.to(q.dtype), (final if output_final_state else None)
-        kernel_chunk = amx_chunk if _native.bf16_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
+        kernel_chunk = bf16_chunk if _native.bf16_usable(q, k, v, chunk_size) else c if _native.usable(q, k, v) else 0
         if kernel_chunk:
             o, final = _native.native_causal_linear_attn(q, k, v, init, chunk=kernel_chunk)
             return o, (final if output_final_state else None)

@@ -39,10 +39,11 @@ def softmax_attn(
     ``scale`` defaults to D^{-1/2}. With a mask, padded queries output 0. Returns [B, T, H, E].
     Memory: the SDPA kernels never build the T×T matrix without a mask; with a mask a [B, 1, T, T]
     bool mask is built (8k tokens: 64 MB). On CPU, without a mask or dropout and with scale > 0,
-    bf16 (on a CPU with AMX or AVX512-BF16) and fp32 inputs run the fused kernels (``_native_softmax_amx.cpp``,
-    ``_native_softmax.cpp``; see ``_native.softmax_usable``) instead of SDPA: 2.3–3.4x (bf16) and
-    ~1.2x (fp32) its speed fwd+bwd on AMX; bf16 on an AVX-512 CPU without either runs the fp32 kernel
-    on fp32 copies (1.7–3.5x SDPA's bf16). Under CPU autocast fp32 inputs are cast first, as for SDPA.
+    bf16 (on a CPU with AMX or AVX512-BF16) and fp32 inputs run the fused kernels
+    (``_native_softmax_amx.cpp``, ``_native_softmax.cpp``; see ``_native.softmax_usable``) instead
+    of SDPA: 2.3–3.4x (bf16) and ~1.2x (fp32) its speed fwd+bwd on an AMX machine, 2.0–3.8x (bf16)
+    on AVX512-BF16 (Zen 5); bf16 on an AVX-512 CPU with neither runs the fp32 kernel on fp32 copies
+    (1.7–3.5x SDPA's bf16). Under CPU autocast fp32 inputs are cast first, as for SDPA.
     """
     check_qkv(q, k, v)
     B, T = q.shape[:2]
