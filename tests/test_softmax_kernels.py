@@ -243,6 +243,25 @@ def test_large_scores_do_not_overflow():
     ref = _run(lambda q, k, v: softmax_attn_reference(q, k, v, causal=True), q, k, v, go, torch.float64)
     assert all(torch.isfinite(t).all() for t in got)
     assert rel_err(got[0].double(), ref[0]) < 2e-2
+    for g, r in zip(got[1:], ref[1:]):  # the backward flushes P below 2^-125 (tn::exp2_bits)
+        assert rel_err(g.double(), r) < 3e-2
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_nan_input_reaches_the_outputs_and_gradients(mode, kernel_calls, causal):
+    """A NaN in q stays NaN through the forward and the backward (their exps keep NaN lanes
+    rather than flush them to 0): training must see it, not a finite wrong gradient."""
+    mode("native")
+    q, k, v, go = _case(1, 96, 2, 64, 64)
+    q = q.bfloat16()
+    q[0, 70, 1, 3] = float("nan")
+    q, k, v = (x.bfloat16().requires_grad_() for x in (q, k, v))
+    o = softmax_attn(q, k, v, causal=causal)
+    assert kernel_calls and torch.isnan(o[0, 70, 1]).all() and not torch.isnan(o[0, :70]).any()
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), go.bfloat16())
+    assert torch.isnan(dq[0, 70, 1]).all() and torch.isnan(dk[0, :71 if causal else 96, 1]).any()
+    assert torch.isnan(dv[0, :71 if causal else 96, 1]).all()
 
 
 def _kernel_vs_torch_model(mode, preset, *, amp):
