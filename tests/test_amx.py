@@ -114,7 +114,7 @@ def test_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, T, H, D, 
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1100])  # 1100: three units of the first pass (512 rows)
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1100])
 @pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 32, 96), (1, 128, 32)])
 def test_bidirectional_kernel_matches_fp64_reference_as_well_as_the_torch_form(mode, monkeypatch, T, H, D, E):
     calls = []
@@ -165,8 +165,7 @@ def test_kernel_runs_for_bf16_and_pads_short_sequences(mode, monkeypatch):
 @needs_bf16_kernel
 @pytest.mark.parametrize("causal,T", [(True, 300), (False, 300), (False, 1100)])
 def test_same_result_on_one_and_two_threads(mode, causal, T):
-    """Bitwise equal: causal splits heads over threads; bidirectional splits rows and adds the
-    partial states of fixed 512-row units in unit order."""
+    """Heads are split over threads and each head is walked in the same order: bitwise equal."""
     mode("native")
     case = _case(2, T, 3, 64, 32)
 

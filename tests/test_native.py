@@ -77,7 +77,7 @@ def test_outputs_state_and_grads_match_reference_fp64(native, T, H, D, E, chunk)
 
 
 @needs_kernel
-@pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1100])  # 1100: three units of the first pass (512 rows)
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1100])
 @pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 16, 40), (1, 7, 130), (2, 33, 17)])
 def test_bidirectional_kernel_matches_reference_fp64(native, monkeypatch, T, H, D, E):
     calls = []
@@ -126,8 +126,7 @@ def test_fp32_matches_reference(native, T):
 @needs_kernel
 @pytest.mark.parametrize("causal,T", [(True, 300), (False, 300), (False, 1100)])
 def test_same_result_on_one_and_two_threads(native, causal, T):
-    """Causal: heads are split over threads, each walked in the same order. Bidirectional: rows
-    are, and the partial states of fixed 512-row units are added in unit order. Bitwise equal."""
+    """Heads are split over threads and each head is walked in the same order: bitwise equal."""
     q, k, v, S0, go, gs = _case(2, T, 3, 32, 32, dtype=torch.float32)
 
     def run():

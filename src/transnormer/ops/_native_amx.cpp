@@ -179,6 +179,17 @@ struct Worker {
         store_states(Rs, dinit);
     }
 
+    // Per head of this thread (X: the thread's first head, fp32 [D x E] each): the VNNI form of
+    // bf16(X), of X itself ([D/2 x E]) or of X^T ([E/2 x D]).
+    tn::buffer<w32> vnni_states(const float* X, bool transposed) {
+        tn::buffer<w32> out((hi - lo) * D * E / 2);
+        for (idx n = lo; n < hi; ++n) {
+            w32* o = out.data() + (n - lo) * D * E / 2;
+            state_operands(X + (n - lo) * D * E, D, E, transposed ? nullptr : o, transposed ? o : nullptr);
+        }
+        return out;
+    }
+
     // S [D x E] fp32 += X^T Y for a chunk's rows X [c x D], Y [c x E].
     void add_outer(const Rows& X, const Rows& Y, float* S) {
         vnni_of_transpose(c, D, X.p, X.ld, t1.data());
@@ -187,48 +198,50 @@ struct Worker {
         gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true);
     }
 
-    // ---- Bidirectional form, by rows (the walk is BidirWalk below): every head of one sequence
-    // b over chunks [g0, g1) or one chunk g. n = b H + h is the head's index in [B * H].
+    // Bidirectional form, per head: S = S_0 + K^T V (all rows), O = Q S; one pass over the
+    // chunks for S, one for O.
+    void bidir_forward(const bf* q, const bf* k, const bf* v, bf* o, const float* init, float* fin) {
+        tn::buffer<float> states = load_states(init);
+        const idx G = nchunks(), DE = D * E;
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                add_outer(chunk(k, n, g, D, ka), chunk(v, n, g, E, va), states.data() + (n - lo) * DE);  // K^T V
+            }
+        const tn::buffer<w32> Sv = vnni_states(states.data(), false);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const Rows Q = chunk(q, n, g, D, qa);
+                gemm(c, E, {D, Q.p, Q.ld, Sv.data() + (n - lo) * DE / 2, E, kDense}, nullptr, of.data(), E, false);
+                write(of.data(), o, n, g, E);
+            }
+        store_states(states, fin);
+    }
 
-    // P[h] ([D x E] fp32 per head) += K^T V over chunks [g0, g1) of sequence b.
-    void kv_rows(const bf* k, const bf* v, idx b, idx g0, idx g1, float* P) {
-        for (idx g = g0; g < g1; ++g)
-            for (idx h = 0; h < s.H; ++h) {
-                const idx n = b * s.H + h;
-                add_outer(chunk(k, n, g, D, ka), chunk(v, n, g, E, va), P + h * D * E);
-            }
-    }
-    // O = Q S on chunk g of sequence b (Sv: VNNI(S) [D/2 x E] per head).
-    void o_rows(const bf* q, const w32* Sv, bf* o, idx b, idx g) {
-        for (idx h = 0; h < s.H; ++h) {
-            const idx n = b * s.H + h;
-            const Rows Q = chunk(q, n, g, D, qa);
-            gemm(c, E, {D, Q.p, Q.ld, Sv + n * D * E / 2, E, kDense}, nullptr, of.data(), E, false);
-            write(of.data(), o, n, g, E);
-        }
-    }
-    // dQ = dO S^T and P[h] += Q^T dO over chunks [g0, g1) of sequence b (dO read once; St:
-    // VNNI(S^T) [E/2 x D] per head).
-    void dq_rows(const bf* q, const bf* dout, const w32* St, bf* dq, idx b, idx g0, idx g1, float* P) {
-        for (idx g = g0; g < g1; ++g)
-            for (idx h = 0; h < s.H; ++h) {
-                const idx n = b * s.H + h;
+    // Given S (the forward's final state): dQ = dO S^T and dS = dS_final + Q^T dO in one pass
+    // (dO read once), then dK = V dS^T, dV = K dS; dS_0 = dS.
+    void bidir_backward(const bf* q, const bf* k, const bf* v, const bf* dout, const float* S, const float* dfin,
+                        bf* dq, bf* dk, bf* dv, float* dinit) {
+        tn::buffer<float> dS = load_states(dfin);
+        const idx G = nchunks(), DE = D * E;
+        const tn::buffer<w32> St = vnni_states(S + lo * DE, true);  // VNNI(S^T) [E/2 x D]
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
                 const Rows dO = chunk(dout, n, g, E, ga);
-                add_outer(chunk(q, n, g, D, qa), dO, P + h * D * E);
-                gemm(c, D, {E, dO.p, dO.ld, St + n * D * E / 2, D, kDense}, nullptr, of.data(), D, false);
-                write(of.data(), dq, n, g, D);
+                add_outer(chunk(q, n, g, D, qa), dO, dS.data() + (n - lo) * DE);  // Q^T dO
+                gemm(c, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, of.data(), D, false);
+                write(of.data(), dq, n, g, D);  // dQ = dO S^T
             }
-    }
-    // dK = V dS^T, dV = K dS on chunk g of sequence b (dSt, dSv: VNNI(dS^T), VNNI(dS) per head).
-    void dkv_rows(const bf* k, const bf* v, const w32* dSt, const w32* dSv, bf* dk, bf* dv, idx b, idx g) {
-        for (idx h = 0; h < s.H; ++h) {
-            const idx n = b * s.H + h;
-            const Rows V = chunk(v, n, g, E, va), K = chunk(k, n, g, D, ka);
-            gemm(c, D, {E, V.p, V.ld, dSt + n * D * E / 2, D, kDense}, nullptr, of.data(), D, false);
-            write(of.data(), dk, n, g, D);
-            gemm(c, E, {D, K.p, K.ld, dSv + n * D * E / 2, E, kDense}, nullptr, of.data(), E, false);
-            write(of.data(), dv, n, g, E);
-        }
+        const tn::buffer<w32> dSt = vnni_states(dS.data(), true), dSv = vnni_states(dS.data(), false);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx h = (n - lo) * DE / 2;
+                const Rows V = chunk(v, n, g, E, va), K = chunk(k, n, g, D, ka);
+                gemm(c, D, {E, V.p, V.ld, dSt.data() + h, D, kDense}, nullptr, of.data(), D, false);  // dK = V dS^T
+                write(of.data(), dk, n, g, D);
+                gemm(c, E, {D, K.p, K.ld, dSv.data() + h, E, kDense}, nullptr, of.data(), E, false);  // dV = K dS
+                write(of.data(), dv, n, g, E);
+            }
+        store_states(dS, dinit);
     }
 };
 
@@ -236,90 +249,11 @@ bool shape_ok(idx B, idx T, idx H, idx D, idx E, idx c) {
     return B >= 1 && T >= 1 && H >= 1 && D >= 32 && E >= 32 && c >= 32 && D % 32 == 0 && E % 32 == 0 && c % 32 == 0;
 }
 
-constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk
-constexpr idx kSegment = 512;    // rows per unit of its first pass (a multiple of kBidirChunk)
-
-// The bidirectional form: S = S_0 + K^T V over all rows, O = Q S; backward dQ = dO S^T and dS =
-// dS_final + Q^T dO, then dK = V dS^T, dV = K dS, dS_0 = dS. Threads take rows, not heads: a
-// unit is a run of one sequence's rows with every head, so each thread reads whole [H, D] token
-// rows. (Split by heads, each of two threads read half of every row, and the op ran ~25% slower:
-// 2 threads, T = 8k at batch 1 against T = 4k at batch 2, where each thread had a sequence.)
-// The first pass sums each unit of kSegment rows into partial states of its own, added in unit
-// order, so the state does not depend on the thread count; the second pass walks the chunks
-// again with the summed state.
-struct BidirWalk {
-    const Shape s;
-    const int nt;
-    const idx G, per, nseg, DE;  // chunks per sequence, chunks per unit, units per sequence
-    BidirWalk(const Shape& s_, int nt_)
-        : s(s_), nt(nt_), G((s_.T + s_.c - 1) / s_.c), per(kSegment / s_.c), nseg((G + per - 1) / per),
-          DE(s_.D * s_.E) {}
-
-    // base (or zeros) + the sum of body(worker, b, g0, g1, P)'s partials P [H][D][E], in unit order
-    template <typename F>
-    tn::buffer<float> summed(const float* base, F body) const {
-        tn::buffer<float> P(s.B * nseg * s.H * DE, 0.0f);
-        tn::parallel_ranges(s.B * nseg, nt, [&](idx lo, idx hi) {
-            Worker w(s, 0, 0);
-            for (idx u = lo; u < hi; ++u)
-                body(w, u / nseg, (u % nseg) * per, std::min(G, (u % nseg + 1) * per), P.data() + u * s.H * DE);
-        });
-        tn::buffer<float> S(s.B * s.H * DE);
-        tn::parallel_ranges(s.B * s.H, nt, [&](idx lo, idx hi) {
-            for (idx n = lo; n < hi; ++n) {
-                float* d = S.data() + n * DE;
-                if (base) std::copy(base + n * DE, base + (n + 1) * DE, d);
-                else std::fill(d, d + DE, 0.0f);
-                for (idx seg = 0; seg < nseg; ++seg) {
-                    const float* p = P.data() + (((n / s.H) * nseg + seg) * s.H + n % s.H) * DE;
-                    for (idx i = 0; i < DE; ++i) d[i] += p[i];
-                }
-            }
-        });
-        return S;
-    }
-    // every head's state X [D x E] as a B operand: VNNI(bf16(X)), or of its transpose
-    tn::buffer<w32> operands(const float* X, bool transposed) const {
-        tn::buffer<w32> out(s.B * s.H * DE / 2);
-        tn::parallel_ranges(s.B * s.H, nt, [&](idx lo, idx hi) {
-            Worker w(s, 0, 0);
-            for (idx n = lo; n < hi; ++n) {
-                w32* d = out.data() + n * DE / 2;
-                w.state_operands(X + n * DE, s.D, s.E, transposed ? nullptr : d, transposed ? d : nullptr);
-            }
-        });
-        return out;
-    }
-    template <typename F>
-    void each_chunk(F body) const {  // body(worker, b, g) for every chunk of every sequence
-        tn::parallel_ranges(s.B * G, nt, [&](idx lo, idx hi) {
-            Worker w(s, 0, 0);
-            for (idx i = lo; i < hi; ++i) body(w, i / G, i % G);
-        });
-    }
-
-    void forward(const bf* q, const bf* k, const bf* v, bf* o, const float* init, float* fin) const {
-        const tn::buffer<float> S =
-            summed(init, [&](Worker& w, idx b, idx g0, idx g1, float* P) { w.kv_rows(k, v, b, g0, g1, P); });
-        const tn::buffer<w32> Sv = operands(S.data(), false);
-        each_chunk([&](Worker& w, idx b, idx g) { w.o_rows(q, Sv.data(), o, b, g); });
-        if (fin) std::copy(S.begin(), S.end(), fin);
-    }
-    void backward(const bf* q, const bf* k, const bf* v, const bf* dout, const float* S, const float* dfin, bf* dq,
-                  bf* dk, bf* dv, float* dinit) const {
-        const tn::buffer<w32> St = operands(S, true);
-        const tn::buffer<float> dS = summed(
-            dfin, [&](Worker& w, idx b, idx g0, idx g1, float* P) { w.dq_rows(q, dout, St.data(), dq, b, g0, g1, P); });
-        const tn::buffer<w32> dSt = operands(dS.data(), true), dSv = operands(dS.data(), false);
-        each_chunk([&](Worker& w, idx b, idx g) { w.dkv_rows(k, v, dSt.data(), dSv.data(), dk, dv, b, g); });
-        if (dinit) std::copy(dS.begin(), dS.end(), dinit);
-    }
-};
-
 #if defined(TN_AMX)
 bool bf16_granted = false;  // asked for once, by tn_bf16_ready
 #endif
 
+constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any size gives the same sums)
 
 }  // namespace
 #endif  // TN_BF16
@@ -380,24 +314,14 @@ int tn_causal_bwd_bf16(in_t q, in_t k, in_t v, in_t dout, const float* init, con
 }
 
 // Bidirectional form (walked in chunks of kBidirChunk rows).
-#if defined(TN_BF16)
-#define TN_BF16_BIDIR(CALL)                                                                             \
-    if (tn_bf16_ready() != 1) return 2;                                                                 \
-    if (!shape_ok(B, T, H, D, E, kBidirChunk)) return 1;                                                \
-    BidirWalk(Shape{B, T, H, D, E, kBidirChunk}, nthreads).CALL;                                        \
-    return 0
-#else
-#define TN_BF16_BIDIR(CALL) return 2
-#endif
-
 int tn_bidir_fwd_bf16(in_t q, in_t k, in_t v, out_t o, const float* init, float* fin, idx B, idx T, idx H, idx D,
                       idx E, int nthreads) {
-    TN_BF16_BIDIR(forward(q, k, v, o, init, fin));
+    TN_BF16_RUN(kBidirChunk, bidir_forward(q, k, v, o, init, fin));
 }
 
 int tn_bidir_bwd_bf16(in_t q, in_t k, in_t v, in_t dout, const float* S, const float* dfin, out_t dq, out_t dk,
                       out_t dv, float* dinit, idx B, idx T, idx H, idx D, idx E, int nthreads) {
-    TN_BF16_BIDIR(backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit));
+    TN_BF16_RUN(kBidirChunk, bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit));
 }
 
 }  // extern "C"

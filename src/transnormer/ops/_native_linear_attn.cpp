@@ -233,52 +233,58 @@ struct Worker {
         store_states(Rs, dinit);
     }
 
-    // ---- Bidirectional form, by rows (the walk is BidirWalk below): every head of one sequence
-    // b over chunks [g0, g1) or one chunk g. n = b H + h is the head's index in [B * H].
+    // Bidirectional form, per head: S = S_0 + K^T V (all rows), O = Q S. The rows are walked in
+    // chunks of c as above (one pass for S, one for O), so each tile is read once per pass.
+    void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
+        const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
+        tn::buffer<T> states = load_states(init, false);
+        T *k_ = w.k.data(), *v_ = w.v.data(), *q_ = w.q.data(), *o_ = w.o2.data();
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                pack(L, D, rd(k, n, t0), ldd_, k_);
+                pack(L, E, re(v, n, t0), lde_, v_);
+                gemm<T>(D, E, L, k_, 1, D, v_, E, states.data() + (n - lo) * D * E, E, true);  // S += K^T V
+            }
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g);
+                pack(L, D, rd(q, n, t0), ldd_, q_);
+                gemm<T>(L, E, D, q_, D, 1, states.data() + (n - lo) * D * E, E, o_, E, false);  // O = Q S
+                unpack(L, E, o_, re(o, n, t0), lde_);
+            }
+        store_states(states, fin);
+    }
 
-    // P[h] ([D x E] per head) += K^T V over chunks [g0, g1) of sequence b.
-    void kv_rows(const T* k, const T* v, idx b, idx g0, idx g1, T* P) {
-        for (idx g = g0; g < g1; ++g)
-            for (idx h = 0; h < s.H; ++h) {
-                const idx n = b * s.H + h, t0 = g * s.c, L = rows(g);
-                pack(L, s.D, rd(k, n, t0), ldd(), w.k.data());
-                pack(L, s.E, re(v, n, t0), lde(), w.v.data());
-                gemm<T>(s.D, s.E, L, w.k.data(), 1, s.D, w.v.data(), s.E, P + h * s.D * s.E, s.E, true);
+    // Given S (the forward's final state): dQ = dO S^T and dS = dS_final + Q^T dO in one pass
+    // (dO read once), then dK = V dS^T, dV = K dS; dS_0 = dS.
+    void bidir_backward(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin, T* dq, T* dk,
+                        T* dv, T* dinit) {
+        const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks(), DE = D * E;
+        tn::buffer<T> dS = load_states(dfin, false), St = load_states(S, true);  // S^T: [E x D]
+        T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data(), *o_ = w.o.data(), *o2_ = w.o2.data();
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
+                pack(L, D, rd(q, n, t0), ldd_, q_);
+                pack(L, E, re(dout, n, t0), lde_, g_);
+                gemm<T>(D, E, L, q_, 1, D, g_, E, dS.data() + h, E, true);  // dS += Q^T dO
+                gemm<T>(L, D, E, g_, E, 1, St.data() + h, D, o_, D, false);  // dQ = dO S^T
+                unpack(L, D, o_, rd(dq, n, t0), ldd_);
             }
-    }
-    // O = Q S on chunk g of sequence b (S [D x E] per head).
-    void o_rows(const T* q, const T* S, T* o, idx b, idx g) {
-        for (idx h = 0; h < s.H; ++h) {
-            const idx n = b * s.H + h, t0 = g * s.c, L = rows(g);
-            pack(L, s.D, rd(q, n, t0), ldd(), w.q.data());
-            gemm<T>(L, s.E, s.D, w.q.data(), s.D, 1, S + n * s.D * s.E, s.E, w.o2.data(), s.E, false);
-            unpack(L, s.E, w.o2.data(), re(o, n, t0), lde());
-        }
-    }
-    // dQ = dO S^T and P[h] += Q^T dO over chunks [g0, g1) of sequence b (dO read once; St: S^T
-    // [E x D] per head).
-    void dq_rows(const T* q, const T* dout, const T* St, T* dq, idx b, idx g0, idx g1, T* P) {
-        for (idx g = g0; g < g1; ++g)
-            for (idx h = 0; h < s.H; ++h) {
-                const idx n = b * s.H + h, t0 = g * s.c, L = rows(g);
-                pack(L, s.D, rd(q, n, t0), ldd(), w.q.data());
-                pack(L, s.E, re(dout, n, t0), lde(), w.g.data());
-                gemm<T>(s.D, s.E, L, w.q.data(), 1, s.D, w.g.data(), s.E, P + h * s.D * s.E, s.E, true);
-                gemm<T>(L, s.D, s.E, w.g.data(), s.E, 1, St + n * s.D * s.E, s.D, w.o.data(), s.D, false);
-                unpack(L, s.D, w.o.data(), rd(dq, n, t0), ldd());
+        tn::buffer<T> dSt((hi - lo) * DE);
+        for (idx n = lo; n < hi; ++n) transpose<T>(D, E, dS.data() + (n - lo) * DE, E, dSt.data() + (n - lo) * DE, D);
+        for (idx g = 0; g < G; ++g)
+            for (idx n = lo; n < hi; ++n) {
+                const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
+                pack(L, E, re(v, n, t0), lde_, v_);
+                gemm<T>(L, D, E, v_, E, 1, dSt.data() + h, D, o_, D, false);  // dK = V dS^T
+                unpack(L, D, o_, rd(dk, n, t0), ldd_);
+                pack(L, D, rd(k, n, t0), ldd_, k_);
+                gemm<T>(L, E, D, k_, D, 1, dS.data() + h, E, o2_, E, false);  // dV = K dS
+                unpack(L, E, o2_, re(dv, n, t0), lde_);
             }
-    }
-    // dK = V dS^T, dV = K dS on chunk g of sequence b (dSt [E x D], dS [D x E] per head).
-    void dkv_rows(const T* k, const T* v, const T* dSt, const T* dS, T* dk, T* dv, idx b, idx g) {
-        for (idx h = 0; h < s.H; ++h) {
-            const idx n = b * s.H + h, t0 = g * s.c, L = rows(g);
-            pack(L, s.E, re(v, n, t0), lde(), w.v.data());
-            gemm<T>(L, s.D, s.E, w.v.data(), s.E, 1, dSt + n * s.D * s.E, s.D, w.o.data(), s.D, false);
-            unpack(L, s.D, w.o.data(), rd(dk, n, t0), ldd());
-            pack(L, s.D, rd(k, n, t0), ldd(), w.k.data());
-            gemm<T>(L, s.E, s.D, w.k.data(), s.D, 1, dS + n * s.D * s.E, s.E, w.o2.data(), s.E, false);
-            unpack(L, s.E, w.o2.data(), re(dv, n, t0), lde());
-        }
+        store_states(dS, dinit);
     }
 };
 
@@ -297,75 +303,7 @@ static int run_heads(idx B, idx Tn, idx H, idx D, idx E, idx c, int nthreads, F 
     return 0;
 }
 
-constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk
-constexpr idx kSegment = 512;    // rows per unit of its first pass (a multiple of kBidirChunk)
-
-// The bidirectional form: S = S_0 + K^T V over all rows, O = Q S; backward dQ = dO S^T and dS =
-// dS_final + Q^T dO, then dK = V dS^T, dV = K dS, dS_0 = dS. Threads take rows, not heads (as in
-// _native_amx.cpp, which says why): the first pass sums each unit of kSegment rows of one sequence,
-// every head, into partial states of its own, added in unit order (the state does not depend on
-// the thread count); the second pass walks the chunks again with the summed state.
-template <typename T>
-struct BidirWalk {
-    const Shape s;
-    const int nt;
-    const idx G, per, nseg, DE;  // chunks per sequence, chunks per unit, units per sequence
-    BidirWalk(const Shape& s_, int nt_)
-        : s(s_), nt(nt_), G((s_.T + s_.c - 1) / s_.c), per(kSegment / s_.c), nseg((G + per - 1) / per),
-          DE(s_.D * s_.E) {}
-
-    // base (or zeros) + the sum of body(worker, b, g0, g1, P)'s partials P [H][D][E], in unit order
-    template <typename F>
-    tn::buffer<T> summed(const T* base, F body) const {
-        tn::buffer<T> P(s.B * nseg * s.H * DE, T(0));
-        tn::parallel_ranges(s.B * nseg, nt, [&](idx lo, idx hi) {
-            Worker<T> w(s, 0, 0);
-            for (idx u = lo; u < hi; ++u)
-                body(w, u / nseg, (u % nseg) * per, std::min(G, (u % nseg + 1) * per), P.data() + u * s.H * DE);
-        });
-        tn::buffer<T> S(s.B * s.H * DE);
-        tn::parallel_ranges(s.B * s.H, nt, [&](idx lo, idx hi) {
-            for (idx n = lo; n < hi; ++n) {
-                T* d = S.data() + n * DE;
-                if (base) std::copy(base + n * DE, base + (n + 1) * DE, d);
-                else std::fill(d, d + DE, T(0));
-                for (idx seg = 0; seg < nseg; ++seg) {
-                    const T* p = P.data() + (((n / s.H) * nseg + seg) * s.H + n % s.H) * DE;
-                    for (idx i = 0; i < DE; ++i) d[i] += p[i];
-                }
-            }
-        });
-        return S;
-    }
-    tn::buffer<T> transposed(const T* X) const {  // every head's [D x E] state as [E x D]
-        tn::buffer<T> out(s.B * s.H * DE);
-        for (idx n = 0; n < s.B * s.H; ++n) transpose<T>(s.D, s.E, X + n * DE, s.E, out.data() + n * DE, s.D);
-        return out;
-    }
-    template <typename F>
-    void each_chunk(F body) const {  // body(worker, b, g) for every chunk of every sequence
-        tn::parallel_ranges(s.B * G, nt, [&](idx lo, idx hi) {
-            Worker<T> w(s, 0, 0);
-            for (idx i = lo; i < hi; ++i) body(w, i / G, i % G);
-        });
-    }
-
-    void forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) const {
-        const tn::buffer<T> S =
-            summed(init, [&](Worker<T>& w, idx b, idx g0, idx g1, T* P) { w.kv_rows(k, v, b, g0, g1, P); });
-        each_chunk([&](Worker<T>& w, idx b, idx g) { w.o_rows(q, S.data(), o, b, g); });
-        if (fin) std::copy(S.begin(), S.end(), fin);
-    }
-    void backward(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin, T* dq, T* dk,
-                  T* dv, T* dinit) const {
-        const tn::buffer<T> St = transposed(S);
-        const tn::buffer<T> dS = summed(
-            dfin, [&](Worker<T>& w, idx b, idx g0, idx g1, T* P) { w.dq_rows(q, dout, St.data(), dq, b, g0, g1, P); });
-        const tn::buffer<T> dSt = transposed(dS.data());
-        each_chunk([&](Worker<T>& w, idx b, idx g) { w.dkv_rows(k, v, dSt.data(), dS.data(), dk, dv, b, g); });
-        if (dinit) std::copy(dS.begin(), dS.end(), dinit);
-    }
-};
+constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any size gives the same sums)
 
 extern "C" {
 
@@ -385,16 +323,13 @@ int tn_abi_version() { return 11; }
     }                                                                                                           \
     int tn_bidir_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,    \
                               idx H, idx D, idx E, int nthreads) {                                              \
-        if (!valid(B, Tn, H, D, E, kBidirChunk)) return 1;                                                     \
-        BidirWalk<T>(Shape{B, Tn, H, D, E, kBidirChunk}, nthreads).forward(q, k, v, o, init, fin);             \
-        return 0;                                                                                               \
+        return run_heads<T>(B, Tn, H, D, E, kBidirChunk, nthreads,                                              \
+                            [&](Worker<T>& w) { w.bidir_forward(q, k, v, o, init, fin); });                     \
     }                                                                                                           \
     int tn_bidir_bwd_##SUFFIX(const T* q, const T* k, const T* v, const T* dout, const T* S, const T* dfin,      \
                               T* dq, T* dk, T* dv, T* dinit, idx B, idx Tn, idx H, idx D, idx E, int nthreads) { \
-        if (!valid(B, Tn, H, D, E, kBidirChunk)) return 1;                                                     \
-        BidirWalk<T>(Shape{B, Tn, H, D, E, kBidirChunk}, nthreads).backward(q, k, v, dout, S, dfin, dq, dk, dv, \
-                                                                            dinit);                             \
-        return 0;                                                                                               \
+        return run_heads<T>(B, Tn, H, D, E, kBidirChunk, nthreads,                                              \
+                            [&](Worker<T>& w) { w.bidir_backward(q, k, v, dout, S, dfin, dq, dk, dv, dinit); }); \
     }
 
 TN_DEFINE(f32, float)
