@@ -41,7 +41,7 @@ def softmax_attn(
     bool mask is built (8k tokens: 64 MB). On CPU, without a mask or dropout and with scale > 0,
     bf16 (on a CPU with AMX or AVX512-BF16) and fp32 inputs run the fused kernels
     (``_native_softmax_amx.cpp``, ``_native_softmax.cpp``; see ``_native.softmax_usable``) instead
-    of SDPA: 2.3–3.4x (bf16) and ~1.2x (fp32) its speed fwd+bwd on an AMX machine, 2.0–3.8x (bf16)
+    of SDPA: 2.3–3.4x (bf16) and ~1.2x (fp32) its speed fwd+bwd on an AMX machine, 3.5–6.3x (bf16)
     on AVX512-BF16 (Zen 5); bf16 on an AVX-512 CPU with neither runs the fp32 kernel on fp32 copies
     (1.7–3.5x SDPA's bf16). Under CPU autocast fp32 inputs are cast first, as for SDPA.
     """
