@@ -133,7 +133,7 @@ def test_block_attention_matches_fp64_reference_as_well_as_the_torch_form(mode, 
     _check(got, ref, torch_form)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_kernel), torch.float32])
 @pytest.mark.parametrize("causal", [True, False])
 def test_whole_blocks_as_sequences_equal_the_windowed_kernel(mode, kernel_calls, dtype, causal):
     """block_attn over whole blocks runs each block as a sequence of its own; the windowed walk
@@ -356,7 +356,7 @@ def test_fp32_kernel_stays_accurate_over_many_key_steps():
         assert _norm_err(a, b) < 2e-6, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_kernel)])
 def test_one_token_views_and_autocast(dtype):
     """A length-1 view whose token stride PyTorch leaves arbitrary; and fp32 inputs under CPU autocast
     come out in the autocast dtype, as SDPA's do."""

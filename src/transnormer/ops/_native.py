@@ -49,7 +49,7 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-d
 _ABI = 11
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_variants: dict[tuple[str, ...], ctypes.CDLL] = {}  # load_variant's libraries, by their extra flags
+_variants: dict[tuple[str, ...], ctypes.CDLL | Exception] = {}  # load_variant's libraries (or errors) by flags
 _tried = False
 _error: str | None = None
 _mode = "auto"  # "auto": native when available; "torch": never; "native": required
@@ -98,7 +98,7 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
             first_error = first_error or proc.stderr
         else:
             raise RuntimeError(f"compiling {' '.join(f.name for f in _SOURCES)} failed:\n{proc.stderr[-2000:]}")
-        if first_error is not None:  # a portable build runs, slowly: say why the fast one did not
+        if first_error is not None and not extra_flags:  # a portable build runs, slowly: say why
             lines = [ln for ln in first_error.splitlines() if "error" in ln] or first_error.splitlines()
             warnings.warn(f"the CPU kernels were built without {' '.join(_FLAGS_TRIED_FIRST)} (slower): "
                           f"{lines[0] if lines else 'compiler failed'}", RuntimeWarning, stacklevel=2)
@@ -172,7 +172,12 @@ def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     key = tuple(extra_flags)
     with _lock:
         if key not in _variants:
-            _variants[key] = _open(key)
+            try:
+                _variants[key] = _open(key)
+            except (OSError, RuntimeError) as exc:  # kept: a failed build is not retried per call
+                _variants[key] = exc
+        if isinstance(_variants[key], Exception):
+            raise _variants[key]
         return _variants[key]
 
 
@@ -184,15 +189,15 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
-        _tried = True
-        if os.environ.get("TRANSNORMER_NATIVE", "1") == "0":
-            _error = "disabled by TRANSNORMER_NATIVE=0"
-            return None
         try:
-            _lib = _open()
+            if os.environ.get("TRANSNORMER_NATIVE", "1") == "0":
+                _error = "disabled by TRANSNORMER_NATIVE=0"
+            else:
+                _lib = _open()
         except (OSError, RuntimeError) as exc:
             _error = str(exc)
             warnings.warn(f"transnormer: fused CPU kernel unavailable, using the PyTorch form ({exc})", stacklevel=2)
+        _tried = True  # only now: a thread on the unlocked fast path must not read _lib mid-build
         return _lib
 
 

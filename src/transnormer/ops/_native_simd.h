@@ -99,12 +99,13 @@ inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
 
 // exp2_masked's values where x > -125, the scaling done on the exponent bits: n = round(x) by the
 // 1.5 * 2^23 shifter (exact, ties to even as VRNDSCALEPS), 2^n added to the exponent field.
-// Masked lanes and x <= -125 give 0 (results below 2^-125 flush: beside a softmax row's largest
-// term, ~1, they are below fp32's resolution); a NaN stays NaN; x is taken as at most 127. The
-// bf16 softmax backward uses it: with exp2_masked it ran 28% slower on Zen 5 (162 vs 116 ms, T =
-// 4k, one thread), though each instruction alone runs as fast there (the cause is not known: no
-// hardware counters on that machine). The bf16 forward ran 7% faster with exp2_masked (47.5 vs 51 ms) and the fp32 backward
-// as fast (51 vs 52 ms at 2k), so they keep it.
+// Masked lanes and x <= -125 give 0 (results at or below 2^-125 flush: beside a softmax row's
+// largest term, ~1, they are below fp32's resolution); a NaN stays NaN; x is taken as at most 127.
+// The shifter needs IEEE arithmetic as written (no -ffast-math, which may fold (x + s) - s).
+// The bf16 softmax backward uses it: with exp2_masked it ran 40% slower on Zen 5 (162 vs 116 ms,
+// T = 4k, one thread), though each instruction alone runs as fast there (the cause is not known:
+// no hardware counters on that machine). The bf16 forward ran 7% faster with exp2_masked (47.5 vs
+// 51 ms) and the fp32 backward as fast (51 vs 52 ms at 2k), so they keep it.
 template <int Deg = 5>
 inline __m512 exp2_bits(__mmask16 keep, __m512 x) {
     static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,

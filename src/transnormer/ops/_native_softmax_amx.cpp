@@ -1,7 +1,7 @@
 // bf16 softmax attention, forward and backward, in the FlashAttention-2 scheme: the quadratic
 // baseline's attention (vanilla-lm) and DiagAttention's blocks. The products run on AMX tiles or
 // on AVX512-BF16 dot products (_native_amx.h; without AMX, 1.4-2.4x the fp32 kernel on upcast
-// copies for vanilla shapes, 2.7-3.1x PyTorch's bf16 form for 64-token blocks).
+// copies for vanilla shapes, 1.7-1.9x PyTorch's bf16 form for 64-token blocks).
 //
 // Why this file exists: under bf16 autocast PyTorch's CPU SDPA kernel runs the forward at about
 // a third of the AMX rate but its backward at a tenth (16k tokens, 8 heads of 64: 0.38 s forward,
