@@ -247,6 +247,28 @@ def test_large_scores_do_not_overflow():
         assert rel_err(g.double(), r) < 3e-2
 
 
+@needs_f32
+@pytest.mark.parametrize("degree", [5, 7])
+def test_exp2_bits_is_exp2_masked_bit_for_bit(degree):
+    """tn::exp2_bits (the bf16 backward's exp: 2^n added to the exponent bits) gives exp2_masked's
+    (VRNDSCALEPS + VSCALEFPS) bits wherever x > -125: ties, both sides of every integer, the ends;
+    at or below -125 it flushes to 0, and NaN stays NaN."""
+    ints = torch.arange(-124, 128, dtype=torch.float32)
+    eps = torch.tensor([0.0, 1e-7, -1e-7, 0.25, -0.25, 0.5, -0.5, 0.49999997, -0.49999997])
+    x = torch.cat([(ints[:, None] + eps).flatten(), torch.linspace(-124.99, 127.0, 100_003),
+                   torch.rand(50_000) * -30, torch.tensor([-0.0, 0.0, 127.0, -124.999])])
+    x = x[(x > -125) & (x <= 127)].contiguous()
+    masked, bits = torch.empty_like(x), torch.empty_like(x)
+    _native._call("tn_exp2_pair", torch.float32, _native._ptr(x), _native._ptr(masked), _native._ptr(bits), x.numel(),
+                  degree)
+    assert torch.equal(bits.view(torch.int32), masked.view(torch.int32))
+    assert torch.allclose(bits.double(), torch.exp2(x.double()), rtol=1e-5 if degree == 5 else 1e-7, atol=0)
+    y = torch.tensor([-125.0, -126.0, -1000.0, float("-inf"), float("nan"), -3.0])
+    out, b = torch.empty_like(y), torch.empty_like(y)
+    _native._call("tn_exp2_pair", torch.float32, _native._ptr(y), _native._ptr(out), _native._ptr(b), y.numel(), degree)
+    assert (b[:4] == 0).all() and torch.isnan(b[4]) and b[5] == out[5]
+
+
 @needs_bf16_kernel
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_nan_input_reaches_the_outputs_and_gradients(mode, kernel_calls, causal):

@@ -137,6 +137,7 @@ _SIGNATURES = {
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_relu2_fwd": (("f32", "bf16"), [_P] * 5 + [_I64] * 2 + [_I32]),
     "tn_relu2_bwd": (("f32", "bf16"), [_P] * 2 + [_I64]),
+    "tn_exp2_pair": (("f32",), [_P] * 3 + [_I64, _I32]),  # a test hook (_native_softmax.cpp)
 }
 
 

@@ -235,6 +235,24 @@ int tn_softmax_f32_ready() {
 #endif
 }
 
+// Test hook: the two exp2 forms of _native_simd.h on n values, every lane kept (degree 5 or 7),
+// so that a test can hold exp2_bits to exp2_masked bit for bit. 2 without AVX-512.
+int tn_exp2_pair_f32(const float* x, float* masked, float* bits, idx n, int degree, int) {
+#if defined(TN_AVX512)
+    if (degree != 5 && degree != 7) return 1;
+    for (idx i = 0; i < n; i += 16) {
+        const __mmask16 k = tn::tail_mask(n - i);
+        const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+        _mm512_mask_storeu_ps(masked + i, k, degree == 5 ? tn::exp2_masked<5>(0xFFFF, v) : tn::exp2_masked<7>(0xFFFF, v));
+        _mm512_mask_storeu_ps(bits + i, k, degree == 5 ? tn::exp2_bits<5>(0xFFFF, v) : tn::exp2_bits<7>(0xFFFF, v));
+    }
+    return 0;
+#else
+    (void)x, (void)masked, (void)bits, (void)n, (void)degree;
+    return 2;
+#endif
+}
+
 // Status: 0 ok, 1 bad shape (D, E multiples of 16, w of 64, scale > 0), 2 built without AVX-512.
 #if defined(TN_AVX512)
 #define TN_SOFTMAX_F32_RUN(BWD, CALL)                                                                  \
