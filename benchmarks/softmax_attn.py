@@ -65,7 +65,8 @@ def main() -> None:
         dtype = DTYPES[dname]
         probe = torch.zeros(1, 1, 1, 64, dtype=dtype)
         if not _native.softmax_usable(probe, probe, probe):
-            print(f"{dname}: no softmax kernel on this machine (bf16 needs AMX or AVX512-BF16; both need a C++ compiler)")
+            print(f"{dname}: no softmax kernel on this machine (bf16 needs AMX or AVX512-BF16; both need a C++ "
+                  "compiler)")
             continue
         vanilla_rows(dname, dtype, args)
     blocks_rows(args)

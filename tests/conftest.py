@@ -28,8 +28,8 @@ def _flags_accepted(flags: tuple[str, ...]) -> bool:
 
     from transnormer.ops import _native
 
-    proc = subprocess.run([_native._compiler(), "-march=native", *flags, "-x", "c++", "-c", "/dev/null", "-o", "/dev/null"],
-                          capture_output=True)
+    cmd = [_native._compiler(), "-march=native", *flags, "-x", "c++", "-c", "/dev/null", "-o", "/dev/null"]
+    proc = subprocess.run(cmd, capture_output=True)
     return proc.returncode == 0
 
 

@@ -30,7 +30,6 @@ def _engine(request, monkeypatch):
     use_bf16_engine(request, monkeypatch)
 
 
-
 def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
         return set(next((line for line in f if line.startswith("flags")), "").split())
@@ -51,7 +50,8 @@ def test_bf16_engine_is_the_one_the_build_targets():
     (it also needs the OS to enable the tile state), else AVX512-BF16 dot products where it targets
     those, else none; an engine is only ever one the CPU has."""
     macros = _native_macros()
-    want = 1 if {"__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"} <= macros else 2 if "__AVX512BF16__" in macros else 0
+    amx = {"__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"} <= macros
+    want = 1 if amx else 2 if "__AVX512BF16__" in macros else 0
     assert _native.load().tn_bf16_engine() == want
     try:
         flags = _cpu_flags()
@@ -59,10 +59,11 @@ def test_bf16_engine_is_the_one_the_build_targets():
         flags = None
     if want and flags is not None:
         assert ("amx_bf16" if want == 1 else "avx512_bf16") in flags
+    engine, ready = _native.bf16_engine(), _native.bf16_ready()
     if want == 1:  # None where Linux refused the process the tile state
-        assert _native.bf16_engine() in ("amx", None) and _native.bf16_ready() == (_native.bf16_engine() == "amx")
+        assert engine in ("amx", None) and ready == (engine == "amx")
     else:
-        assert _native.bf16_engine() == ("avx512-bf16" if want == 2 else None) and _native.bf16_ready() == (want == 2)
+        assert engine == ("avx512-bf16" if want == 2 else None) and ready == (want == 2)
 
 
 @pytest.fixture

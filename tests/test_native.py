@@ -216,8 +216,9 @@ def test_disabled_by_environment(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65])
 def test_bf16_without_bf16_kernel_runs_the_fp32_kernel_on_copies(monkeypatch, T):
-    """No bf16 kernel (AVX-512 without AVX512-BF16): causal bf16 takes the fp32 kernel on fp32 copies (faster there than the PyTorch bf16
-    form); the result is that kernel's, rounded once, and the gradients come back in bf16."""
+    """No bf16 kernel (AVX-512 without AVX512-BF16): causal bf16 takes the fp32 kernel on fp32
+    copies (faster there than the PyTorch bf16 form); the result is that kernel's, rounded once,
+    and the gradients come back in bf16."""
     monkeypatch.setattr(_native, "bf16_ready", lambda: False)
     seen = []
     kernel = _native.native_causal_linear_attn

@@ -32,6 +32,7 @@ def _engine(request, monkeypatch):
     """Every bf16 test here on each bf16 product engine this machine can build (conftest.py)."""
     use_bf16_engine(request, monkeypatch)
 
+
 needs_f32 = pytest.mark.skipif(not _native.softmax_f32_ready(),
                                reason="no fp32 softmax kernel (needs AVX-512 and a C++ compiler)")
 

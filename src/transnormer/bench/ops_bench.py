@@ -64,7 +64,8 @@ def op_throughput(T: int, *, causal: bool, dtype: torch.dtype = torch.float32, B
     if causal and _native.upcast_usable(q, k, v):
         backend = "native-fp32"  # bf16 without a bf16 kernel: the fp32 kernel on fp32 copies (ops/norm_linear.py)
     else:
-        fused = (_native.bf16_usable(q, k, v, chunk) or _native.usable(q, k, v)) if causal else _native.bidir_usable(q, k, v)
+        fused = ((_native.bf16_usable(q, k, v, chunk) or _native.usable(q, k, v)) if causal
+                 else _native.bidir_usable(q, k, v))
         backend = "native" if fused else "torch"
     engine = _native.bf16_engine() if backend == "native" and dtype == torch.bfloat16 else None  # amx / avx512-bf16
     return {"T": T, "causal": causal, "dtype": str(dtype).replace("torch.", ""), "seconds": t, "backend": backend,

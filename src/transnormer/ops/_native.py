@@ -116,7 +116,8 @@ _SIGNATURES = {
     "tn_causal_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 6),
     "tn_bidir_fwd": (("f32", "f64", "bf16"), [_P] * 6 + [_I64] * 5),
     "tn_bidir_bwd": (("f32", "f64", "bf16"), [_P] * 10 + [_I64] * 5),
-    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),  # bf16: _native_softmax_amx.cpp
+    # bf16: _native_softmax_amx.cpp
+    "tn_softmax_fwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 2 + [_I64] * 6 + [_I32, _F32]),
     "tn_softmax_bwd": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_P] * 6 + [_I64] * 6 + [_I32, _F32]),
     "tn_lrpe_fwd": (("f32", "bf16"), [_P] * 5 + [_F32, _I32] + [_I64] * 4),
     "tn_lrpe_bwd": (("f32", "bf16"), [_P] * 8 + [_F32, _I32] + [_I64] * 4),
@@ -206,8 +207,9 @@ def set_backend(mode: str) -> None:
     """Choose the CPU backend of the fused kernels.
 
     ``"auto"`` (default) uses each fused kernel where it applies (``norm_linear_attn``:
-    fp32/fp64, and bf16 on a CPU with AMX or AVX512-BF16 when D, E and the chunk are multiples of 32; softmax
-    attention: see :func:`softmax_usable`; the row kernels: fp32/bf16) when the library builds;
+    fp32/fp64, and bf16 on a CPU with AMX or AVX512-BF16 when D, E and the chunk are multiples of
+    32; softmax attention: see :func:`softmax_usable`; the row kernels: fp32/bf16) when the library
+    builds;
     ``"torch"`` always runs the PyTorch forms;
     ``"native"`` is ``"auto"`` that raises if the library is absent, and also if
     ``norm_linear_attn`` gets tensors neither of its kernels can take.

@@ -8,8 +8,8 @@
 // handful of AMX tile instructions (a 64^3 product is 32 TDPBF16PS, ~0.2 us) on tiles packed in
 // L1, so the time goes to reading q, k, v, dO once per pass and repacking them. Without AMX the
 // same walk on VDPBF16PS (a 64^3 product ~1.2 us on one Zen 5 core, its peak rate) took the
-// causal op from the fp32 kernel on upcast copies at 12.1 ms to 5.7-7.4 ms (fwd+bwd, T = 4k, runs on
-// different days).
+// causal op from the fp32 kernel on upcast copies at 12.1 ms to 5.7-7.4 ms (fwd+bwd, T = 4k,
+// runs on different days).
 //
 // Same math and layouts as _native_linear_attn.cpp: q, k [B, T, H, D], v, o [B, T, H, E] in
 // bf16; states (init, final, their gradients) [B, H, D, E] in fp32. Numerics follow the PyTorch

@@ -243,8 +243,10 @@ int tn_exp2_pair_f32(const float* x, float* masked, float* bits, idx n, int degr
     for (idx i = 0; i < n; i += 16) {
         const __mmask16 k = tn::tail_mask(n - i);
         const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
-        _mm512_mask_storeu_ps(masked + i, k, degree == 5 ? tn::exp2_masked<5>(0xFFFF, v) : tn::exp2_masked<7>(0xFFFF, v));
-        _mm512_mask_storeu_ps(bits + i, k, degree == 5 ? tn::exp2_bits<5>(0xFFFF, v) : tn::exp2_bits<7>(0xFFFF, v));
+        const __m512 a = degree == 5 ? tn::exp2_masked<5>(0xFFFF, v) : tn::exp2_masked<7>(0xFFFF, v);
+        const __m512 b = degree == 5 ? tn::exp2_bits<5>(0xFFFF, v) : tn::exp2_bits<7>(0xFFFF, v);
+        _mm512_mask_storeu_ps(masked + i, k, a);
+        _mm512_mask_storeu_ps(bits + i, k, b);
     }
     return 0;
 #else

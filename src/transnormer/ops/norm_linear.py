@@ -110,9 +110,9 @@ def norm_linear_attn(
     c = min(chunk_size, T)
     if kernels_apply:
         # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX
-        # tiles or AVX512-BF16 (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk is a multiple
-        # of 32 rows, at most T rounded up), fp32/fp64 on AVX-512 (ops/_native_linear_attn.cpp).
-        # The PyTorch form below is the fallback and the GPU path.
+        # tiles or AVX512-BF16 (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk
+        # is a multiple of 32 rows, at most T rounded up), fp32/fp64 on AVX-512
+        # (ops/_native_linear_attn.cpp). The PyTorch form below is the fallback and the GPU path.
         bf16_chunk = min(chunk_size, -(-T // 32) * 32)
         if _native.upcast_usable(q, k, v):  # (only without a bf16 kernel: never beside it)
             # bf16 where the bf16 kernel cannot run (AVX-512 without AVX512-BF16): the fp32 kernel on
