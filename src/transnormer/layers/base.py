@@ -16,7 +16,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from ..modules.linear import Linear
+from ..ops.dense import linear
 
 # name -> builder(config, layer_idx) -> TokenMixer
 LAYER_TYPES: dict[str, Callable] = {}
@@ -73,10 +75,10 @@ class MultiHeadMixer(TokenMixer):
             raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_dim = hidden_size // num_heads
-        self.q_proj = nn.Linear(hidden_size, hidden_size)
-        self.k_proj = nn.Linear(hidden_size, hidden_size)
-        self.v_proj = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self.q_proj = Linear(hidden_size, hidden_size)
+        self.k_proj = Linear(hidden_size, hidden_size)
+        self.v_proj = Linear(hidden_size, hidden_size)
+        self.out_proj = Linear(hidden_size, hidden_size)
 
     def _reset_projections(self, qkv_gain: float) -> None:
         """xavier-uniform with ``qkv_gain`` on q/k/v, xavier on out, zero out bias (the released init)."""
@@ -91,7 +93,7 @@ class MultiHeadMixer(TokenMixer):
         # times, and the backward has one input gradient instead of a sum of three.
         w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         b = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
-        return F.linear(x, w, b).view(*x.shape[:2], 3, self.num_heads, self.head_dim).unbind(2)
+        return linear(x, w, b).view(*x.shape[:2], 3, self.num_heads, self.head_dim).unbind(2)
 
 
 def default_positions(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -22,9 +22,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..modules.linear import Linear
 from ..modules.positional import LRPE
+from ..ops.dense import linear
 from ..ops.flash import (
     GLOBAL_NORMALIZERS,
     QUAD_NORMALIZERS,
@@ -166,10 +167,10 @@ class _GatedUnit(TokenMixer):
             raise ValueError(f"expansion and qk_dim must give positive widths, got e={e}, s={qk_dim}")
         self.hidden_size, self.e, self.s = hidden_size, e, qk_dim
         self.causal, self.attention_dropout = causal, attention_dropout
-        self.proj = nn.Linear(hidden_size, 2 * e + qk_dim)
+        self.proj = Linear(hidden_size, 2 * e + qk_dim)
         self.gamma = nn.Parameter(torch.empty(self.num_qk_heads, qk_dim))
         self.beta = nn.Parameter(torch.empty(self.num_qk_heads, qk_dim))
-        self.out_proj = nn.Linear(e, hidden_size)
+        self.out_proj = Linear(e, hidden_size)
         self.rope = build_rope(rope, qk_dim)
         self.rel_bias = RelativePositionBias(rel_bias, qk_dim, causal=causal, max_len=max_rel_len,
                                              switch_to_rope=switch_to_rope)
@@ -192,7 +193,7 @@ class _GatedUnit(TokenMixer):
         """u [B, T, e], v [B, T, e], heads [B, T, n_heads, s] (scaled/offset, RoPE'd at ``positions``)."""
         # the bias is added by the fused SiLU (ops/rowwise.py), not by an addmm (a copy of it into
         # every row forward, a sum over rows backward)
-        pre = F.linear(x, self.proj.weight)
+        pre = linear(x, self.proj.weight)
         u, v, z = silu_split(pre, [self.e, self.e, self.s], self.proj.bias)
         if self.rope is None:
             return u, v, z[:, :, None, :] * self.gamma + self.beta

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.rowwise import projected_silu_gate
+from .linear import Linear
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -29,9 +30,9 @@ class GLU(nn.Module):
         super().__init__()
         hidden = int(8 * dim / 3) if hidden is None else hidden
         self.act_name, self.act = act, get_activation(act)
-        self.l1 = nn.Linear(dim, hidden)
-        self.l2 = nn.Linear(dim, hidden)
-        self.l3 = nn.Linear(hidden, dim)
+        self.l1 = Linear(dim, hidden)
+        self.l2 = Linear(dim, hidden)
+        self.l3 = Linear(hidden, dim)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +51,8 @@ class FFN(nn.Module):
         super().__init__()
         hidden = 4 * dim if hidden is None else hidden
         self.act_name, self.act = act, get_activation(act)
-        self.l1 = nn.Linear(dim, hidden)
-        self.l2 = nn.Linear(hidden, dim)
+        self.l1 = Linear(dim, hidden)
+        self.l2 = Linear(hidden, dim)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from .dense import mm_t
 
 
 def projection_dtype(x: torch.Tensor) -> torch.dtype:
@@ -28,7 +29,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype):
     """(x2 [N, d], Wᵀ [d, out], y [N, out] = x2 Wᵀ), all in cdt, for x [..., d] and weight [out, d].
     Wᵀ is a view where W needs no cast, else one cast-and-transpose pass (a row-major operand)."""
     x2 = x.reshape(-1, x.shape[-1]).to(cdt)
-    wt = weight.t() if weight.dtype == cdt else _native.cast_transpose(weight.contiguous(), cdt)
+    if weight.dtype == cdt:
+        return x2, weight.t(), mm_t(x2, weight)  # fp32: oneDNN where MKL lags (ops/dense.py)
+    wt = _native.cast_transpose(weight.contiguous(), cdt)
     return x2, wt, torch.mm(x2, wt)
 
 
@@ -36,6 +39,6 @@ def project_backward(dy: torch.Tensor, dy_t: torch.Tensor | None, x2: torch.Tens
                      x_shape, x_dtype: torch.dtype, w_dtype: torch.dtype, need_x: bool):
     """(dx in x's shape and dtype or None, dW in W's dtype or None) of :func:`project` from dy [N, out]
     and its transposed copy dy_t [out, N] (None: no weight gradient)."""
-    dx = torch.mm(dy, wt.t()).view(x_shape).to(x_dtype) if need_x else None
-    dw = None if dy_t is None else torch.mm(dy_t, x2).to(w_dtype)
+    dx = mm_t(dy, wt).view(x_shape).to(x_dtype) if need_x else None  # dy W, W = wtᵀ
+    dw = None if dy_t is None else mm_t(dy_t, x2.t()).to(w_dtype)  # dyᵀ x2 (oneDNN: on a copy of x2ᵀ)
     return dx, dw

@@ -1,0 +1,103 @@
+"""y = x Wᵀ + b for the models' fp32 linear layers, on oneDNN where PyTorch's fp32 GEMM is slow.
+
+Why: PyTorch's CPU fp32 matmul is MKL's, and on AMD CPUs MKL takes its AVX2 code path. On the
+Zen 5 machine of docs/benchmarks.md (thirteenth round) it ran a 2048³ product at 208–216 GFLOP/s
+and t2-lm's [4096 × 512]·[512 × 2048] at 178, where oneDNN (``torch.ops.mkldnn._linear_pointwise``,
+the inner product PyTorch's compiler uses for frozen CPU models) ran them at 442 and 321: the
+same fp32 arithmetic, AVX-512 code. So there all three products of a linear layer go through
+oneDNN, the weight gradient on transposed copies of dy and x (oneDNN's inner product takes
+row-major operands; a copy costs a few percent of the product it feeds). Everywhere else, and
+for other dtypes or under autocast, this is ``F.linear``.
+
+``TRANSNORMER_FP32_GEMM`` = ``auto`` (default: oneDNN on AMD CPUs with AVX-512 when PyTorch has
+the op), ``onednn`` (wherever PyTorch has the op) or ``mkl`` (never).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import _native
+
+_CHOICES = ("auto", "onednn", "mkl")
+
+
+def _cpu_info() -> tuple[str, set[str]]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "", set()
+    vendor = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("vendor_id")), "")
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+    return vendor, flags
+
+
+@functools.cache
+def _onednn_for(choice: str) -> bool:
+    if choice not in _CHOICES:
+        raise ValueError(f"TRANSNORMER_FP32_GEMM must be one of {_CHOICES}, got {choice!r}")
+    has_op = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if choice == "mkl" or not has_op:
+        return False
+    if choice == "onednn":
+        return True
+    vendor, flags = _cpu_info()
+    return vendor == "AuthenticAMD" and "avx512f" in flags
+
+
+def onednn_fp32() -> bool:
+    """Whether fp32 linear layers run on oneDNN here (``TRANSNORMER_FP32_GEMM``, module docstring);
+    never under ``set_kernel_backend("torch")``, which runs the plain PyTorch forms everywhere (the
+    FLOP counter of ``bench`` sees only those)."""
+    return _onednn_for(os.environ.get("TRANSNORMER_FP32_GEMM", "auto")) and _native.backend() != "torch"
+
+
+def _inner(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x2 [N, in] Wᵀ (+ b) on oneDNN; w [out, in]. Both contiguous fp32."""
+    return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """x [..., in], w [out, in], b [out] or None, fp32 on CPU → [..., out]."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        w = w.contiguous()
+        ctx.save_for_backward(x2, w)
+        ctx.x_shape, ctx.has_bias = x.shape, b is not None
+        return _inner(x2, w, b).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = _inner(dy2, w.t().contiguous(), None).view(ctx.x_shape) if need_x else None  # dy W
+        dw = _inner(dy2.t().contiguous(), x2.t().contiguous(), None) if need_w else None  # dyᵀ x, on copies
+        db = dy2.sum(0) if need_b and ctx.has_bias else None
+        return dx, dw, db
+
+
+def mm_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [N, in] wᵀ for w [out, in]: ``torch.mm(a, w.t())``, on oneDNN where fp32 linear layers run
+    there (for Functions that do their own products: ops/_projection.py)."""
+    if (a.dtype == w.dtype == torch.float32 and a.device.type == "cpu" and w.device.type == "cpu" and a.numel() > 0
+            and not torch.compiler.is_compiling() and onednn_fp32()):
+        return _inner(a.contiguous(), w.contiguous(), None)
+    return torch.mm(a, w.t())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; fp32 on a CPU where :func:`onednn_fp32` holds runs on oneDNN
+    (same fp32 arithmetic, another summation order)."""
+    fp32 = x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+    if (fp32 and x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and onednn_fp32()):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,94 @@
+"""ops/dense.py: fp32 linear layers on oneDNN (where MKL takes its AVX2 path) against F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from transnormer.ops import dense
+
+has_op = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                                  "_linear_pointwise")),
+                            reason="this PyTorch has no oneDNN inner product")
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """Force the oneDNN path and count its products."""
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "onednn")
+    calls = []
+    real = dense._inner
+    monkeypatch.setattr(dense, "_inner", lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+@has_op
+@pytest.mark.parametrize("shape", [(1, 48), (3, 65, 48), (2, 1, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_f_linear_forward_and_gradients(onednn, shape, bias):
+    x = torch.randn(*shape, requires_grad=True)
+    w = torch.randn(33, 48, requires_grad=True)
+    b = torch.randn(33, requires_grad=True) if bias else None
+    go = torch.randn(*shape[:-1], 33)
+    y = dense.linear(x, w, b)
+    assert len(onednn) == 1  # the forward ran on oneDNN
+    params = (x, w) + ((b,) if bias else ())
+    got = (y, *torch.autograd.grad(y, params, go))
+    assert len(onednn) == 3  # and both gradient products
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bd = b.detach().double().requires_grad_() if bias else None
+    yd = F.linear(xd, wd, bd)
+    ref = (yd, *torch.autograd.grad(yd, (xd, wd) + ((bd,) if bias else ()), go.double()))
+    for a, r in zip(got, ref):
+        assert a.dtype == torch.float32 and a.shape == r.shape and rel_err(a.double(), r) < 1e-5
+
+
+@has_op
+def test_only_the_gradients_asked_for_are_computed(onednn):
+    x, w = torch.randn(5, 16), torch.randn(8, 16, requires_grad=True)
+    y = dense.linear(x, w)
+    (dw,) = torch.autograd.grad(y.sum(), (w,))
+    assert len(onednn) == 2 and torch.allclose(dw, torch.ones(5, 8).t() @ x, rtol=1e-5, atol=1e-5)
+
+
+@has_op
+def test_mm_t_and_the_other_dtypes(onednn):
+    a, w = torch.randn(7, 24), torch.randn(10, 24)
+    assert rel_err(dense.mm_t(a, w).double(), a.double() @ w.double().t()) < 1e-6 and len(onednn) == 1
+    for dt in (torch.float64, torch.bfloat16):  # F.linear / torch.mm, not oneDNN
+        assert torch.equal(dense.linear(a.to(dt), w.to(dt)), F.linear(a.to(dt), w.to(dt)))
+        assert torch.equal(dense.mm_t(a.to(dt), w.to(dt)), torch.mm(a.to(dt), w.to(dt).t()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: F.linear's cast and product
+        assert dense.linear(a, w).dtype == torch.bfloat16
+    assert len(onednn) == 1
+
+
+def test_the_choice_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "mkl")
+    assert not dense.onednn_fp32()
+    calls = []
+    monkeypatch.setattr(dense, "_inner", lambda *a: calls.append(1))
+    assert torch.equal(dense.linear(torch.ones(2, 3), torch.ones(4, 3)), torch.full((2, 4), 3.0)) and not calls
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "onednn")
+    from transnormer.ops import _native
+
+    before = _native.backend()
+    try:
+        _native.set_backend("torch")  # the plain PyTorch forms everywhere
+        assert not dense.onednn_fp32()
+    finally:
+        _native.set_backend(before)
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "fast")
+    with pytest.raises(ValueError, match="TRANSNORMER_FP32_GEMM"):
+        dense.onednn_fp32()
+
+
+def test_linear_module_keeps_nn_linear_parameters_and_state_dict():
+    from torch import nn
+
+    from transnormer.modules.linear import Linear
+
+    m = Linear(6, 4)
+    assert isinstance(m, nn.Linear) and set(m.state_dict()) == {"weight", "bias"}
+    x = torch.randn(3, 6)
+    assert rel_err(m(x).double(), F.linear(x.double(), m.weight.double(), m.bias.double())) < 1e-6
