@@ -63,6 +63,7 @@ def test_mm_t_and_the_other_dtypes(onednn):
     assert len(onednn) == 1
 
 
+@has_op
 def test_the_choice_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "mkl")
     assert not dense.onednn_fp32()
@@ -83,12 +84,55 @@ def test_the_choice_is_read_from_the_environment(monkeypatch):
         dense.onednn_fp32()
 
 
-def test_linear_module_keeps_nn_linear_parameters_and_state_dict():
+@has_op
+def test_linear_module_keeps_nn_linear_parameters_and_state_dict(onednn):
     from torch import nn
 
     from transnormer.modules.linear import Linear
 
     m = Linear(6, 4)
     assert isinstance(m, nn.Linear) and set(m.state_dict()) == {"weight", "bias"}
-    x = torch.randn(3, 6)
-    assert rel_err(m(x).double(), F.linear(x.double(), m.weight.double(), m.bias.double())) < 1e-6
+    x = torch.randn(3, 6, requires_grad=True)
+    y = m(x)
+    got = torch.autograd.grad(y.sum(), (x, m.weight, m.bias))
+    assert len(onednn) == 3
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, m.weight, m.bias))
+    yd = F.linear(xd, wd, bd)
+    ref = torch.autograd.grad(yd.sum(), (xd, wd, bd))
+    assert rel_err(y.double(), yd) < 1e-6 and all(rel_err(a.double(), r) < 1e-6 for a, r in zip(got, ref))
+
+
+@has_op
+def test_a_double_backward_raises_rather_than_being_wrong(onednn):
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    (dx,) = torch.autograd.grad(dense.linear(x, w).pow(2).sum(), (x,), create_graph=True)
+    with pytest.raises(RuntimeError):
+        dx.sum().backward()
+
+
+@has_op
+def test_the_glu_input_side_runs_its_products_on_onednn(onednn, monkeypatch):
+    """ops/_projection.py under the fused GLU gate (and its F.linear-free fallback): forward, dx and
+    dW on oneDNN, equal to the composed fp64 form."""
+    from transnormer.ops import _native
+    from transnormer.ops.rowwise import projected_silu_gate
+
+    x = torch.randn(2, 37, 24, requires_grad=True)
+    w1, w2 = (torch.randn(40, 24).mul_(0.2).requires_grad_() for _ in range(2))
+    b1, b2 = (torch.randn(40).requires_grad_() for _ in range(2))
+    go = torch.randn(2, 37, 40)
+    for mode in ("fused", "fallback"):  # _ProjectedSiluGate (needs the kernels), else linear + gate
+        onednn.clear()
+        if mode == "fallback":
+            monkeypatch.setattr(_native, "rows_usable", lambda *a: False)
+        elif _native.load() is None:
+            continue
+        y = projected_silu_gate(x, w1, w2, b1, b2)
+        got = (y, *torch.autograd.grad(y, (x, w1, w2), go))
+        assert len(onednn) == 3, mode
+        xd, w1d, w2d, b1d, b2d = (t.detach().double().requires_grad_() for t in (x, w1, w2, b1, b2))
+        yd = F.silu(F.linear(xd, w1d, b1d)) * F.linear(xd, w2d, b2d)
+        ref = (yd, *torch.autograd.grad(yd, (xd, w1d, w2d), go.double()))
+        for a, r in zip(got, ref):
+            assert rel_err(a.double(), r) < 1e-5, mode

@@ -10,7 +10,9 @@ row-major operands; a copy costs a few percent of the product it feeds). Everywh
 for other dtypes or under autocast, this is ``F.linear``.
 
 ``TRANSNORMER_FP32_GEMM`` = ``auto`` (default: oneDNN on AMD CPUs with AVX-512 when PyTorch has
-the op), ``onednn`` (wherever PyTorch has the op) or ``mkl`` (never).
+the op; measured on Zen 5 only), ``onednn`` (wherever PyTorch has the op) or ``mkl`` (never).
+The oneDNN path is first-order autograd only (a double backward raises) and is skipped under
+``torch.compile``; ``torch.jit``/``torch.fx`` tracing is not supported on it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import _native
 
@@ -54,7 +57,8 @@ def onednn_fp32() -> bool:
     """Whether fp32 linear layers run on oneDNN here (``TRANSNORMER_FP32_GEMM``, module docstring);
     never under ``set_kernel_backend("torch")``, which runs the plain PyTorch forms everywhere (the
     FLOP counter of ``bench`` sees only those)."""
-    return _onednn_for(os.environ.get("TRANSNORMER_FP32_GEMM", "auto")) and _native.backend() != "torch"
+    return (_onednn_for(os.environ.get("TRANSNORMER_FP32_GEMM", "auto")) and _native.backend() != "torch"
+            and torch.backends.mkldnn.enabled)
 
 
 def _inner(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -69,14 +73,16 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, w, b):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         w = w.contiguous()
-        ctx.save_for_backward(x2, w)
-        ctx.x_shape, ctx.has_bias = x.shape, b is not None
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x2 if need_w else None, w if need_x else None)  # only what a gradient reads
+        ctx.x_shape, ctx.w_shape, ctx.has_bias = x.shape, w.shape, b is not None
         return _inner(x2, w, b).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
+    @once_differentiable  # oneDNN's op has no derivative of its own: a double backward raises
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        dy2 = dy.reshape(-1, w.shape[0]).contiguous()
+        dy2 = dy.reshape(-1, ctx.w_shape[0]).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad
         dx = _inner(dy2, w.t().contiguous(), None).view(ctx.x_shape) if need_x else None  # dy W
         dw = _inner(dy2.t().contiguous(), x2.t().contiguous(), None) if need_w else None  # dyᵀ x, on copies
@@ -88,7 +94,8 @@ def mm_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """a [N, in] wᵀ for w [out, in]: ``torch.mm(a, w.t())``, on oneDNN where fp32 linear layers run
     there (for Functions that do their own products: ops/_projection.py)."""
     if (a.dtype == w.dtype == torch.float32 and a.device.type == "cpu" and w.device.type == "cpu" and a.numel() > 0
-            and not torch.compiler.is_compiling() and onednn_fp32()):
+            and w.numel() > 0 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and onednn_fp32()):
         return _inner(a.contiguous(), w.contiguous(), None)
     return torch.mm(a, w.t())
 
@@ -97,7 +104,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``; fp32 on a CPU where :func:`onednn_fp32` holds runs on oneDNN
     (same fp32 arithmetic, another summation order)."""
     fp32 = x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-    if (fp32 and x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and onednn_fp32()):
+    if (fp32 and x.dim() > 0 and x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() > 0
+            and weight.numel() > 0 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and onednn_fp32()):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -14,6 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _native
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
+from .dense import linear
 from .norm_linear import state_dtype_for
 
 
@@ -186,7 +187,7 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
     bias = None if b1 is None else torch.cat((b1, b2))
     if bias is not None and bias.dtype != w1.dtype and not torch.is_autocast_enabled(x.device.type):
         bias = bias.to(w1.dtype)  # F.linear takes one dtype (the fused path adds an fp32 bias itself)
-    return silu_gate(F.linear(x, torch.cat((w1, w2)), bias))
+    return silu_gate(linear(x, torch.cat((w1, w2)), bias))
 
 
 class _FusedSiluSplit(torch.autograd.Function):
