@@ -33,14 +33,23 @@ def _flags_accepted(flags: tuple[str, ...]) -> bool:
     return proc.returncode == 0
 
 
-def use_bf16_engine(request, monkeypatch) -> None:
-    """For a test module's autouse fixture with ``params=bf16_engine_params()``: "built" leaves the
-    library as built; "avx512-bf16-variant" swaps in the variant for the bf16 tests (those skipped
-    with ``NO_BF16_KERNEL`` where there is no kernel) and skips the others, which it would only repeat."""
+def pytest_generate_tests(metafunc):
+    # parametrised here, only for the modules that use the fixture: building the kernel library
+    # to ask for its engine is not a cost of every pytest run
+    if "bf16_engine" in metafunc.fixturenames:
+        metafunc.parametrize("bf16_engine", bf16_engine_params(), indirect=True)
+
+
+@pytest.fixture
+def bf16_engine(request, monkeypatch):
+    """A module with ``pytestmark = pytest.mark.usefixtures("bf16_engine")`` runs every test on each
+    bf16 product engine this machine can build: "built" leaves the library as built;
+    "avx512-bf16-variant" swaps in the variant for the bf16 tests (those skipped with
+    ``NO_BF16_KERNEL`` where there is no kernel) and skips the others, which it would only repeat."""
     from transnormer.ops import _native
 
     if request.param != "avx512-bf16-variant":
-        return
+        return request.param
     if not any(m.kwargs.get("reason") == NO_BF16_KERNEL for m in request.node.iter_markers("skipif")):
         pytest.skip("not a bf16-kernel test: the variant changes only the bf16 product engine")
     try:
@@ -53,6 +62,7 @@ def use_bf16_engine(request, monkeypatch) -> None:
     monkeypatch.setattr(_native, "_lib", lib)
     monkeypatch.setattr(_native, "_build_flags", {})
     assert _native.bf16_engine() == "avx512-bf16"
+    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,14 @@ import torch
 
 from conftest import (
     NO_BF16_KERNEL,
-    bf16_engine_params,
     model_loss_and_grads,
     on_one_and_two_threads,
     rel_err,
-    use_bf16_engine,
 )
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
 needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason=NO_BF16_KERNEL)
-
-
-@pytest.fixture(autouse=True, params=bf16_engine_params())
-def _engine(request, monkeypatch):
-    """Every bf16 test here on each bf16 product engine this machine can build (conftest.py)."""
-    use_bf16_engine(request, monkeypatch)
+pytestmark = pytest.mark.usefixtures("bf16_engine")  # each bf16 product engine (conftest.py)
 
 
 def _cpu_flags() -> set[str]:

@@ -83,17 +83,24 @@ inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64)
 }
 inline __mmask16 half(Lanes v, int h) { return __mmask16(v >> (16 * h)); }
 
+// 2^f for |f| <= 1/2 by its Taylor polynomial of degree Deg (the two exp2 forms below share it).
+template <int Deg>
+inline __m512 exp2_frac(__m512 f) {
+    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
+                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!
+    __m512 p = _mm512_set1_ps(c[Deg]);
+    for (int k = Deg - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    return p;
+}
+
 // 2^x, x finite (a scaled score minus its row max or lse): 2^x = 2^n 2^f, |f| <= 1/2, 2^f by its
 // Taylor polynomial of degree Deg, scalef underflowing to 0 cleanly; masked lanes 0. Relative
 // error: < 4e-6 at degree 5 (the bf16 kernel: its operands P, dS round at 4e-3), < 1e-8 at 7.
 template <int Deg = 5>
 inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
-    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
-                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(c[Deg]);
-    for (int k = Deg - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    const __m512 p = exp2_frac<Deg>(f);
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
@@ -108,16 +115,13 @@ inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
 // 51 ms) and the fp32 backward as fast (51 vs 52 ms at 2k), so they keep it.
 template <int Deg = 5>
 inline __m512 exp2_bits(__mmask16 keep, __m512 x) {
-    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
-                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!
     const __m512 shifter = _mm512_set1_ps(12582912.0f);  // 1.5 * 2^23: x + it rounds x to an integer
     const __mmask16 flush = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_LE_OQ);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-125.0f)), _mm512_set1_ps(127.0f));
     const __m512 t = _mm512_add_ps(xc, shifter);  // its low mantissa bits hold n (two's complement)
     const __m512 f = _mm512_sub_ps(xc, _mm512_sub_ps(t, shifter));
-    __m512 p = _mm512_set1_ps(c[Deg]);
-    for (int k = Deg - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    const __m512 p = exp2_frac<Deg>(f);
     const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t), 23);  // n << 23, wrapping as n's sign needs
     const __m512 r = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(keep & ~flush, r), keep & nan, x);

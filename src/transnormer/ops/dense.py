@@ -90,12 +90,17 @@ class _OneDNNLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+def _takes_onednn(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a product of a and w (non-empty fp32 CPU tensors, no autocast, not compiled) runs on oneDNN."""
+    return (a.dtype == w.dtype == torch.float32 and a.device.type == "cpu" and w.device.type == "cpu"
+            and a.numel() > 0 and w.numel() > 0 and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and onednn_fp32())
+
+
 def mm_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """a [N, in] wᵀ for w [out, in]: ``torch.mm(a, w.t())``, on oneDNN where fp32 linear layers run
     there (for Functions that do their own products: ops/_projection.py)."""
-    if (a.dtype == w.dtype == torch.float32 and a.device.type == "cpu" and w.device.type == "cpu" and a.numel() > 0
-            and w.numel() > 0 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and onednn_fp32()):
+    if _takes_onednn(a, w):
         return _inner(a.contiguous(), w.contiguous(), None)
     return torch.mm(a, w.t())
 
@@ -103,9 +108,6 @@ def mm_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; fp32 on a CPU where :func:`onednn_fp32` holds runs on oneDNN
     (same fp32 arithmetic, another summation order)."""
-    fp32 = x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-    if (fp32 and x.dim() > 0 and x.device.type == "cpu" and weight.device.type == "cpu" and x.numel() > 0
-            and weight.numel() > 0 and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and onednn_fp32()):
+    if x.dim() > 0 and (bias is None or bias.dtype == torch.float32) and _takes_onednn(x, weight):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
