@@ -136,3 +136,14 @@ def test_the_glu_input_side_runs_its_products_on_onednn(onednn, monkeypatch):
         ref = (yd, *torch.autograd.grad(yd, (xd, w1d, w2d), go.double()))
         for a, r in zip(got, ref):
             assert rel_err(a.double(), r) < 1e-5, mode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dense_rows_copies_transposed_views_exactly(dtype):
+    a = torch.randn(37, 70).to(dtype)
+    assert dense.dense_rows(a) is a  # already contiguous: no copy
+    for view in (a.t(), a[:, ::2], a.t()[3:20]):
+        got = dense.dense_rows(view)
+        assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, view)
+    b = torch.randn(2, 5, 6).to(dtype).transpose(1, 2)
+    assert torch.equal(dense.dense_rows(b), b.contiguous())

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 from transnormer.models import TransNormerConfig, TransNormerForCausalLM, TransNormerForMaskedLM
 from transnormer.modules.lm_loss import linear_cross_entropy
+from transnormer.ops import _native, dense
 
 
 @pytest.mark.parametrize("N", [1, 63, 64, 65, 300])
@@ -21,6 +22,30 @@ def test_matches_unfused_loss_and_grads_fp64(N, chunk):
     assert rel_err(got, ref) < 1e-12
     for a, b in zip(torch.autograd.grad(got * 1.7, (h, W)), torch.autograd.grad(ref * 1.7, (h, W))):
         assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("choice", ["onednn", "mkl"])
+@pytest.mark.parametrize("N, chunk", [(1, 64), (65, 64), (300, 128)])
+def test_fp32_products_on_either_gemm_match_fp64(monkeypatch, choice, N, chunk):
+    # TRANSNORMER_FP32_GEMM=onednn: the three products on oneDNN (dW from a transposed gradient block)
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", choice)
+    products = []
+    real = dense._inner
+    monkeypatch.setattr(dense, "_inner", lambda *a: products.append(a[0].shape) or real(*a))
+    h = torch.randn(N, 24, requires_grad=True)
+    W = torch.randn(70, 24, requires_grad=True)
+    labels = torch.randint(0, 70, (N,))
+    labels[1::4] = -100
+    got = linear_cross_entropy(h, W, labels, chunk_size=chunk)
+    grads = torch.autograd.grad(got * 1.3, (h, W))
+    chunks = -(-N // chunk)
+    expect_onednn = choice == "onednn" and dense.onednn_fp32() and _native.rows_usable(torch.float32, h.device)
+    assert len(products) == (3 * chunks if expect_onednn else 0)
+    hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    ref = F.cross_entropy(hd @ Wd.T, labels, ignore_index=-100)
+    assert got.dtype == torch.float32 and rel_err(got.double(), ref) < 1e-6
+    for a, b in zip(grads, torch.autograd.grad(ref * 1.3, (hd, Wd))):
+        assert a.dtype == torch.float32 and rel_err(a.double(), b) < 1e-5
 
 
 def test_all_rows_ignored_is_nan_like_cross_entropy():
