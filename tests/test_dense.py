@@ -7,9 +7,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 from transnormer.ops import dense
 
-has_op = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                                  "_linear_pointwise")),
-                            reason="this PyTorch has no oneDNN inner product")
+has_op = pytest.mark.skipif(not dense.onednn_available(), reason="this PyTorch has no oneDNN inner product")
 
 
 @pytest.fixture
@@ -147,3 +145,17 @@ def test_dense_rows_copies_transposed_views_exactly(dtype):
         assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, view)
     b = torch.randn(2, 5, 6).to(dtype).transpose(1, 2)
     assert torch.equal(dense.dense_rows(b), b.contiguous())
+
+
+@has_op
+def test_the_fp32_gemm_probe_also_times_onednn(monkeypatch):
+    # the bench's limit is the faster of PyTorch's matmul and oneDNN's product, whatever the routing
+    from transnormer.bench import timing
+
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "mkl")
+    calls = []
+    real = dense.inner
+    monkeypatch.setattr(dense, "inner", lambda a, w: calls.append(a.shape) or real(a, w))
+    assert timing.gemm_gflops(64, torch.float32, repeat=1) > 0 and calls
+    calls.clear()
+    assert timing.gemm_gflops(64, torch.bfloat16, repeat=1) > 0 and not calls

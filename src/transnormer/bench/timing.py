@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..ops import dense
+
 
 def measure(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3, min_time: float = 0.0) -> dict:
     """Run ``fn`` ``warmup`` times, then at least ``repeat`` times (and ``min_time`` seconds).
@@ -35,7 +37,13 @@ def measure(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3, min_t
 
 def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int = 5, device: str = "cpu") -> float:
     """Measured matmul throughput (GFLOP/s) of an n×n×n product in ``dtype`` on ``device``: the
-    machine's limit (on the device the steps it is compared with run on)."""
+    machine's limit (on the device the steps it is compared with run on).
+
+    In fp32 on CPU this is the faster of PyTorch's matmul (MKL) and oneDNN's inner product, which
+    the library's linear layers use where it is faster (ops/dense.py): on the thirteenth round's
+    AMD CPU MKL takes its AVX2 path at 200-215 GFLOP/s and oneDNN runs 440-450, so MKL alone
+    would understate the limit by half.
+    """
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
@@ -45,6 +53,8 @@ def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int =
         sync()
 
     t = measure(product, warmup=2, repeat=repeat)["median_s"]
+    if dtype == torch.float32 and a.device.type == "cpu" and dense.onednn_available():
+        t = min(t, measure(lambda: dense.inner(a, b), warmup=2, repeat=repeat)["median_s"])  # a bᵀ: same FLOPs
     return 2 * n**3 / t / 1e9
 
 

@@ -40,12 +40,16 @@ def _cpu_info() -> tuple[str, set[str]]:
     return vendor, flags
 
 
+def onednn_available() -> bool:
+    """Whether this PyTorch has oneDNN's inner product on CPU (the op this module runs)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 @functools.cache
 def _onednn_for(choice: str) -> bool:
     if choice not in _CHOICES:
         raise ValueError(f"TRANSNORMER_FP32_GEMM must be one of {_CHOICES}, got {choice!r}")
-    has_op = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    if choice == "mkl" or not has_op:
+    if choice == "mkl" or not onednn_available():
         return False
     if choice == "onednn":
         return True
@@ -81,6 +85,12 @@ def _inner(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, add: torch
     if binary is None:  # an older PyTorch without the fused sum
         return _inner(x2, w, b).add_(add)
     return binary(x2, add, w, b, "add")
+
+
+def inner(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a wᵀ on oneDNN whatever ``TRANSNORMER_FP32_GEMM`` says (a [N, in], w [out, in], contiguous
+    fp32 CPU tensors; needs :func:`onednn_available`): for the benchmarks' GEMM probe."""
+    return _inner(a, w, None)
 
 
 class _OneDNNLinear(torch.autograd.Function):
