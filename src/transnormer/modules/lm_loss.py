@@ -20,12 +20,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def _default_chunk(vocab: int, half_block: bool = False) -> int:
+def _default_chunk(vocab: int, half_block: bool = False, transposed_copy: bool = False) -> int:
     # Rows whose logits block fills 256 MB: 2048 rows of fp32 logits at a 32k vocabulary, 4096 of
     # half-precision ones (the fused half path keeps no fp32 block); large enough for efficient
     # GEMMs, a fraction of the unfused footprint. (bf16, 4k x 512 -> 32k, forward and backward:
-    # 293-299 ms in chunks of 2048 rows, 271-275 ms in one of 4096.)
-    return max(64, 2**(27 if half_block else 26) // max(vocab, 1))
+    # 293-299 ms in chunks of 2048 rows, 271-275 ms in one of 4096.) Half that where the block
+    # also has a transposed copy (the fp32 oneDNN path): its products ran as fast on 1024 rows.
+    return max(64, 2**(27 if half_block else 26) // (2 if transposed_copy else 1) // max(vocab, 1))
 
 
 _SCRATCH: dict = {}
@@ -161,7 +162,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         labels: [N] integer targets; ``ignore_index`` rows do not count.
         chunk_size: rows per chunk (one [chunk, V] logits block is alive at a time); default:
             as many rows as fill 256 MB (kept for reuse on CPU): 2**26 fp32 logits, or 2**27 in
-            the fused bf16 path, which keeps no fp32 block.
+            the fused bf16 path, which keeps no fp32 block; 2**25 where the fp32 products run on
+            oneDNN, which also keeps a transposed copy of the block.
 
     Returns the scalar mean loss over non-ignored rows, equal to
     ``F.cross_entropy(h @ weight.T, labels, ignore_index=ignore_index)``. Under autocast the
@@ -178,8 +180,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          f"got {labels[bad][0].item()}")
     cdt = _compute_dtype(h)
     if chunk_size is None:
-        half_block = cdt in (torch.float16, torch.bfloat16) and _native.rows_usable(cdt, h.device)
-        chunk_size = _default_chunk(weight.shape[0], half_block)
+        fused = _native.rows_usable(cdt, h.device)
+        half_block = cdt in (torch.float16, torch.bfloat16) and fused
+        chunk_size = _default_chunk(weight.shape[0], half_block, fused and dense.takes_onednn(h, weight))
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
