@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_err
-from transnormer.ops import dense
+from transnormer.ops import _native, dense
 
 has_op = pytest.mark.skipif(not dense.onednn_available(), reason="this PyTorch has no oneDNN inner product")
 
@@ -137,14 +137,33 @@ def test_the_glu_input_side_runs_its_products_on_onednn(onednn, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_dense_rows_copies_transposed_views_exactly(dtype):
+def test_dense_rows_copies_transposed_views_exactly(monkeypatch, dtype):
+    native = []
+    real = _native.cast_transpose
+    monkeypatch.setattr(_native, "cast_transpose", lambda w, dt: native.append(w.shape) or real(w, dt))
     a = torch.randn(37, 70).to(dtype)
     assert dense.dense_rows(a) is a  # already contiguous: no copy
     for view in (a.t(), a[:, ::2], a.t()[3:20]):
         got = dense.dense_rows(view)
         assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, view)
+    # only the plain transpose of an fp32/bf16 matrix takes the native pass
+    assert native == ([(37, 70)] if _native.rows_usable(dtype, a.device) else [])
     b = torch.randn(2, 5, 6).to(dtype).transpose(1, 2)
     assert torch.equal(dense.dense_rows(b), b.contiguous())
+    # a tensor autograd tracks keeps its history (the native copy would drop it)
+    c = torch.randn(6, 4, dtype=dtype, requires_grad=True)
+    dense.dense_rows(c.t()).sum().backward()
+    assert torch.equal(c.grad, torch.ones_like(c))
+
+
+@has_op
+@pytest.mark.parametrize("fused", [True, False])
+def test_mm_t_add_with_and_without_the_fused_sum(monkeypatch, fused):
+    if not fused:  # a PyTorch whose inner product has no binary post-op
+        monkeypatch.setattr(dense, "_linear_binary", lambda: None)
+    a, w, c = torch.randn(9, 24), torch.randn(13, 24), torch.randn(9, 13)
+    got = dense.mm_t_add(a, w, c)
+    assert rel_err(got.double(), c.double() + a.double() @ w.double().t()) < 1e-6
 
 
 @has_op

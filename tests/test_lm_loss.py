@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from conftest import rel_err
 from transnormer.models import TransNormerConfig, TransNormerForCausalLM, TransNormerForMaskedLM
+from transnormer.modules import lm_loss
 from transnormer.modules.lm_loss import linear_cross_entropy
 from transnormer.ops import _native, dense
 
@@ -46,6 +47,34 @@ def test_fp32_products_on_either_gemm_match_fp64(monkeypatch, choice, N, chunk):
     assert got.dtype == torch.float32 and rel_err(got.double(), ref) < 1e-6
     for a, b in zip(grads, torch.autograd.grad(ref * 1.3, (hd, Wd))):
         assert a.dtype == torch.float32 and rel_err(a.double(), b) < 1e-5
+
+
+@pytest.mark.skipif(not dense.onednn_available(), reason="this PyTorch has no oneDNN inner product")
+def test_onednn_head_with_a_strided_input_a_bf16_weight_or_a_frozen_one(monkeypatch):
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", "onednn")
+    flags = []
+    real = lm_loss._default_chunk
+    monkeypatch.setattr(lm_loss, "_default_chunk", lambda *a: flags.append(a[2]) or real(*a))
+    base = torch.randn(24, 130)
+    labels = torch.randint(0, 70, (130,))
+    for W in (torch.randn(70, 24).bfloat16().requires_grad_(), torch.randn(70, 24)):
+        h = base.t().requires_grad_()  # [130, 24], not contiguous
+        got = linear_cross_entropy(h, W, labels)
+        wants = (h, W) if W.requires_grad else (h,)
+        grads = torch.autograd.grad(got, wants)
+        # the default chunk is sized for the path the forward takes (the block's transposed copy)
+        assert flags[-1] == (dense.onednn_fp32() and _native.rows_usable(torch.float32, h.device))
+        hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+        ref = F.cross_entropy(hd @ Wd.T, labels)
+        assert rel_err(got.double(), ref) < 1e-6
+        for a, b in zip(grads, torch.autograd.grad(ref, (hd, Wd)[:len(wants)])):
+            assert a.dtype == W.dtype if a.shape == W.shape else a.dtype == torch.float32
+            assert rel_err(a.double(), b) < (1e-2 if a.dtype == torch.bfloat16 else 1e-5)
+
+
+def test_default_chunks_fill_the_documented_blocks():
+    assert lm_loss._default_chunk(32768) == 2048 and lm_loss._default_chunk(32768, True) == 4096
+    assert lm_loss._default_chunk(32768, False, True) == 1024 and lm_loss._default_chunk(2**30, False, True) == 64
 
 
 def test_all_rows_ignored_is_nan_like_cross_entropy():

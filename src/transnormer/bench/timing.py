@@ -40,9 +40,9 @@ def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int =
     machine's limit (on the device the steps it is compared with run on).
 
     In fp32 on CPU this is the faster of PyTorch's matmul (MKL) and oneDNN's inner product, which
-    the library's linear layers use where it is faster (ops/dense.py): on the thirteenth round's
-    AMD CPU MKL takes its AVX2 path at 200-215 GFLOP/s and oneDNN runs 440-450, so MKL alone
-    would understate the limit by half.
+    the library's linear layers use where it is faster (ops/dense.py): on the AMD CPU of
+    docs/benchmarks.md (thirteenth and fourteenth rounds) MKL takes its AVX2 path at 195-215
+    GFLOP/s and oneDNN runs 449-478, so MKL alone would understate the limit by half.
     """
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -53,7 +53,7 @@ def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int =
         sync()
 
     t = measure(product, warmup=2, repeat=repeat)["median_s"]
-    if dtype == torch.float32 and a.device.type == "cpu" and dense.onednn_available():
+    if dtype == torch.float32 and a.device.type == "cpu" and dense.onednn_available() and torch.backends.mkldnn.enabled:
         t = min(t, measure(lambda: dense.inner(a, b), warmup=2, repeat=repeat)["median_s"])  # a bᵀ: same FLOPs
     return 2 * n**3 / t / 1e9
 

@@ -71,6 +71,11 @@ def _torch_rows(x, wc, lab, ok, logits, low, total, need_grad):
     return grad if low is None else low.copy_(grad)
 
 
+def _onednn_products(h: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) -> bool:
+    """Whether the head's products (in cdt, weight cast to it) run on oneDNN (ops/dense.py)."""
+    return h.numel() > 0 and weight.numel() > 0 and weight.device == h.device and dense.onednn_for(cdt, h.device)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_grad: bool, cdt: torch.dtype):
@@ -92,7 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # fp32 products on oneDNN where MKL's are slow (ops/dense.py): each into a fresh block
             # (no out= there), dW from a transposed copy of the gradient block (an inner product
             # sums over its operands' rows: 17 ms per 2048 x 32k block against 145 for the product)
-            onednn = fused and dense.takes_onednn(hc, wc)
+            onednn = fused and _onednn_products(h, weight, cdt)
             # dW is returned to autograd (which may keep it as .grad): a fresh tensor, written by the
             # first chunk's product instead of zero-filled first.
             dw = torch.empty(V, d, dtype=torch.promote_types(weight.dtype, sdt), device=h.device) \
@@ -182,7 +187,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if chunk_size is None:
         fused = _native.rows_usable(cdt, h.device)
         half_block = cdt in (torch.float16, torch.bfloat16) and fused
-        chunk_size = _default_chunk(weight.shape[0], half_block, fused and dense.takes_onednn(h, weight))
+        chunk_size = _default_chunk(weight.shape[0], half_block, fused and _onednn_products(h, weight, cdt))
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)

@@ -69,9 +69,11 @@ def dense_rows(a: torch.Tensor) -> torch.Tensor:
     """a, or a contiguous copy of it: the transposed view of a contiguous fp32 or bf16 matrix is
     copied in one pass of the native kernel (PyTorch's transposing copy ran 3.6-4.4x slower here,
     e.g. 31.8 against 8.7 ms for a [16384, 2048] fp32 gradient), anything else by ``contiguous``.
-    Not differentiable: for the products inside autograd Functions."""
+    The native copy is not differentiable: a tensor autograd tracks gets ``contiguous``."""
     if a.is_contiguous():
         return a
+    if a.requires_grad and torch.is_grad_enabled():
+        return a.contiguous()
     if a.dim() == 2 and a.t().is_contiguous() and _native.rows_usable(a.dtype, a.device):
         return _native.cast_transpose(a.t(), a.dtype)
     return a.contiguous()
@@ -81,10 +83,15 @@ def _inner(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, add: torch
     """x2 [N, in] Wᵀ (+ b) (+ add [N, out]) on oneDNN; w [out, in]. All contiguous fp32."""
     if add is None:
         return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
-    binary = getattr(torch.ops.mkldnn._linear_pointwise, "binary", None)
+    binary = _linear_binary()
     if binary is None:  # an older PyTorch without the fused sum
-        return _inner(x2, w, b).add_(add)
+        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "").add_(add)
     return binary(x2, add, w, b, "add")
+
+
+def _linear_binary():
+    """oneDNN's inner product with a fused binary post-op, or None where this PyTorch lacks it."""
+    return getattr(torch.ops.mkldnn._linear_pointwise, "binary", None)
 
 
 def inner(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -117,11 +124,17 @@ class _OneDNNLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+def onednn_for(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether products in ``dtype`` on ``device`` run on oneDNN here and now (fp32 on CPU, no
+    autocast, not compiled, :func:`onednn_fp32`)."""
+    return (dtype == torch.float32 and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and onednn_fp32())
+
+
 def takes_onednn(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a product of a and w (non-empty fp32 CPU tensors, no autocast, not compiled) runs on oneDNN."""
-    return (a.dtype == w.dtype == torch.float32 and a.device.type == "cpu" and w.device.type == "cpu"
-            and a.numel() > 0 and w.numel() > 0 and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and onednn_fp32())
+    return (a.dtype == w.dtype and w.device.type == "cpu" and a.numel() > 0 and w.numel() > 0
+            and onednn_for(a.dtype, a.device))
 
 
 def mm_t(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
