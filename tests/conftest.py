@@ -16,6 +16,15 @@ NO_BF16_KERNEL = "no bf16 kernel on this machine (needs AMX or AVX512-BF16)"  # 
 _NO_AMX_FLAGS = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 
 
+def needs_bf16_kernel_mark():
+    """The skip mark of the bf16 kernel tests (a function: asking builds the kernel library, which
+    only the modules that test it should pay for). The ``bf16_engine`` fixture finds those tests by
+    this mark's reason."""
+    from transnormer.ops import _native
+
+    return pytest.mark.skipif(not _native.bf16_ready(), reason=NO_BF16_KERNEL)
+
+
 def bf16_engine_params() -> list[str]:
     from transnormer.ops import _native
 

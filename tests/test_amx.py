@@ -11,15 +11,10 @@ gradient are sums of exact products of bf16 numbers in fp32, held to fp32 accura
 import pytest
 import torch
 
-from conftest import (
-    NO_BF16_KERNEL,
-    model_loss_and_grads,
-    on_one_and_two_threads,
-    rel_err,
-)
+from conftest import model_loss_and_grads, needs_bf16_kernel_mark, on_one_and_two_threads, rel_err
 from transnormer.ops import _native, norm_linear_attn, norm_linear_attn_reference
 
-needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason=NO_BF16_KERNEL)
+needs_bf16_kernel = needs_bf16_kernel_mark()
 pytestmark = pytest.mark.usefixtures("bf16_engine")  # each bf16 product engine (conftest.py)
 
 

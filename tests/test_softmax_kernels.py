@@ -12,17 +12,12 @@ CPU SDPA backward runs its products in fp32 and is more accurate than either, an
 import pytest
 import torch
 
-from conftest import (
-    NO_BF16_KERNEL,
-    model_loss_and_grads,
-    on_one_and_two_threads,
-    rel_err,
-)
+from conftest import model_loss_and_grads, needs_bf16_kernel_mark, on_one_and_two_threads, rel_err
 from transnormer.ops import _native, block_attn, block_attn_reference
 from transnormer.ops.reference_baselines import softmax_attn_reference
 from transnormer.ops.softmax import softmax_attn
 
-needs_bf16_kernel = pytest.mark.skipif(not _native.bf16_ready(), reason=NO_BF16_KERNEL)
+needs_bf16_kernel = needs_bf16_kernel_mark()
 pytestmark = pytest.mark.usefixtures("bf16_engine")  # each bf16 product engine (conftest.py)
 
 
