@@ -267,9 +267,17 @@ def test_flash_explicit_backward_under_bf16_autocast_equals_autograd_form(monkey
             assert rel_err(a.double(), b.double()) < 1e-2
 
 
-def test_flash_explicit_backward_fp32_with_the_prefix_kernel_is_within_1e5():
-    """fp32 runs the core with the one-pass prefix kernel (where it is built): forward and
-    gradients against the fp64 dense formula."""
+@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+def test_flash_explicit_backward_fp32_with_the_prefix_kernel_is_within_1e5(monkeypatch, gemm):
+    """fp32 runs the core with the one-pass prefix kernel (where it is built), its twelve chunk
+    products on the native GEMM where fp32 leaves MKL, else on torch.bmm: forward and gradients
+    against the fp64 dense formula."""
+    from transnormer.ops import _native
+
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", gemm)
+    calls = []
+    real = _native.bmm
+    monkeypatch.setattr(_native, "bmm", lambda *a, **k: calls.append(1) or real(*a, **k))
     T, C = 192, 32
     g = torch.Generator().manual_seed(7)
     xs = [torch.randn(2, T, 16, generator=g, dtype=torch.float64) for _ in range(4)]
@@ -284,6 +292,8 @@ def test_flash_explicit_backward_fp32_with_the_prefix_kernel_is_within_1e5():
     assert rel_err(o.double(), ref) < 1e-5
     for a, b in zip(torch.autograd.grad(o, got_in, gy.float()), torch.autograd.grad(ref, ref_in, gy)):
         assert rel_err(a.double(), b) < 1e-5
+    native = gemm == "onednn" and _native.rows_usable(torch.float32, o.device) and _native.bmm_ready()
+    assert len(calls) == (12 if native else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -178,3 +178,84 @@ def test_the_fp32_gemm_probe_also_times_onednn(monkeypatch):
     assert timing.gemm_gflops(64, torch.float32, repeat=1) > 0 and calls
     calls.clear()
     assert timing.gemm_gflops(64, torch.bfloat16, repeat=1) > 0 and not calls
+
+
+needs_bmm_kernel = pytest.mark.skipif(not _native.rows_usable(torch.float32, torch.device("cpu")),
+                                      reason="fused CPU kernels unavailable")
+
+
+@needs_bmm_kernel
+@pytest.mark.parametrize("n, M, K, N", [(1, 1, 1, 1), (3, 7, 5, 17), (2, 63, 64, 65), (1, 65, 1, 64), (4, 13, 0, 9)])
+@pytest.mark.parametrize("a_layout", ["rows", "transposed"])
+def test_native_bmm_matches_fp64_for_any_left_operand_layout(n, M, K, N, a_layout):
+    """_native.bmm against the fp64 product: a as rows or as a transposed view (read through its
+    strides), b with a row stride wider than N, out a slot of a larger tensor; then accumulated."""
+    a = torch.randn(n, M, K) if a_layout == "rows" else torch.randn(n, K, M).transpose(1, 2)
+    b = torch.randn(n, K, N + 3)[..., :N]
+    store = torch.full((2, n, M, N), 7.0)
+    out = _native.bmm(a, b, store[1])
+    ref = a.double() @ b.double()
+    assert out.data_ptr() == store[1].data_ptr() and torch.equal(store[0], torch.full_like(store[0], 7.0))
+    assert (out.double() - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max())
+    _native.bmm(a, b, out, accumulate=True)
+    assert (out.double() - 2 * ref).abs().max() <= 2e-5 * max(1.0, ref.abs().max())
+
+
+@needs_bmm_kernel
+def test_native_bmm_does_not_depend_on_the_thread_count():
+    """One product per thread (a lone product is split into row bands): bit-equal on 1 and 2 threads."""
+    before = torch.get_num_threads()
+    a, b = torch.randn(1, 50, 33), torch.randn(1, 33, 40)
+    try:
+        torch.set_num_threads(1)
+        one = _native.bmm(a, b)
+        torch.set_num_threads(2)
+        two = _native.bmm(a, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_bmm_kernel
+def test_native_bmm_rejects_what_it_cannot_read():
+    a, b = torch.randn(2, 4, 3), torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="b must be"):
+        _native.bmm(a, b.transpose(1, 2).contiguous().transpose(1, 2))  # column stride 5
+    with pytest.raises(ValueError, match="b must be"):
+        _native.bmm(a, torch.randn(2, 4, 5))
+    with pytest.raises(ValueError, match="out must be"):
+        _native.bmm(a, b, torch.empty(2, 5, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match="accumulate"):
+        _native.bmm(a, b, accumulate=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        _native.bmm(a, b, torch.empty(2, 4, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float32"):
+        _native.bmm(a.double(), b.double())
+
+
+@needs_bmm_kernel
+@pytest.mark.parametrize("choice", ["onednn", "mkl"])
+def test_dense_bmm_takes_the_native_gemm_where_fp32_leaves_mkl(monkeypatch, choice):
+    """dense.bmm runs the native GEMM when TRANSNORMER_FP32_GEMM says fp32 leaves MKL and it can
+    read the operands; otherwise (MKL chosen, a transposed right operand, another dtype, autocast,
+    tensors autograd tracks) torch.bmm / baddbmm_. Same products either way."""
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", choice)
+    calls = []
+    real = _native.bmm
+    monkeypatch.setattr(_native, "bmm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a, b = torch.randn(3, 9, 6), torch.randn(3, 6, 11)
+    ref = a.double() @ b.double()
+    out = dense.bmm(a, b)
+    native = choice == "onednn" and _native.bmm_ready()
+    assert len(calls) == int(native) and rel_err(out.double(), ref) < 1e-6
+    assert dense.bmm(a, b, out, accumulate=True) is out and rel_err(out.double(), 2 * ref) < 1e-6
+    assert len(calls) == 2 * int(native)
+    calls.clear()
+    assert rel_err(dense.bmm(a, b.transpose(1, 2).contiguous().transpose(1, 2)).double(), ref) < 1e-6
+    assert torch.equal(dense.bmm(a.double(), b.double()), torch.bmm(a.double(), b.double()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dense.bmm(a, b).dtype == torch.bfloat16
+    y = dense.bmm(a.requires_grad_(), b)
+    assert y.requires_grad and not calls
+    with pytest.raises(ValueError, match="accumulate"):
+        dense.bmm(a.detach(), b, accumulate=True)

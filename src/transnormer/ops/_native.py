@@ -40,13 +40,13 @@ from ._dtypes import state_dtype_for
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
     "_native_linear_attn.cpp", "_native_lrpe.cpp", "_native_xent.cpp", "_native_norm.cpp", "_native_glu.cpp",
     "_native_heads.cpp", "_native_amx.cpp", "_native_softmax_amx.cpp", "_native_softmax.cpp", "_native_prefix.cpp",
-    "_native_flash.cpp"))
+    "_native_flash.cpp", "_native_bmm.cpp"))
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h",
                                                       "_native_gemm.h", "_native_softmax_walk.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
 _FLAGS_TRIED_FIRST = ("-fopenmp", "-march=native")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
-_ABI = 11
+_ABI = 12
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _variants: dict[tuple[str, ...], ctypes.CDLL | Exception] = {}  # load_variant's libraries (or errors) by flags
@@ -138,6 +138,7 @@ _SIGNATURES = {
     "tn_chunk_prefix": (("f32", "bf16"), [_P] * 3 + [_I64] * 3 + [_I32]),
     "tn_relu2_fwd": (("f32", "bf16"), [_P] * 5 + [_I64] * 2 + [_I32]),
     "tn_relu2_bwd": (("f32", "bf16"), [_P] * 2 + [_I64]),
+    "tn_bmm": (("f32",), [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P] + [_I64] * 6 + [_I32]),
     "tn_exp2_pair": (("f32",), [_P] * 3 + [_I64, _I32]),  # a test hook (_native_softmax.cpp)
 }
 
@@ -764,6 +765,36 @@ def relu2_bwd_(da: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     gradient of the scores from that of a = r²."""
     _call("tn_relu2_bwd", da.dtype, _ptr(da), _ptr(r), da.numel())
     return da
+
+
+def bmm_ready() -> bool:
+    """Whether :func:`bmm` runs the register-blocked AVX-512 GEMM (else plain loops, slower than
+    PyTorch's bmm)."""
+    return _build_flag("tn_bmm_ready")
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, accumulate: bool = False) -> torch.Tensor:
+    """a @ b for fp32 CPU a [n, M, K] (any strides: a transposed view costs no copy) and b [n, K, N]
+    with unit column stride, written to (or with ``accumulate`` added to) ``out`` [n, M, N] with
+    unit column stride, a new tensor if None (``_native_bmm.cpp``). Each product sums over k in
+    order on one thread. Not differentiable: for Functions that do their own products."""
+    n, M, K = a.shape
+    N = b.shape[-1]
+    if b.shape != (n, K, N) or b.stride(-1) != 1 and N > 1:
+        raise ValueError(f"bmm: b must be [{n}, {K}, N] with unit column stride, got {tuple(b.shape)}, "
+                         f"strides {b.stride()}")
+    if out is None:
+        if accumulate:
+            raise ValueError("bmm: accumulate=True needs out")
+        out = torch.empty(n, M, N, dtype=a.dtype, device=a.device)
+    elif out.shape != (n, M, N) or out.stride(-1) != 1 and N > 1:
+        raise ValueError(f"bmm: out must be [{n}, {M}, {N}] with unit column stride, got {tuple(out.shape)}, "
+                         f"strides {out.stride()}")
+    if not (a.dtype == b.dtype == out.dtype):
+        raise TypeError(f"bmm: a, b and out must share one dtype, got {a.dtype}, {b.dtype}, {out.dtype}")
+    _call("tn_bmm", a.dtype, _ptr(a), a.stride(0), a.stride(1), a.stride(2), _ptr(b), b.stride(0), b.stride(1),
+          _ptr(out), out.stride(0), out.stride(1), n, M, N, K, int(accumulate))
+    return out
 
 
 def heads_fwd(z, gamma, beta, cos, sin, out_dtype: torch.dtype = torch.float32):

@@ -307,7 +307,7 @@ constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any
 
 extern "C" {
 
-int tn_abi_version() { return 11; }
+int tn_abi_version() { return 12; }
 
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \

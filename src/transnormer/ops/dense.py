@@ -1,4 +1,5 @@
-"""y = x Wᵀ + b for the models' fp32 linear layers, on oneDNN where PyTorch's fp32 GEMM is slow.
+"""fp32 products where PyTorch's fp32 GEMM is slow: linear layers (y = x Wᵀ + b) on oneDNN,
+batched products on the native AVX-512 GEMM.
 
 Why: PyTorch's CPU fp32 matmul is MKL's, and on AMD CPUs MKL takes its AVX2 code path. On the
 Zen 5 machine of docs/benchmarks.md (thirteenth round) it ran a 2048³ product at 208–216 GFLOP/s
@@ -9,8 +10,14 @@ oneDNN, the weight gradient on transposed copies of dy and x (oneDNN's inner pro
 row-major operands; a copy costs a few percent of the product it feeds). Everywhere else, and
 for other dtypes or under autocast, this is ``F.linear``.
 
-``TRANSNORMER_FP32_GEMM`` = ``auto`` (default: oneDNN on AMD CPUs with AVX-512 when PyTorch has
-the op; measured on Zen 5 only), ``onednn`` (wherever PyTorch has the op) or ``mkl`` (never).
+Batched fp32 products (:func:`bmm`, FLASH's chunk products) leave MKL on the same machines for
+the register-blocked AVX-512 GEMM of the native kernels (``_native_bmm.cpp``): PyTorch exposes
+no fp32 batched product of oneDNN's. MKL's AVX2 path ran FLASH's 16 chunk products of
+256 x 256 x 1024 at 207 GFLOP/s on that machine, the native GEMM at 427.
+
+``TRANSNORMER_FP32_GEMM`` = ``auto`` (default: off MKL on AMD CPUs with AVX-512, linear layers
+where PyTorch has oneDNN's op; measured on Zen 5 only), ``onednn`` (off MKL wherever the
+other kernel can run) or ``mkl`` (never).
 The oneDNN path is first-order autograd only (a double backward raises) and is skipped under
 ``torch.compile``; ``torch.jit``/``torch.fx`` tracing is not supported on it.
 """
@@ -46,23 +53,27 @@ def onednn_available() -> bool:
 
 
 @functools.cache
-def _onednn_for(choice: str) -> bool:
+def _leaves_mkl(choice: str) -> bool:
+    """Whether fp32 products leave MKL for ``TRANSNORMER_FP32_GEMM=choice``."""
     if choice not in _CHOICES:
         raise ValueError(f"TRANSNORMER_FP32_GEMM must be one of {_CHOICES}, got {choice!r}")
-    if choice == "mkl" or not onednn_available():
-        return False
-    if choice == "onednn":
-        return True
+    if choice != "auto":
+        return choice == "onednn"
     vendor, flags = _cpu_info()
     return vendor == "AuthenticAMD" and "avx512f" in flags
 
 
+def _fp32_off_mkl() -> bool:
+    """``TRANSNORMER_FP32_GEMM`` says fp32 products leave MKL, and the kernel backend is not
+    ``"torch"`` (which runs the plain PyTorch forms everywhere: the FLOP counter of ``bench`` sees
+    only those)."""
+    return _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "auto")) and _native.backend() != "torch"
+
+
 def onednn_fp32() -> bool:
     """Whether fp32 linear layers run on oneDNN here (``TRANSNORMER_FP32_GEMM``, module docstring);
-    never under ``set_kernel_backend("torch")``, which runs the plain PyTorch forms everywhere (the
-    FLOP counter of ``bench`` sees only those)."""
-    return (_onednn_for(os.environ.get("TRANSNORMER_FP32_GEMM", "auto")) and _native.backend() != "torch"
-            and torch.backends.mkldnn.enabled)
+    never under ``set_kernel_backend("torch")``."""
+    return _fp32_off_mkl() and onednn_available() and torch.backends.mkldnn.enabled
 
 
 def dense_rows(a: torch.Tensor) -> torch.Tensor:
@@ -150,6 +161,30 @@ def mm_t_add(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     fused into oneDNN's product: for accumulating a product over chunks where :func:`takes_onednn`
     holds (modules/lm_loss.py's weight gradient)."""
     return _inner(a, w, None, c)
+
+
+def native_bmm_for(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`bmm` runs products in ``dtype`` on ``device`` on the native AVX-512 GEMM: fp32
+    on a CPU where fp32 products leave MKL (``TRANSNORMER_FP32_GEMM``), no autocast, not compiled
+    (PyTorch exposes no fp32 batched product of oneDNN's, hence ``_native_bmm.cpp``)."""
+    return (dtype == torch.float32 and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and _fp32_off_mkl() and _native.rows_usable(dtype, device) and _native.bmm_ready())
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, accumulate: bool = False) -> torch.Tensor:
+    """a @ b for a [n, M, K], b [n, K, N] (one dtype), into ``out`` [n, M, N] if given, added to it
+    with ``accumulate``: ``torch.bmm``/``baddbmm_``, or the native GEMM where
+    :func:`native_bmm_for` holds and b and out have unit column stride (a may be any view).
+    Not differentiable on the native path: for Functions that do their own products (ops/flash.py)."""
+    if (native_bmm_for(a.dtype, a.device) and a.dtype == b.dtype and b.stride(-1) == 1
+            and (out is None or out.stride(-1) == 1 and out.dtype == a.dtype)
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))):
+        return _native.bmm(a, b, out, accumulate=accumulate)
+    if accumulate:
+        if out is None:
+            raise ValueError("bmm: accumulate=True needs out")
+        return out.baddbmm_(a, b)
+    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _native
+from . import _native, dense
 from ._checks import check_key_padding_mask, check_positive_int
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .norm_linear import state_dtype_for
@@ -166,17 +166,25 @@ def _by_chunk(C: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.reshape(-1, C, x.shape[-1]) for x in xs)
 
 
+def _chunk_t(x: torch.Tensor, copy: bool) -> torch.Tensor:
+    """x [n, R, C] transposed per chunk: a row-major copy (one native pass) with ``copy``, else a
+    view. The callers copy what a product reads slowly or not at all: the right operand of the
+    native fp32 GEMM (it streams rows of it; its left operand may be any view), the left operand
+    of PyTorch's bf16 product (a transposed view ran ~1.4x slower)."""
+    return _native.cast_transpose(x.contiguous(), x.dtype) if copy else x.transpose(1, 2)
+
+
 def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str, ql_scaled: bool = False):
     """out [B, T, e] of both causal branches and what the backward keeps (see _CausalFlashCore).
     ``ql_scaled``: ql arrives divided by C already (the mixer folds 1/C into its heads)."""
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
-    native = _native.rows_usable(cdt, v.device)
+    native, fast = _native.rows_usable(cdt, v.device), dense.native_bmm_for(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         qs = qlc if ql_scaled else qlc / C
-        scores = torch.bmm(qs, klc.transpose(1, 2))  # [BG, C, C]
+        scores = dense.bmm(qs, _chunk_t(klc, fast))  # [BG, C, C]
         if native:  # one pass (_native_flash.cpp), the same roundings
             r, a, at = _native.relu2_fwd(scores, bias, causal=True)
         else:
@@ -186,17 +194,15 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str, ql_scaled: b
             r = torch.relu(scores).masked_fill_(~tril, 0.0)
             a = r * r
             at = a.transpose(1, 2).contiguous()  # dV's operand: a transposed view runs ~1.6x slower
-        out = torch.bmm(a, vc)
-        # Kgᵀ per chunk as a plain row-major operand (a transposed view runs ~1.4x slower)
-        kgt = _native.cast_transpose(kgc.contiguous(), cdt) if native else kgc.transpose(1, 2)
-        states = torch.bmm(kgt, vc).view(B, G, s * e)
+        out = dense.bmm(a, vc)
+        states = dense.bmm(_chunk_t(kgc, native and not fast), vc).view(B, G, s * e)
         full = torch.full((1, G), float(C), dtype=sdt, device=v.device)  # whole chunks, no padding
         scales = _chunk_scales(full, causal=True, normalizer=normalizer, C=C)[0]  # [G]
         if native:  # one pass, fp32 sums (_native_prefix.cpp)
             prefix = _native.chunk_prefix(states, scales, reverse=False).view(B * G, s, e)
         else:
             prefix = _prefix(states.to(sdt), scales).to(cdt).view(B * G, s, e)
-        out.baddbmm_(qgc, prefix)  # out is this function's own: no copy of it
+        dense.bmm(qgc, prefix, out, accumulate=True)  # out is this function's own: no copy of it
     return out.view(B, T, e), (ql, kl, qg, kg, v, r, at, prefix, scales)
 
 
@@ -208,32 +214,31 @@ def _core_backward(saved, dout, C: int, bias_dtype, ql_scaled: bool = False):
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
-    native = _native.rows_usable(cdt, v.device)
+    native, fast = _native.rows_usable(cdt, v.device), dense.native_bmm_for(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
         g = dout.to(cdt).reshape(B * G, C, e)
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r
-        dv = torch.bmm(at, g)
-        ds = torch.bmm(g, vc.transpose(1, 2))
+        dv = dense.bmm(at, g)
+        ds = dense.bmm(g, _chunk_t(vc, fast))
         ds = _native.relu2_bwd_(ds, r) if native else ds.mul_(r).mul_(2.0)
         dbias = None if bias_dtype is None else ds.sum(0).to(bias_dtype)
         # the four heads' gradients in one [4, B·T, s] block: each a contiguous product output
         dh = torch.empty(4, B * G, C, s, dtype=cdt, device=v.device)
         dql, dkl, dqg, dkg = dh.unbind(0)
-        torch.bmm(ds, klc, out=dql)
+        dense.bmm(ds, klc, dql)
         if not ql_scaled:
             dql.div_(C)
-        torch.bmm(ds.transpose(1, 2), qlc if ql_scaled else qlc / C, out=dkl)
+        dense.bmm(ds.transpose(1, 2), qlc if ql_scaled else qlc / C, dkl)
         # global branch: out += Qg P, P = prefix of the chunk states S = Kgᵀ V
-        torch.bmm(g, prefix.transpose(1, 2), out=dqg)
-        qgt = _native.cast_transpose(qgc.contiguous(), cdt) if native else qgc.transpose(1, 2)
-        dprefix = torch.bmm(qgt, g).view(B, G, s * e)
+        dense.bmm(g, _chunk_t(prefix, fast), dqg)
+        dprefix = dense.bmm(_chunk_t(qgc, native and not fast), g).view(B, G, s * e)
         if native:
             dstates = _native.chunk_prefix(dprefix, scales, reverse=True).view(B * G, s, e)
         else:
             dstates = _prefix_adjoint(dprefix.to(sdt), scales).to(cdt).view(B * G, s, e)
-        torch.bmm(vc, dstates.transpose(1, 2), out=dkg)
-        dv.baddbmm_(kgc, dstates)
+        dense.bmm(vc, _chunk_t(dstates, fast), dkg)
+        dense.bmm(kgc, dstates, dv, accumulate=True)
     return dh.view(4, B, T, s).permute(1, 2, 0, 3), dv.view(B, T, e), dbias
 
 
