@@ -77,18 +77,6 @@ struct Worker {
         pack(L, c, width, x + offset(n, g * c, width), ld, pad.data());
         return {pad.data(), width};
     }
-    // Ask for head n's rows of the next chunk while this one is computed. At T = 16k the
-    // bidirectional walk streams q, k, v, dO from beyond the caches at 13 GB/s where a plain read
-    // runs 84: it waits on each chunk's misses. Through PyTorch (bf16, T = 16k, fwd+bwd,
-    // alternating runs): 12.8-14.2 ms without, 11.7-13.8 ms with, 8-15% less in each pair. Two or
-    // four chunks ahead, or into L2 only, were no better; the fp32 kernel gained nothing.
-    void prefetch_next(const bf* x, idx n, idx g, idx width) const {
-        if (g + 1 >= nchunks()) return;
-        const idx L = rows(g + 1), ld = s.H * width;
-        const char* p = reinterpret_cast<const char*>(x + offset(n, (g + 1) * c, width));
-        for (idx r = 0; r < L; ++r)
-            for (idx b = 0; b < width * idx(sizeof(bf)); b += 64) _mm_prefetch(p + (r * ld) * idx(sizeof(bf)) + b, _MM_HINT_T0);
-    }
     // An fp32 state X [R x C] as B operands: VNNI(bf16(X)) [R/2 x C] and/or VNNI(bf16(X)^T) [C/2 x R].
     void state_operands(const float* X, idx R, idx C, w32* plain, w32* transposed) {
         to_bf16_rows(R, C, X, C, sb.data(), C);
@@ -131,8 +119,10 @@ struct Worker {
                 gemm(c, c, {D, Q.p, Q.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kLowerC);
                 to_bf16_rows(c, c, af.data(), c, pa.data(), c, kLower);
                 const Pair QS{D, Q.p, Q.ld, sv.data(), E, kDense};
-                gemm(c, E, {c, pa.data(), c, v1.data(), E, kLowerA}, &QS, of.data(), E, false);
-                gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true);
+                tn::RowPrefetch p1, p2;
+                queue_next(p1, q, n, g, D), queue_next(p1, v, n, g, E), queue_next(p2, k, n, g, D);
+                gemm(c, E, {c, pa.data(), c, v1.data(), E, kLowerA}, &QS, of.data(), E, false, kAll, &p1);
+                gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true, kAll, &p2);
                 write(of.data(), o, n, g, E);
             }
         store_states(states, fin);
@@ -157,9 +147,11 @@ struct Worker {
                     gemm(c, c, {E, dO.p, dO.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kLowerC);
                     to_bf16_rows(c, c, af.data(), c, pa.data(), c, kLower);
                     const Pair dOS{E, dO.p, dO.ld, sv.data(), D, kDense};
-                    gemm(c, D, {c, pa.data(), c, v1.data(), D, kLowerA}, &dOS, of.data(), D, false);
+                    tn::RowPrefetch p1, p2;
+                    queue_next(p1, k, n, g, D), queue_next(p1, dout, n, g, E), queue_next(p2, v, n, g, E);
+                    gemm(c, D, {c, pa.data(), c, v1.data(), D, kLowerA}, &dOS, of.data(), D, false, kAll, &p1);
                     write(of.data(), dq, n, g, D);
-                    gemm(E, D, {c, ta.data(), c, v1.data(), D, kDense}, nullptr, st, D, true);
+                    gemm(E, D, {c, ta.data(), c, v1.data(), D, kDense}, nullptr, st, D, true, kAll, &p2);
                 }
         }
         // Reverse order: R = dS_final + the suffix sums of Q^T dO give dK and dV.
@@ -179,13 +171,16 @@ struct Worker {
                 gemm(c, c, {E, V.p, V.ld, t2.data(), c, kDense}, nullptr, af.data(), c, false, kUpperC);
                 to_bf16_rows(c, c, af.data(), c, pa.data(), c, kUpper);
                 const Pair VR{E, V.p, V.ld, sv.data(), D, kDense};
-                gemm(c, D, {c, pa.data(), c, v1.data(), D, kUpperA}, &VR, of.data(), D, false);
+                tn::RowPrefetch p1, p2;
+                queue_next(p1, q, n, g, D, true), queue_next(p1, dout, n, g, E, true);
+                queue_next(p2, k, n, g, D, true), queue_next(p2, v, n, g, E, true);
+                gemm(c, D, {c, pa.data(), c, v1.data(), D, kUpperA}, &VR, of.data(), D, false, kAll, &p1);
                 write(of.data(), dk, n, g, D);
                 // A^T = K Q^T (upper triangular); dV = A^T dO + K R
                 gemm(c, c, {D, K.p, K.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kUpperC);
                 to_bf16_rows(c, c, af.data(), c, pa.data(), c, kUpper);
                 const Pair KR{D, K.p, K.ld, sv2.data(), E, kDense};
-                gemm(c, E, {c, pa.data(), c, v2.data(), E, kUpperA}, &KR, of.data(), E, false);
+                gemm(c, E, {c, pa.data(), c, v2.data(), E, kUpperA}, &KR, of.data(), E, false, kAll, &p2);
                 write(of.data(), dv, n, g, E);
                 gemm(D, E, {c, ta.data(), c, v2.data(), E, kDense}, nullptr, R, E, true);  // R += Q^T dO
             }
@@ -204,11 +199,24 @@ struct Worker {
     }
 
     // S [D x E] fp32 += X^T Y for a chunk's rows X [c x D], Y [c x E].
-    void add_outer(const Rows& X, const Rows& Y, float* S) {
+    void add_outer(const Rows& X, const Rows& Y, float* S, tn::RowPrefetch* pf = nullptr) {
         vnni_of_transpose(c, D, X.p, X.ld, t1.data());
         unpair(D / 2, c, t1.data(), ta.data());  // X^T [D x c]
         vnni(c, E, Y.p, Y.ld, v1.data());        // VNNI(Y) [c/2 x E]
-        gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true);
+        gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true, kAll, pf);
+    }
+    // Queue into pf the rows of x (width wide) that the walk's next step reads: head n + 1 of
+    // chunk g, or the first head of the next chunk (g + 1, or g - 1 walking in reverse); none
+    // after the last. Each product asks for them as it runs (tn::RowPrefetch). At T = 16k the
+    // walks stream q, k, v, dO from beyond the caches; bf16 fwd+bwd, 8 heads of 64, interleaved
+    // runs in one process: bidirectional 16.9 -> 14.3 ms, causal 34.6 -> 28.2 (medians of 15);
+    // at 4k within noise. The prefetch it replaces (the same head's next chunk into L1, in one
+    // burst before the step) measured as no prefetch at all in those runs.
+    void queue_next(tn::RowPrefetch& pf, const bf* x, idx n, idx g, idx width, bool reverse = false) const {
+        idx n2 = n, g2 = g;
+        if (!tn::next_step(n2, g2, lo, hi, nchunks(), reverse)) return;
+        const idx sz = idx(sizeof(bf));
+        pf.add(x + offset(n2, g2 * c, width), s.H * width * sz, width * sz, rows(g2));
     }
 
     // Bidirectional form, per head: S = S_0 + K^T V (all rows), O = Q S; one pass over the
@@ -218,15 +226,17 @@ struct Worker {
         const idx G = nchunks(), DE = D * E;
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
-                prefetch_next(k, n, g, D), prefetch_next(v, n, g, E);
-                add_outer(chunk(k, n, g, D, ka), chunk(v, n, g, E, va), states.data() + (n - lo) * DE);  // K^T V
+                tn::RowPrefetch pf;
+                queue_next(pf, k, n, g, D), queue_next(pf, v, n, g, E);
+                add_outer(chunk(k, n, g, D, ka), chunk(v, n, g, E, va), states.data() + (n - lo) * DE, &pf);  // K^T V
             }
         const tn::buffer<w32> Sv = vnni_states(states.data(), false);
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
-                prefetch_next(q, n, g, D);
+                tn::RowPrefetch pf;
+                queue_next(pf, q, n, g, D);
                 const Rows Q = chunk(q, n, g, D, qa);
-                gemm(c, E, {D, Q.p, Q.ld, Sv.data() + (n - lo) * DE / 2, E, kDense}, nullptr, of.data(), E, false);
+                gemm(c, E, {D, Q.p, Q.ld, Sv.data() + (n - lo) * DE / 2, E, kDense}, nullptr, of.data(), E, false, kAll, &pf);
                 write(of.data(), o, n, g, E);
             }
         store_states(states, fin);
@@ -241,21 +251,23 @@ struct Worker {
         const tn::buffer<w32> St = vnni_states(S + lo * DE, true);  // VNNI(S^T) [E/2 x D]
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
-                prefetch_next(dout, n, g, E), prefetch_next(q, n, g, D);
+                tn::RowPrefetch p1, p2;
+                queue_next(p1, q, n, g, D), queue_next(p2, dout, n, g, E);
                 const Rows dO = chunk(dout, n, g, E, ga);
-                add_outer(chunk(q, n, g, D, qa), dO, dS.data() + (n - lo) * DE);  // Q^T dO
-                gemm(c, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, of.data(), D, false);
+                add_outer(chunk(q, n, g, D, qa), dO, dS.data() + (n - lo) * DE, &p1);  // Q^T dO
+                gemm(c, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, of.data(), D, false, kAll, &p2);
                 write(of.data(), dq, n, g, D);  // dQ = dO S^T
             }
         const tn::buffer<w32> dSt = vnni_states(dS.data(), true), dSv = vnni_states(dS.data(), false);
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const idx h = (n - lo) * DE / 2;
-                prefetch_next(v, n, g, E), prefetch_next(k, n, g, D);
+                tn::RowPrefetch p1, p2;
+                queue_next(p1, v, n, g, E), queue_next(p2, k, n, g, D);
                 const Rows V = chunk(v, n, g, E, va), K = chunk(k, n, g, D, ka);
-                gemm(c, D, {E, V.p, V.ld, dSt.data() + h, D, kDense}, nullptr, of.data(), D, false);  // dK = V dS^T
+                gemm(c, D, {E, V.p, V.ld, dSt.data() + h, D, kDense}, nullptr, of.data(), D, false, kAll, &p1);  // dK = V dS^T
                 write(of.data(), dk, n, g, D);
-                gemm(c, E, {D, K.p, K.ld, dSv.data() + h, E, kDense}, nullptr, of.data(), E, false);  // dV = K dS
+                gemm(c, E, {D, K.p, K.ld, dSv.data() + h, E, kDense}, nullptr, of.data(), E, false, kAll, &p2);  // dV = K dS
                 write(of.data(), dv, n, g, E);
             }
         store_states(dS, dinit);

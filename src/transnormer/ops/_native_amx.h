@@ -89,9 +89,13 @@ inline void pair_sum(const Pair& p, idx m0, idx n0) {
 
 // C [M x N] fp32 (row stride ldc) = or += the sum of np products A_i B_i: the sum runs in the
 // tiles, so C is loaded and stored once. M, N and each K multiples of 32.
-inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll) {
+inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll,
+                     tn::RowPrefetch* pf = nullptr) {
+    const idx blocks = ((M + 31) / 32) * ((N + 31) / 32);
+    idx done = 0;
     for (idx m0 = 0; m0 < M; m0 += 32)
         for (idx n0 = 0; n0 < N; n0 += 32) {
+            if (pf) pf->share(++done, blocks);
             if ((out == kLowerC && n0 > m0) || (out == kUpperC && n0 < m0)) continue;
             float* c = C + m0 * ldc + n0;
             const idx cs = ldc * 4;
@@ -112,6 +116,7 @@ inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bo
             _tile_stored(2, c + 16 * ldc, cs);
             _tile_stored(3, c + 16 * ldc + 16, cs);
         }
+    if (pf) pf->issue(pf->rows);
 }
 #else
 // ---------------------------------------------------------------------------------------------
@@ -152,9 +157,13 @@ inline void dp_rows(const Pair& p, idx m0, idx n0, idx k0, idx k1, __m512 (&acc)
 
 // C [M x N] fp32 (row stride ldc) = or += the sum of np products A_i B_i (M, N and each K
 // multiples of 32; the same contract as the AMX engine's).
-inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll) {
+inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll,
+                     tn::RowPrefetch* pf = nullptr) {
+    const idx blocks = ((N + 31) / 32) * ((M + kDpRows - 1) / kDpRows);
+    idx done = 0;
     for (idx n0 = 0; n0 < N; n0 += 32)
         for (idx m0 = 0; m0 < M; m0 += kDpRows) {
+            if (pf) pf->share(++done, blocks);
             if ((out == kLowerC && n0 > m0 + kDpRows - 1) || (out == kUpperC && n0 + 31 < m0)) continue;
             float* c = C + m0 * ldc + n0;
             __m512 acc[kDpRows][2];
@@ -175,13 +184,15 @@ inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bo
                 _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
             }
         }
+    if (pf) pf->issue(pf->rows);
 }
 #endif  // engines
 
-// C = or += A1 B1 (+ A2 B2)
-inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc, bool accumulate, Out out = kAll) {
+// C = or += A1 B1 (+ A2 B2); pf: rows to fetch as the product runs (tn::RowPrefetch)
+inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc, bool accumulate, Out out = kAll,
+                 tn::RowPrefetch* pf = nullptr) {
     const Pair ps[2] = {p1, p2 ? *p2 : p1};
-    gemm_sum(M, N, ps, p2 ? 2 : 1, C, ldc, accumulate, out);
+    gemm_sum(M, N, ps, p2 ? 2 : 1, C, ldc, accumulate, out, pf);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -97,6 +97,37 @@ struct CacheAligned {
 template <class T>
 using buffer = std::vector<T, CacheAligned<T>>;
 
+// Rows to fetch into L2 while a product runs (the next tiles of a walk over chunks): the GEMMs
+// (_native_gemm.h, _native_amx.h) ask for a share of them before each block of C, so the misses
+// overlap the arithmetic rather than stalling it in one burst. Up to two tiles of `rows` rows
+// (row stride `ld` bytes, `bytes` per row).
+struct RowPrefetch {
+    const char* base[2] = {nullptr, nullptr};
+    long ld[2] = {0, 0}, bytes[2] = {0, 0};
+    int tiles = 0;
+    long rows = 0, next = 0;
+    void add(const void* p, long ld_bytes, long row_bytes, long nrows) {
+        if (tiles == 2) return;  // full: the rest is left to the hardware
+        base[tiles] = static_cast<const char*>(p), ld[tiles] = ld_bytes, bytes[tiles] = row_bytes;
+        ++tiles, rows = nrows;
+    }
+    // the rows [next, upto)
+    void issue(long upto) {
+        for (; next < upto; ++next)
+            for (int t = 0; t < tiles; ++t)
+                for (long b = 0; b < bytes[t]; b += 64) __builtin_prefetch(base[t] + next * ld[t] + b, 0, 2);
+    }
+    // the share of the rows due after `done` of `total` steps of the product
+    void share(long done, long total) { issue(rows * done / total); }
+};
+
+// The step after (head n, chunk g) of a walk over heads [lo, hi) within each chunk, the chunks
+// in order (or in reverse): false after the last of the G chunks.
+inline bool next_step(long& n, long& g, long lo, long hi, long G, bool reverse) {
+    if (++n == hi) n = lo, g += reverse ? -1 : 1;
+    return g >= 0 && g < G;
+}
+
 // body(lo, hi) on [0, N) split into contiguous ranges, one per thread (the caller's thread too).
 // Built with -fopenmp the threads come from the OpenMP runtime already in the process: with the
 // PyPI CPU wheels that is PyTorch's bundled libgomp.so.1 (same soname, so this library binds to

@@ -28,30 +28,6 @@
 //   kAUpper    A is upper-triangular: row i sums over k >= i only
 enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
 
-// Rows to fetch into L2 while a product runs (the next tiles of a walk over chunks): gemm()
-// asks for a share of them before each block of C, so the misses overlap its arithmetic rather
-// than stalling it in one burst. Up to two tiles of `rows` rows (row stride `ld` bytes, `bytes`
-// per row).
-struct RowPrefetch {
-    const char* base[2] = {nullptr, nullptr};
-    idx ld[2] = {0, 0}, bytes[2] = {0, 0};
-    int tiles = 0;
-    idx rows = 0, next = 0;
-    void add(const void* p, idx ld_bytes, idx row_bytes, idx nrows) {
-        base[tiles] = static_cast<const char*>(p), ld[tiles] = ld_bytes, bytes[tiles] = row_bytes;
-        ++tiles, rows = nrows;
-    }
-    void issue(idx upto) {
-#if defined(__AVX512F__)
-        for (; next < upto; ++next)
-            for (int t = 0; t < tiles; ++t)
-                for (idx b = 0; b < bytes[t]; b += 64) _mm_prefetch(base[t] + next * ld[t] + b, _MM_HINT_T1);
-#else
-        next = upto;
-#endif
-    }
-};
-
 #if defined(__AVX512F__)
 template <typename T> struct Vec;
 
@@ -149,14 +125,14 @@ static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, co
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                 bool accumulate, Tri tri = kFull, RowPrefetch* pf = nullptr) {
+                 bool accumulate, Tri tri = kFull, tn::RowPrefetch* pf = nullptr) {
     static_assert(kMR == 6, "block() dispatches row counts 1..6");
     const idx panel = kNV * Vec<T>::W;
     const idx mblocks = (M + kMR - 1) / kMR, blocks = mblocks * ((N + panel - 1) / panel);
     idx done = 0;
     for (idx n0 = 0; n0 < N; n0 += panel) {
         for (idx m0 = 0; m0 < M; m0 += kMR) {
-            if (pf) pf->issue(pf->rows * ++done / blocks);
+            if (pf) pf->share(++done, blocks);
             const idx mr = std::min<idx>(kMR, M - m0);
             idx nn = std::min(panel, N - n0), k0 = 0, k1 = K;
             if (tri == kOutLower) {
@@ -183,7 +159,7 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                 bool accumulate, Tri = kFull, RowPrefetch* = nullptr) {  // full products: the masked tiles are zero anyway
+                 bool accumulate, Tri = kFull, tn::RowPrefetch* = nullptr) {  // full products: the masked tiles are zero anyway
     for (idx m = 0; m < M; ++m) {
         T* crow = c + m * ldc;
         if (!accumulate) std::fill(crow, crow + N, T(0));

@@ -36,6 +36,8 @@
 #include "_native_gemm.h"
 #include "_native_simd.h"
 
+using tn::RowPrefetch;
+
 // dst[C x R] (ld_d) = src[R x C] (ld_s) transposed.
 template <typename T>
 static void transpose_scalar(idx R, idx C, const T* src, idx ld_s, T* dst, idx ld_d) {
@@ -249,9 +251,8 @@ struct Worker {
     // n + 1 of chunk g, or the first head of the next chunk (g + 1, or g - 1 walking in reverse);
     // none after the last.
     void queue_next(RowPrefetch& pf, const T* x, idx n, idx g, bool e, bool reverse = false) const {
-        idx n2 = n + 1, g2 = g;
-        if (n2 == hi) n2 = lo, g2 += reverse ? -1 : 1;
-        if (g2 < 0 || g2 >= nchunks()) return;
+        idx n2 = n, g2 = g;
+        if (!tn::next_step(n2, g2, lo, hi, nchunks(), reverse)) return;
         const idx t0 = g2 * s.c, sz = idx(sizeof(T));
         if (e) pf.add(re(x, n2, t0), lde() * sz, s.E * sz, rows(g2));
         else pf.add(rd(x, n2, t0), ldd() * sz, s.D * sz, rows(g2));
