@@ -180,3 +180,45 @@ def test_a_call_under_inference_mode_leaves_training_calls_working():
     loss = linear_cross_entropy(h, w, labels)
     loss.backward()
     assert torch.equal(loss.detach(), evaluated) and h.grad is not None
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "mkl"])
+@pytest.mark.parametrize("frozen", ["weight", "h"])
+def test_only_the_gradient_asked_for_is_computed(monkeypatch, gemm, frozen):
+    """A frozen weight gets no dW product, an h that needs no gradient no dh product (on either
+    GEMM path); the gradient that is asked for matches F.cross_entropy's in fp64."""
+    monkeypatch.setenv("TRANSNORMER_FP32_GEMM", gemm)
+    calls = []
+    for name in ("mm_t", "mm_t_add"):
+        real = getattr(dense, name)
+        monkeypatch.setattr(dense, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    real_mm, real_addmm = torch.mm, torch.Tensor.addmm_
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append("mm") or real_mm(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: calls.append("addmm_") or real_addmm(*a, **k))
+    h, W = torch.randn(37, 16, requires_grad=frozen == "weight"), torch.randn(29, 16, requires_grad=frozen == "h")
+    labels = torch.randint(0, 29, (37,))
+    loss = linear_cross_entropy(h, W, labels, chunk_size=16)  # three chunks
+    forward_calls = len(calls)
+    leaf = h if frozen == "weight" else W
+    (got,) = torch.autograd.grad(loss, (leaf,))
+    assert len(calls) == forward_calls  # the products all ran in the forward
+    assert forward_calls == 3 * 2  # per chunk: the logits and the one gradient product
+    hd, Wd = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    ref = F.cross_entropy(hd @ Wd.T, labels)
+    (want,) = torch.autograd.grad(ref, (hd if frozen == "weight" else Wd,))
+    assert rel_err(got.double(), want) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [0, 4])
+def test_no_counted_row_gives_zero_gradients_like_cross_entropy(rows):
+    """Every row ignored (or no rows): the loss is nan as F.cross_entropy's (0/0), and the
+    gradients are zeros as its are, not 0 * inf."""
+    h, W = torch.randn(rows, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    labels = torch.full((rows,), -100)
+    loss = linear_cross_entropy(h, W, labels)
+    gh, gW = torch.autograd.grad(loss, (h, W))
+    hr, Wr = h.detach().requires_grad_(), W.detach().requires_grad_()
+    ref = F.cross_entropy(hr @ Wr.T, labels)
+    rh, rW = torch.autograd.grad(ref, (hr, Wr))
+    assert torch.isnan(loss) and torch.isnan(ref)
+    assert torch.equal(gh, rh) and torch.equal(gW, rW) and not gW.isnan().any()

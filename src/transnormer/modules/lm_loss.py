@@ -78,7 +78,7 @@ def _onednn_products(h: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) ->
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_grad: bool, cdt: torch.dtype):
+    def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_h: bool, need_w: bool, cdt: torch.dtype):
         with torch.autocast(h.device.type, enabled=False):
             V, d = weight.shape
             hc = h.to(cdt)
@@ -89,7 +89,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             labels = torch.where(valid, labels, 0)
             n_valid = valid.sum()
             total = torch.zeros((), dtype=sdt, device=h.device)
-            dh = torch.empty_like(h) if need_grad else None
+            need_grad = need_h or need_w  # the gradient block is made for either; each product only if asked
+            dh = torch.empty_like(h) if need_h else None
             rows_max = min(chunk, h.shape[0])
             # Fused rows (ops/_native_xent.cpp): the logits block, in the product dtype, becomes the
             # gradient in place in one pass; otherwise the PyTorch form below (and for fp64).
@@ -101,8 +102,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # dW is returned to autograd (which may keep it as .grad): a fresh tensor, written by the
             # first chunk's product instead of zero-filled first.
             dw = torch.empty(V, d, dtype=torch.promote_types(weight.dtype, sdt), device=h.device) \
-                if need_grad and not onednn else None
-            wt = dense.dense_rows(wc.t()) if need_grad and onednn else None  # [d, V]: dh = g (Wᵀ)ᵀ
+                if need_w and not onednn else None
+            wt = dense.dense_rows(wc.t()) if need_h and onednn else None  # [d, V]: dh = g (Wᵀ)ᵀ
             buf = None if fused and (cdt != sdt or onednn) else _scratch(0, rows_max, V, sdt, h.device)  # fp32 logits
             low = None if cdt == sdt else _scratch(1, rows_max, V, cdt, h.device)
             transposed_dw = fused and dw is not None and cdt == torch.bfloat16 and dw.dtype == torch.float32
@@ -116,15 +117,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     total += torch.where(ok, lse - target, 0.0).sum()
                 else:
                     g = _torch_rows(x, wc, lab, ok, buf[:n], None if low is None else low[:n], total, need_grad)
-                if need_grad and onednn:
-                    dh[s:s + chunk] = dense.mm_t(g, wt)
-                    gt, xt = dense.dense_rows(g.t()), dense.dense_rows(x.t())  # [V, n], [d, n]
-                    dw = dense.mm_t(gt, xt) if dw is None else dense.mm_t_add(gt, xt, dw)
-                elif need_grad:
+                if onednn:
+                    if need_h:
+                        dh[s:s + chunk] = dense.mm_t(g, wt)
+                    if need_w:
+                        gt, xt = dense.dense_rows(g.t()), dense.dense_rows(x.t())  # [V, n], [d, n]
+                        dw = dense.mm_t(gt, xt) if dw is None else dense.mm_t_add(gt, xt, dw)
+                    continue
+                if need_h:
                     if dh.dtype == cdt:
                         torch.mm(g, wc, out=dh[s:s + chunk])
                     else:
                         dh[s:s + chunk] = g @ wc
+                if need_w:
                     if transposed_dw:  # oneDNN runs xᵀ g at about twice the rate of gᵀ x in bf16
                         prod = torch.mm(dense.dense_rows(x.t()), g, out=_scratch(3, d, V, cdt, h.device))
                         _native.transpose_acc(prod, dw, accumulate=s > 0)
@@ -149,12 +154,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (n_valid,) = ctx.saved_tensors
         dh, dw = ctx.grads
-        if dh is None:
+        if dh is None and dw is None:
             raise RuntimeError("linear_cross_entropy: no gradients were computed (gradients disabled in the "
                                "forward), or backward ran twice through it (its gradients are used up)")
         ctx.grads = (None, None)
-        scale = grad_loss / n_valid
-        return dh.mul_(scale.to(dh.dtype)), dw.mul_(scale).to(ctx.weight_dtype), None, None, None, None, None
+        # every row ignored (or none): the gradients are exact zeros, and stay zeros as
+        # F.cross_entropy's do (its loss is nan, 0/0, but no row has a gradient to scale)
+        scale = grad_loss / n_valid.clamp_min(1)
+        dh = None if dh is None else dh.mul_(scale.to(dh.dtype))
+        dw = None if dw is None else dw.mul_(scale).to(ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
@@ -190,5 +199,6 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         chunk_size = _default_chunk(weight.shape[0], half_block, fused and _onednn_products(h, weight, cdt))
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h, weight, labels, ignore_index, chunk_size, need_grad, cdt)
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(h, weight, labels, ignore_index, chunk_size, grad and h.requires_grad,
+                                     grad and weight.requires_grad, cdt)
