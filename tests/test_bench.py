@@ -329,3 +329,28 @@ def test_memory_target_per_dtype(monkeypatch, tmp_path):
     res = suite.bench_memory(tmp_path, lengths=(4096, 16384))
     assert [v.split()[2] for v in res["verdicts"]] == ["fp32", "bf16"]
     assert res["verdicts"][0].startswith("PASS") and res["verdicts"][1].startswith("PASS")
+
+
+def test_the_ideal_counts_the_kernels_recompute_in_the_mixers_only():
+    """With recompute, a softmax mixer's backward is 2.5x its forward (FlashAttention-2's five
+    products for two) and the causal linear-attention kernel's 2.5x (states) and 3x (score tiles);
+    the dense layers and the head keep the 3x convention. Without, everything is 3x."""
+    from types import SimpleNamespace
+
+    from transnormer.bench.train_step import model_flops_per_token
+
+    d, h, T, c, w, V = 64, 4, 256, 16, 32, 100
+    base = dict(hidden_size=d, num_attention_heads=h, num_hidden_layers=1, ffn_type="glu", ffn_hidden_size=96,
+                chunk_size=c, block_size=w, vocab_size=V)
+    dense = 3 * (2 * (4 * d * d + 3 * d * 96) + 2 * d * V)
+    e = d // h
+    fwd = {"softmax": 2 * T * d, "diag": 2 * w * d, "norm": (4 * d * e, 2 * c * d)}
+    for t in ("softmax", "diag", "norm"):
+        cfg = SimpleNamespace(layer_types=[t], **base)
+        plain, executed = model_flops_per_token(cfg, T), model_flops_per_token(cfg, T, recompute=True)
+        if t == "norm":
+            states, tiles = fwd[t]
+            assert plain == dense + 3 * (states + tiles)
+            assert executed == dense + 3.5 * states + 4 * tiles
+        else:
+            assert plain == dense + 3 * fwd[t] and executed == dense + 3.5 * fwd[t]

@@ -21,14 +21,18 @@ def verdict(name: str, ok: bool, detail: str) -> str:
     return f"{'PASS' if ok else 'FAIL'}  {name}: {detail}"
 
 
-def ratio_verdict(name: str, fast: str, slow: str, measured: float, ideal: float, tol: float = 0.10) -> str:
+def ratio_verdict(name: str, fast: str, slow: str, measured: float, ideal: float, tol: float = 0.10,
+                  convention: float | None = None) -> str:
     """PASS when ``measured`` (fast's speed over slow's) is within ``tol`` of the FLOP ``ideal``; a
-    FAIL says on which side, since ahead of the ideal means the slow side runs below the GEMM rate."""
+    FAIL says on which side, since ahead of the ideal means the slow side runs below the GEMM rate.
+    ``convention``: the ideal at the 3x convention (no recompute counted), printed beside."""
     off = measured / ideal - 1
     side = "" if abs(off) <= tol else (f"; {fast} ahead of its FLOP ratio: {slow} runs further below the GEMM rate"
                                        if off > 0 else f"; {fast} behind its FLOP ratio")
+    beside = "" if convention is None else (f" counting the kernels' backward recompute "
+                                            f"({convention:.2f}x at the 3x convention)")
     return verdict(name, abs(off) <= tol,
-                   f"speed ratio {measured:.2f}x, ideal from FLOPs {ideal:.2f}x (within {tol:.0%}){side}")
+                   f"speed ratio {measured:.2f}x, ideal from FLOPs {ideal:.2f}x{beside} (within {tol:.0%}){side}")
 
 
 def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), chunk: int = 64) -> dict:
@@ -170,16 +174,20 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                 rows.append(r)
             a, b = presets[0], presets[-1]
             fa, fb = _flops_per_token(a, vocab_size, T), _flops_per_token(b, vocab_size, T)
+            ea, eb = (_flops_per_token(p, vocab_size, T, recompute=True) for p in (a, b))
             missing = "; ".join(f"{p}: {got[p]['status']}" for p in (a, b) if "tokens_per_s" not in got[p])
             if mode == "train" and a != b and fa is not None and fb is not None:
                 name = f"{a} vs {b} {dname} T={T}"
                 if missing:
                     verdicts.append(verdict(name, False, f"not measured ({missing})"))
                 else:
-                    ideal = fb / fa
+                    # the ideal counts the FLOPs the kernels execute, recompute included (as
+                    # FlashAttention-2 counts its own); the 3x convention is printed beside it
+                    ideal = eb / ea
                     measured = got[a]["tokens_per_s"] / got[b]["tokens_per_s"]
                     got[a]["ideal_ratio"], got[a]["measured_ratio"] = ideal, measured
-                    verdicts.append(ratio_verdict(name, a, b, measured, ideal))
+                    got[a]["ideal_ratio_3x"] = fb / fa
+                    verdicts.append(ratio_verdict(name, a, b, measured, ideal, convention=fb / fa))
             if mode == "train" and dname == "fp32" and fa is not None:
                 name = f"{a} MFU fp32 T={T}"
                 if "mfu" not in got[a]:
@@ -189,7 +197,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                                             f"{got[a]['model_gflops']:.1f} GFLOP/s = {got[a]['mfu']:.0%} of "
                                             f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%)"))
     columns = ["label", "seq_len", "batch", "step_s", "tokens_per_s", "peak_mem_mb", "mfu", "ideal_ratio",
-               "measured_ratio"]
+               "ideal_ratio_3x", "measured_ratio"]
     if any(r["status"] != "ok" for r in rows):
         columns.append("status")
     rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "tokens_per_s", "peak_mem_mb"),
@@ -324,13 +332,13 @@ def _config(preset: str, vocab_size: int):
     return get_config(preset, vocab_size=vocab_size)
 
 
-def _flops_per_token(preset: str, vocab_size: int, T: int) -> float | None:
+def _flops_per_token(preset: str, vocab_size: int, T: int, *, recompute: bool = False) -> float | None:
     """model_flops_per_token of a preset, or None for a peer or a layer type it has no model for
     (those rows get no MFU and no ideal ratio rather than a wrong one)."""
     if preset.startswith("peer:"):
         return None
     try:
-        return model_flops_per_token(_config(preset, vocab_size), T)
+        return model_flops_per_token(_config(preset, vocab_size), T, recompute=recompute)
     except ValueError:
         return None
 

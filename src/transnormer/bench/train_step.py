@@ -224,12 +224,25 @@ def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32
     return float(counter.get_total_flops())
 
 
-def model_flops_per_token(config, seq_len: int) -> float:
+# Backward products per forward product of the attention kernels, as they run (``recompute``):
+# the softmax kernels (vanilla's attention, DiagAttention's blocks) follow FlashAttention-2, five
+# products backward for two forward (it recomputes the scores; FA-2's paper counts the backward
+# as 2.5x the forward for that reason). The causal linear-attention kernel recomputes the chunk
+# states (its dQ pass) and the score tiles (its dK/dV pass): of the forward's two state products
+# (Q S, Kᵀ V) the backward runs five, of its two score-tile products (Q Kᵀ, A V) six.
+_SOFTMAX_BWD = 2.5
+_NORM_STATES_BWD, _NORM_TILES_BWD = 2.5, 3.0
+
+
+def model_flops_per_token(config, seq_len: int, *, recompute: bool = False) -> float:
     """Training FLOPs per token (forward + backward = 3x forward) of the dense GEMMs and the mixers.
 
     Dense: 2·(non-embedding params + LM head). Mixers per layer, by type (forward, per token):
     softmax causal ≈ 2·T·d (QKᵀ and AV on the causal half), norm ≈ 4·d·e + 2·c·d (states + intra-chunk),
     diag ≈ 2·w·d (causal half of a block). Used to print the ideal time ratio beside the measured one.
+    With ``recompute`` the mixers' backward counts the products the fused kernels recompute
+    (``_SOFTMAX_BWD``, ``_NORM_*_BWD``): the FLOPs the kernels execute, as FlashAttention-2's
+    paper counts them. MFU is read without (the model's FLOPs, by its definition).
     """
     d, L = config.hidden_size, config.num_hidden_layers
     e = d // config.num_attention_heads
@@ -237,18 +250,19 @@ def model_flops_per_token(config, seq_len: int) -> float:
         raise ValueError(f"model_flops_per_token has no FLOP model for ffn_type {config.ffn_type!r}")
     ffn_hidden = config.ffn_hidden_size or (int(8 * d / 3) if config.ffn_type == "glu" else 4 * d)
     per_layer_dense = 2 * (4 * d * d + (3 if config.ffn_type == "glu" else 2) * d * ffn_hidden)
-    mixer = 0.0
+    softmax_bwd, states_bwd, tiles_bwd = (_SOFTMAX_BWD, _NORM_STATES_BWD, _NORM_TILES_BWD) if recompute else (2, 2, 2)
+    mixer = 0.0  # forward + backward
     for t in config.layer_types:
         if t == "softmax":
-            mixer += 2 * seq_len * d
+            mixer += (1 + softmax_bwd) * 2 * seq_len * d
         elif t == "norm":
-            mixer += 4 * d * e + 2 * config.chunk_size * d
+            mixer += (1 + states_bwd) * 4 * d * e + (1 + tiles_bwd) * 2 * config.chunk_size * d
         elif t == "diag":
-            mixer += 2 * config.block_size * d
+            mixer += (1 + softmax_bwd) * 2 * config.block_size * d
         else:  # FLASH, GAU, the linear baselines: their dense parts differ too (use counted_step_flops)
             raise ValueError(f"model_flops_per_token has no FLOP model for layer type {t!r}")
     head = 2 * d * config.vocab_size
-    return 3 * (L * per_layer_dense + mixer + head)
+    return 3 * (L * per_layer_dense + head) + mixer
 
 
 def dump(results: list[dict], path) -> None:
