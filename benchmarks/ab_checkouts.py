@@ -2,7 +2,7 @@
 
     git worktree add /tmp/base <commit>      # the code to compare against
     python benchmarks/ab_checkouts.py --base /tmp/base [--preset flash-lm] [--dtype bf16] \
-        [--seq-len 4096] [--rounds 4]
+        [--seq-len 4096] [--tokens-per-step 16384] [--rounds 4]
 
 Each round times the base checkout, then this one, each in a new interpreter whose
 ``PYTHONPATH`` is that checkout's ``src`` (the fused kernels are built from its own sources, and
@@ -30,8 +30,8 @@ from transnormer.runtime import tune_allocator
 if __name__ == "__main__":
     tune_allocator()
     preset, T, dtype, vocab, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    r = train_step_throughput(preset, T, dtype=dtype, tokens_per_step=T, vocab_size=vocab, steps=steps, threads=2,
-                              isolate=False)
+    r = train_step_throughput(preset, T, dtype=dtype, tokens_per_step=int(sys.argv[6]), vocab_size=vocab, steps=steps,
+                              threads=2, isolate=False)
     print(json.dumps(r["step_s"]))
 """
 
@@ -39,7 +39,8 @@ if __name__ == "__main__":
 def step_seconds(src: Path, args) -> float:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run([sys.executable, "-c", _CHILD, args.preset, str(args.seq_len), args.dtype,
-                          str(args.vocab_size), str(args.steps)], env=env, capture_output=True, text=True)
+                          str(args.vocab_size), str(args.steps), str(args.tokens_per_step or args.seq_len)],
+                         env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"the run on {src} failed:\n{out.stderr[-3000:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--vocab-size", type=int, default=32768)
+    ap.add_argument("--tokens-per-step", type=int, help="tokens a step (batch = this // T, at least 1; default T)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process (after two warm-up steps)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
