@@ -8,7 +8,7 @@
 // The bidirectional form (S = S_0 + K^T V, O = Q S) is walked the same way, reading each tensor
 // once per pass and streaming its outputs, where PyTorch's GEMMs on the strided views also read
 // and write the output lines. In both forms each step's products ask for the next step's tiles
-// as they run (RowPrefetch, _native_gemm.h): timed apart, the tile copies and the products of
+// as they run (tn::RowPrefetch, _native_common.h): timed apart, the tile copies and the products of
 // the bidirectional forward took 4.4 and 4.5 ms at T = 16k (fp32, 8 heads of 64), and together
 // 8.8, as the copies waited on their misses with the arithmetic idle. With the requests, fp32
 // fwd+bwd: causal 10.3 -> 9.2 ms at 4k, 41.5 -> 36.4 at 16k; bidirectional 5.65 -> 4.80 and
