@@ -203,7 +203,8 @@ def test_native_bmm_matches_fp64_for_any_left_operand_layout(n, M, K, N, a_layou
 
 @needs_bmm_kernel
 def test_native_bmm_does_not_depend_on_the_thread_count():
-    """One product per thread (a lone product is split into row bands): bit-equal on 1 and 2 threads."""
+    """A lone product is split into bands of rows over the threads, each element still summed in
+    order by one thread: bit-equal on 1 and 2 threads."""
     before = torch.get_num_threads()
     a, b = torch.randn(1, 50, 33), torch.randn(1, 33, 40)
     try:
@@ -231,6 +232,8 @@ def test_native_bmm_rejects_what_it_cannot_read():
         _native.bmm(a, b, torch.empty(2, 4, 5, dtype=torch.float64))
     with pytest.raises(TypeError, match="float32"):
         _native.bmm(a.double(), b.double())
+    with pytest.raises(ValueError, match="CPU tensors"):  # a device pointer must never reach the kernel
+        _native.bmm(a, b, torch.empty(2, 4, 5, device="meta"))
 
 
 @needs_bmm_kernel

@@ -235,7 +235,8 @@ _NORM_STATES_BWD, _NORM_TILES_BWD = 2.5, 3.0
 
 
 def model_flops_per_token(config, seq_len: int, *, recompute: bool = False) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward) of the dense GEMMs and the mixers.
+    """Training FLOPs per token of the dense GEMMs and the mixers (forward + backward = 3x forward
+    without ``recompute``).
 
     Dense: 2·(non-embedding params + LM head). Mixers per layer, by type (forward, per token):
     softmax causal ≈ 2·T·d (QKᵀ and AV on the causal half), norm ≈ 4·d·e + 2·c·d (states + intra-chunk),

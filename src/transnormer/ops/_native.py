@@ -792,6 +792,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, ac
                          f"strides {out.stride()}")
     if not (a.dtype == b.dtype == out.dtype):
         raise TypeError(f"bmm: a, b and out must share one dtype, got {a.dtype}, {b.dtype}, {out.dtype}")
+    if not (a.device.type == b.device.type == out.device.type == "cpu"):
+        raise ValueError(f"bmm: a, b and out must be CPU tensors, got {a.device}, {b.device}, {out.device}")
     _call("tn_bmm", a.dtype, _ptr(a), a.stride(0), a.stride(1), a.stride(2), _ptr(b), b.stride(0), b.stride(1),
           _ptr(out), out.stride(0), out.stride(1), n, M, N, K, int(accumulate))
     return out

@@ -9,10 +9,11 @@
 //
 // Built with the other kernels into one library by transnormer/ops/_native.py.
 //
-// Layouts (strides in elements): A_i(m, k) = a[i * abs + m * ars + k * acs]; B_i row-major with
+// Layouts (strides in elements): A_i(m, k) = a[i * a_bs + m * ars + k * acs]; B_i row-major with
 // row stride ldb, batch stride bbs; C_i row-major with row stride ldc, batch stride cbs.
-// Every C_i is written by one thread, as one product: the sums run over k in order, so the result
-// does not depend on the thread count.
+// Each element of C is summed over k in order by one thread (a product may be split into bands
+// of rows over threads when there are fewer products than threads), so the result does not
+// depend on the thread count.
 
 #include "_native_common.h"
 #include "_native_gemm.h"
@@ -27,7 +28,7 @@ int tn_bmm_ready() {
 #endif
 }
 
-int tn_bmm_f32(const float* a, idx abs, idx ars, idx acs, const float* b, idx bbs, idx ldb, float* c, idx cbs,
+int tn_bmm_f32(const float* a, idx a_bs, idx ars, idx acs, const float* b, idx bbs, idx ldb, float* c, idx cbs,
                idx ldc, idx nb, idx M, idx N, idx K, int accumulate, int nthreads) {
     using namespace tn;
     if (nb < 0 || M < 0 || N < 0 || K < 0) return 1;
@@ -41,7 +42,7 @@ int tn_bmm_f32(const float* a, idx abs, idx ars, idx acs, const float* b, idx bb
             const idx blocks = (M + kMR - 1) / kMR;
             const idx m0 = std::min(M, blocks * band / bands * kMR), m1 = std::min(M, blocks * (band + 1) / bands * kMR);
             if (m1 <= m0) continue;
-            gemm<float>(m1 - m0, N, K, a + i * abs + m0 * ars, ars, acs, b + i * bbs, ldb, c + i * cbs + m0 * ldc,
+            gemm<float>(m1 - m0, N, K, a + i * a_bs + m0 * ars, ars, acs, b + i * bbs, ldb, c + i * cbs + m0 * ldc,
                         ldc, accumulate != 0);
         }
     });

@@ -170,7 +170,7 @@ def _chunk_t(x: torch.Tensor, copy: bool) -> torch.Tensor:
     """x [n, R, C] transposed per chunk: a row-major copy (one native pass) with ``copy``, else a
     view. The callers copy what a product reads slowly or not at all: the right operand of the
     native fp32 GEMM (it streams rows of it; its left operand may be any view), the left operand
-    of PyTorch's bf16 product (a transposed view ran ~1.4x slower)."""
+    of PyTorch's product (in bf16 a transposed view ran ~1.4x slower)."""
     return _native.cast_transpose(x.contiguous(), x.dtype) if copy else x.transpose(1, 2)
 
 
@@ -180,8 +180,9 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str, ql_scaled: b
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
-    native, fast = _native.rows_usable(cdt, v.device), dense.native_bmm_for(cdt, v.device)
+    native = _native.rows_usable(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
+        fast = dense.native_bmm_for(cdt, v.device)  # (read here: it asks whether autocast is on)
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         qs = qlc if ql_scaled else qlc / C
         scores = dense.bmm(qs, _chunk_t(klc, fast))  # [BG, C, C]
@@ -214,8 +215,9 @@ def _core_backward(saved, dout, C: int, bias_dtype, ql_scaled: bool = False):
     B, T, s = ql.shape
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
-    native, fast = _native.rows_usable(cdt, v.device), dense.native_bmm_for(cdt, v.device)
+    native = _native.rows_usable(cdt, v.device)
     with torch.autocast(v.device.type, enabled=False):
+        fast = dense.native_bmm_for(cdt, v.device)  # (read here: it asks whether autocast is on)
         g = dout.to(cdt).reshape(B * G, C, e)
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         # local branch: a = r² (r = relu(scores), 0 above the diagonal), da/dscores = 2r

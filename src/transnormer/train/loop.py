@@ -226,7 +226,8 @@ def parse_budget(budget: str) -> tuple[str, float]:
     return "tokens", x * {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}[unit]
 
 
-SCHEDULE_FIT_STEP = 5  # a time budget's schedule is fitted to the steps it will get, at this step
+SCHEDULE_FIT_STEP = 5  # a time budget's schedule is fitted to the steps it will get, from this step on
+_UNFITTED = 10**9  # the schedule's length until a time budget's fit sets it
 
 
 def fit_total_steps(step: int, elapsed: float, budget_s: float, run_steps: int, run_elapsed: float,
@@ -236,7 +237,8 @@ def fit_total_steps(step: int, elapsed: float, budget_s: float, run_steps: int, 
     this process, the first of those taking ``first_dt``. The rate is read from this process's
     steps after its first: that one carries one-off costs (building the CPU kernels at first use
     took 13.7 s in a fresh clone, against ~0.12 s a step after it, and a schedule fitted to the
-    mean had ended its decay at step 19 of ~570)."""
+    mean had ended its decay at step 19 of ~570). The loop fits once this process has taken two
+    steps, from step ``SCHEDULE_FIT_STEP`` on (later after a resume just before it)."""
     if run_steps >= 2:
         per_step = (run_elapsed - first_dt) / (run_steps - 1)
     else:
@@ -375,7 +377,7 @@ def train(cfg: TrainConfig) -> dict:
     total_steps = cfg.max_steps
     if budget_kind == "tokens":
         total_steps = min(total_steps or math.inf, max(1, math.ceil(budget / tokens_per_step)))
-    sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or 10**9,
+    sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or _UNFITTED,
              "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
     scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
 
@@ -462,6 +464,8 @@ def train(cfg: TrainConfig) -> dict:
     last_eval, last_eval_step = None, None
     start_step = step
     run_elapsed, first_dt = 0.0, None  # this process's training time, and its first step's
+    # a time budget's schedule is fitted once (a resumed run restores a fit made before it)
+    fit_pending = total_steps is None and budget_kind == "seconds" and sched["total_steps"] == _UNFITTED
     diverged_at = None
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
     while True:
@@ -499,7 +503,8 @@ def train(cfg: TrainConfig) -> dict:
         elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
         run_elapsed += dt
         first_dt = dt if first_dt is None else first_dt
-        if total_steps is None and budget_kind == "seconds" and step == SCHEDULE_FIT_STEP:
+        if fit_pending and step >= SCHEDULE_FIT_STEP and step - start_step >= 2:
+            fit_pending = False
             total_steps_est = fit_total_steps(step, elapsed, budget, step - start_step, run_elapsed, first_dt)
             sched["total_steps"] = total_steps_est
             if bar is not None:  # now the bar can show an ETA
