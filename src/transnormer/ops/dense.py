@@ -135,11 +135,16 @@ class _OneDNNLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+def _eager_fp32_cpu(dtype: torch.dtype, device: torch.device) -> bool:
+    """fp32 on a CPU, outside autocast and torch.compile: where products may leave MKL."""
+    return (dtype == torch.float32 and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
+
+
 def onednn_for(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether products in ``dtype`` on ``device`` run on oneDNN here and now (fp32 on CPU, no
     autocast, not compiled, :func:`onednn_fp32`)."""
-    return (dtype == torch.float32 and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and onednn_fp32())
+    return _eager_fp32_cpu(dtype, device) and onednn_fp32()
 
 
 def takes_onednn(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -167,8 +172,8 @@ def native_bmm_for(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`bmm` runs products in ``dtype`` on ``device`` on the native AVX-512 GEMM: fp32
     on a CPU where fp32 products leave MKL (``TRANSNORMER_FP32_GEMM``), no autocast, not compiled
     (PyTorch exposes no fp32 batched product of oneDNN's, hence ``_native_bmm.cpp``)."""
-    return (dtype == torch.float32 and device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and _fp32_off_mkl() and _native.rows_usable(dtype, device) and _native.bmm_ready())
+    return (_eager_fp32_cpu(dtype, device) and _fp32_off_mkl() and _native.rows_usable(dtype, device)
+            and _native.bmm_ready())
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, accumulate: bool = False) -> torch.Tensor:

@@ -233,16 +233,13 @@ _UNFITTED = 10**9  # the schedule's length until a time budget's fit sets it
 def fit_total_steps(step: int, elapsed: float, budget_s: float, run_steps: int, run_elapsed: float,
                     first_dt: float) -> int:
     """The step count a time budget of ``budget_s`` seconds will reach, for the schedule: ``step``
-    steps done in ``elapsed`` seconds in all, ``run_steps`` of them in ``run_elapsed`` seconds by
-    this process, the first of those taking ``first_dt``. The rate is read from this process's
+    steps done in ``elapsed`` seconds in all, ``run_steps`` >= 2 of them in ``run_elapsed`` seconds
+    by this process, the first of those taking ``first_dt``. The rate is read from this process's
     steps after its first: that one carries one-off costs (building the CPU kernels at first use
     took 13.7 s in a fresh clone, against ~0.12 s a step after it, and a schedule fitted to the
     mean had ended its decay at step 19 of ~570). The loop fits once this process has taken two
     steps, from step ``SCHEDULE_FIT_STEP`` on (later after a resume just before it)."""
-    if run_steps >= 2:
-        per_step = (run_elapsed - first_dt) / (run_steps - 1)
-    else:
-        per_step = run_elapsed / max(run_steps, 1)
+    per_step = (run_elapsed - first_dt) / (run_steps - 1)
     left = max(0.0, budget_s - elapsed)
     return max(step + 1, step + int(left / max(per_step, 1e-6)))
 
@@ -463,7 +460,7 @@ def train(cfg: TrainConfig) -> dict:
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
     last_eval, last_eval_step = None, None
     start_step = step
-    run_elapsed, first_dt = 0.0, None  # this process's training time, and its first step's
+    start_elapsed, first_dt = elapsed, None  # training time before this process; its first step's
     # a time budget's schedule is fitted once (a resumed run restores a fit made before it)
     fit_pending = total_steps is None and budget_kind == "seconds" and sched["total_steps"] == _UNFITTED
     diverged_at = None
@@ -501,11 +498,11 @@ def train(cfg: TrainConfig) -> dict:
         loss_val, dt = all_reduce_sum([loss_sum, time.perf_counter() - t0], info)
         loss_val, dt = loss_val / info.world_size, dt / info.world_size
         elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
-        run_elapsed += dt
         first_dt = dt if first_dt is None else first_dt
         if fit_pending and step >= SCHEDULE_FIT_STEP and step - start_step >= 2:
             fit_pending = False
-            total_steps_est = fit_total_steps(step, elapsed, budget, step - start_step, run_elapsed, first_dt)
+            total_steps_est = fit_total_steps(step, elapsed, budget, step - start_step, elapsed - start_elapsed,
+                                              first_dt)
             sched["total_steps"] = total_steps_est
             if bar is not None:  # now the bar can show an ETA
                 bar.total = total_steps_est
