@@ -175,9 +175,24 @@ def test_the_fp32_gemm_probe_also_times_onednn(monkeypatch):
     calls = []
     real = dense.inner
     monkeypatch.setattr(dense, "inner", lambda a, w: calls.append(a.shape) or real(a, w))
-    assert timing.gemm_gflops(64, torch.float32, repeat=1) > 0 and calls
+    assert timing.gemm_gflops(64, torch.float32, repeat=1, min_time=0.0) > 0 and calls
     calls.clear()
-    assert timing.gemm_gflops(64, torch.bfloat16, repeat=1) > 0 and not calls
+    assert timing.gemm_gflops(64, torch.bfloat16, repeat=1, min_time=0.0) > 0 and not calls
+
+
+def test_the_gemm_probe_reads_the_fastest_run_over_its_min_time(monkeypatch):
+    # a limit: a slow spell inside the probe must not lower it
+    from transnormer.bench import timing
+
+    seen = []
+
+    def fake(fn, **kw):
+        seen.append(kw)
+        return {"median_s": 2.0, "min_s": 0.5, "iqr_s": 0.0, "n": 3}
+
+    monkeypatch.setattr(timing, "measure", fake)
+    assert timing.gemm_gflops(100, torch.bfloat16, repeat=3, min_time=0.25) == pytest.approx(2 * 100**3 / 0.5 / 1e9)
+    assert seen == [{"warmup": 2, "repeat": 3, "min_time": 0.25}]
 
 
 needs_bmm_kernel = pytest.mark.skipif(not _native.rows_usable(torch.float32, torch.device("cpu")),
