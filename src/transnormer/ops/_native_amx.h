@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 
 #include "_native_common.h"
 #include "_native_simd.h"
@@ -45,6 +46,18 @@ struct Pair {
     const w32* B;
     idx ldb;
     Tri shape;
+};
+
+// The same with A given in pairs, AVX512-BF16 engine only: A as VNNI(A^T) [K/2 x M] words (row
+// stride lda words), the word (k/2, m) holding A[m][k], A[m][k+1]. For A = X^T of a chunk's
+// rows X [K x M] that is VNNI(X), one interleaving pass, where the row-major X^T takes two (the
+// 32-bit transpose, then splitting its words); dense A only.
+struct PairsA {
+    idx K;
+    const w32* A;
+    idx lda;
+    const w32* B;
+    idx ldb;
 };
 
 // Which blocks of C are needed: a c x c score tile is triangular, and blocks wholly above
@@ -155,9 +168,25 @@ inline void dp_rows(const Pair& p, idx m0, idx n0, idx k0, idx k1, __m512 (&acc)
     }
 }
 
+// acc[8 x 32] += the same block of an A given in pairs (PairsA), over all of K.
+inline void dp_rows(const PairsA& p, idx m0, idx n0, __m512 (&acc)[kDpRows][2]) {
+    for (idx k2 = 0; k2 < p.K / 2; ++k2) {
+        const w32* b = p.B + k2 * p.ldb + n0;
+        const w32* a = p.A + k2 * p.lda + m0;  // the 8 rows' words are adjacent
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+#pragma GCC unroll 8
+        for (idx i = 0; i < kDpRows; ++i) {
+            const __m512bh ai = (__m512bh)_mm512_set1_epi32(int32_t(a[i]));
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+        }
+    }
+}
+
 // C [M x N] fp32 (row stride ldc) = or += the sum of np products A_i B_i (M, N and each K
-// multiples of 32; the same contract as the AMX engine's).
-inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll,
+// multiples of 32; the same contract as the AMX engine's). P: Pair or PairsA (dense).
+template <typename P>
+inline void gemm_sum(idx M, idx N, const P* ps, int np, float* C, idx ldc, bool accumulate, Out out = kAll,
                      tn::RowPrefetch* pf = nullptr) {
     const idx blocks = ((N + 31) / 32) * ((M + kDpRows - 1) / kDpRows);
     idx done = 0;
@@ -173,10 +202,14 @@ inline void gemm_sum(idx M, idx N, const Pair* ps, int np, float* C, idx ldc, bo
                 acc[i][1] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
             }
             for (int j = 0; j < np; ++j) {
-                const Pair& p = ps[j];
-                const idx k0 = p.shape == kUpperA ? m0 : 0;
-                const idx k1 = p.shape == kLowerA ? std::min(p.K, m0 + kDpRows) : p.K;
-                dp_rows(p, m0, n0, k0, k1, acc);
+                if constexpr (std::is_same_v<P, PairsA>) {
+                    dp_rows(ps[j], m0, n0, acc);
+                } else {
+                    const Pair& p = ps[j];
+                    const idx k0 = p.shape == kUpperA ? m0 : 0;
+                    const idx k1 = p.shape == kLowerA ? std::min(p.K, m0 + kDpRows) : p.K;
+                    dp_rows(p, m0, n0, k0, k1, acc);
+                }
             }
 #pragma GCC unroll 8
             for (idx i = 0; i < kDpRows; ++i) {
