@@ -354,3 +354,27 @@ def test_the_ideal_counts_the_kernels_recompute_in_the_mixers_only():
             assert executed == dense + 3.5 * states + 4 * tiles
         else:
             assert plain == dense + 3 * fwd[t] and executed == dense + 3.5 * fwd[t]
+
+
+def test_bench_ops_keeps_each_configurations_median_round(monkeypatch, tmp_path):
+    from transnormer.bench import suite
+
+    calls = []
+    slow = {(True, 64): [1.0, 3.0, 2.0], (False, 64): [5.0, 4.0, 6.0]}  # seconds by round
+
+    def fake(T, *, causal, dtype, chunk):
+        calls.append((causal, T))
+        s = slow[(causal, T)][sum(c == (causal, T) for c in calls) - 1]
+        return {"T": T, "causal": causal, "seconds": s, "backend": "native", "engine": None,
+                "gflops": 100.0 / s, "useful_gflops": 50.0 / s}
+
+    monkeypatch.setattr(suite, "op_throughput", fake)
+    monkeypatch.setattr(suite, "same_shape_gemm_gflops", lambda *a, **k: 100.0)
+    monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: 100.0)
+    res = suite.bench_ops(tmp_path, lengths=(64,), dtypes=("fp32",), rounds=3)
+    assert calls == [(True, 64), (False, 64)] * 3  # configurations in turn, round by round
+    causal, bidir = res["rows"]
+    assert (causal["step_s"], causal["step_s_rounds"]) == (2.0, [1.0, 3.0, 2.0])
+    assert (bidir["step_s"], bidir["frac_square"]) == (5.0, pytest.approx(0.2))
+    with pytest.raises(ValueError, match="rounds"):
+        suite.bench_ops(tmp_path, lengths=(64,), dtypes=("fp32",), rounds=0)

@@ -48,7 +48,8 @@ def cmd_bench(args) -> int:
     for w in what:
         print(f"\n## {w}", flush=True)
         if w == "ops":
-            res = suite.bench_ops(out, lengths=args.lengths or (1024, 4096, 16384), dtypes=args.dtypes)
+            res = suite.bench_ops(out, lengths=args.lengths or (1024, 4096, 16384), dtypes=args.dtypes,
+                                  rounds=args.rounds)
         elif w in ("train", "infer"):
             res = suite.bench_train(out, presets=args.presets, lengths=args.lengths or (512, 2048, 8192, 16384),
                                     dtypes=args.dtypes, vocab_size=args.vocab_size, mode=w, rounds=args.rounds,
@@ -79,7 +80,8 @@ def register(sub) -> None:
     p.add_argument("--vocab-size", type=_positive_int, default=32768)
     p.add_argument("--threads", type=_positive_int)
     p.add_argument("--rounds", type=_positive_int, default=1,
-                   help="train/infer: measure the presets in turn this many times; each keeps its median round")
+                   help="ops, train, infer: measure the configurations in turn this many times; each keeps its "
+                        "median round")
     p.add_argument("--tokens-per-step", type=_positive_int, default=16384,
                    help="train/infer: tokens in each step (batch = this // T, at least 1)")
     p.add_argument("--max-step-s", type=_positive_float,
