@@ -370,11 +370,12 @@ def test_bench_ops_keeps_each_configurations_median_round(monkeypatch, tmp_path)
 
     monkeypatch.setattr(suite, "op_throughput", fake)
     monkeypatch.setattr(suite, "same_shape_gemm_gflops", lambda *a, **k: 100.0)
-    monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: 100.0)
+    probes = iter([80.0, 100.0, 90.0])  # the GEMM probe takes its turn each round; the fastest is the limit
+    monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: calls.append("gemm") or next(probes))
     res = suite.bench_ops(tmp_path, lengths=(64,), dtypes=("fp32",), rounds=3)
-    assert calls == [(True, 64), (False, 64)] * 3  # configurations in turn, round by round
+    assert calls == ["gemm", (True, 64), (False, 64)] * 3  # in turn, round by round
     causal, bidir = res["rows"]
     assert (causal["step_s"], causal["step_s_rounds"]) == (2.0, [1.0, 3.0, 2.0])
-    assert (bidir["step_s"], bidir["frac_square"]) == (5.0, pytest.approx(0.2))
+    assert (bidir["step_s"], bidir["gemm_square"], bidir["frac_square"]) == (5.0, pytest.approx(100.0), pytest.approx(0.2))
     with pytest.raises(ValueError, match="rounds"):
         suite.bench_ops(tmp_path, lengths=(64,), dtypes=("fp32",), rounds=0)

@@ -42,18 +42,22 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
     With ``rounds`` > 1 each dtype's configurations are measured in turn that many times and each
     keeps its median round (``alternating_median``): on the shared machine one second of repeats
     can fall wholly in a slow spell (the bidirectional fp32 op once read 36 ms at T = 16k, against
-    20-29 ms in twelve measurements around it)."""
+    20-29 ms in twelve measurements around it). The square-GEMM probe takes its turn in every round
+    and the fastest round is the limit: the machine's GEMM rate drifts over minutes (bf16: 733 in one run, 850-905
+    in probes minutes before)."""
     rows, verdicts = [], []
     for dname in dtypes:
-        square = gemm_gflops(2048, DTYPES[dname])
         configs = [(causal, T) for causal in (True, False) for T in lengths]
 
         def measure(config, dname=dname):
+            if config == "gemm":  # as a time, so that alternating_median can order the rounds
+                return {"step_s": 1.0 / gemm_gflops(2048, DTYPES[dname])}
             causal, T = config
             r = op_throughput(T, causal=causal, dtype=DTYPES[dname], chunk=chunk)
             return {**r, "step_s": r["seconds"]}
 
-        timed = alternating_median(measure, configs, rounds)
+        timed = alternating_median(measure, ["gemm", *configs], rounds)
+        square = 1.0 / min(timed["gemm"]["step_s_rounds"])
         for causal, T in configs:
             r = timed[(causal, T)]
             shape = same_shape_gemm_gflops(T, causal=causal, dtype=DTYPES[dname], chunk=chunk)
