@@ -248,3 +248,26 @@ def test_native_mode_runs_bidirectional_bf16_without_bf16_kernel(monkeypatch, na
     o, _ = norm_linear_attn(q, k, v, causal=False)
     want, _ = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=False)
     assert o.dtype == torch.bfloat16 and rel_err(o.double(), want) < 1e-2
+
+
+def test_cpu_info_reads_the_first_cpu_and_tolerates_no_proc(monkeypatch):
+    import io
+
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9999\nflags\t\t: fpu avx512f avx512_bf16\n\n"
+            "processor\t: 1\nvendor_id\t: Other\nmodel name\t: second\nflags\t\t: fpu\n")
+    monkeypatch.setattr(_native, "open", lambda *a, **k: io.StringIO(text), raising=False)
+    _native.cpu_info.cache_clear()
+    try:
+        info = _native.cpu_info()
+        assert info == ("AuthenticAMD", "AMD EPYC 9999", frozenset({"fpu", "avx512f", "avx512_bf16"}))
+        assert _native._cpu_signature().endswith("avx512_bf16 avx512f fpu")
+
+        def missing(*a, **k):
+            raise OSError("no /proc")
+
+        monkeypatch.setattr(_native, "open", missing, raising=False)
+        _native.cpu_info.cache_clear()
+        assert _native.cpu_info() == ("", "", frozenset())
+    finally:
+        monkeypatch.undo()
+        _native.cpu_info.cache_clear()

@@ -8,17 +8,12 @@ from pathlib import Path
 
 import torch
 
+from ..ops import _native
+
 
 def environment() -> dict:
     """What a number needs beside it to be read: versions, threads, CPU model."""
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = _native.cpu_info().model or platform.processor()
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version()}

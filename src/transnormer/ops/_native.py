@@ -21,6 +21,7 @@ Cache directory: ``$TRANSNORMER_CACHE/native`` if set, else ``~/.cache/transnorm
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -31,6 +32,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -60,14 +62,34 @@ def _cache_dir() -> Path:
     return Path(root) / "native" if root else Path.home() / ".cache" / "transnormer" / "native"
 
 
-def _cpu_signature() -> str:
-    # -march=native code is only valid on the CPU it was built for: key the cache by its flags.
+class CpuInfo(NamedTuple):
+    vendor: str  # "AuthenticAMD", "GenuineIntel", ...
+    model: str
+    flags: frozenset[str]  # "avx512f", "amx_bf16", ...
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """The first CPU of /proc/cpuinfo; empty fields where a line or the file is missing (not
+    Linux). Read once for the kernel cache key, the fp32 GEMM routing (ops/dense.py) and the
+    benchmarks' environment."""
+    fields = {"vendor_id": "", "model name": "", "flags": ""}
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            for line in f:
+                name, _, value = line.partition(":")
+                if fields.get(name.strip(), None) == "":
+                    fields[name.strip()] = value.strip()
+                if all(fields.values()):
+                    break
     except OSError:
-        flags = ""
-    return platform.machine() + platform.processor() + flags
+        pass
+    return CpuInfo(fields["vendor_id"], fields["model name"], frozenset(fields["flags"].split()))
+
+
+def _cpu_signature() -> str:
+    # -march=native code is only valid on the CPU it was built for: key the cache by its flags.
+    return platform.machine() + platform.processor() + " ".join(sorted(cpu_info().flags))
 
 
 def _compiler() -> str | None:

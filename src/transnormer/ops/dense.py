@@ -36,17 +36,6 @@ from . import _native
 _CHOICES = ("auto", "onednn", "mkl")
 
 
-def _cpu_info() -> tuple[str, set[str]]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return "", set()
-    vendor = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("vendor_id")), "")
-    flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-    return vendor, flags
-
-
 def onednn_available() -> bool:
     """Whether this PyTorch has oneDNN's inner product on CPU (the op this module runs)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -59,8 +48,8 @@ def _leaves_mkl(choice: str) -> bool:
         raise ValueError(f"TRANSNORMER_FP32_GEMM must be one of {_CHOICES}, got {choice!r}")
     if choice != "auto":
         return choice == "onednn"
-    vendor, flags = _cpu_info()
-    return vendor == "AuthenticAMD" and "avx512f" in flags
+    cpu = _native.cpu_info()
+    return cpu.vendor == "AuthenticAMD" and "avx512f" in cpu.flags
 
 
 def _fp32_off_mkl() -> bool:
