@@ -43,8 +43,8 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
     keeps its median round (``alternating_median``): on the shared machine one second of repeats
     can fall wholly in a slow spell (the bidirectional fp32 op once read 36 ms at T = 16k, against
     20-29 ms in twelve measurements around it). The square-GEMM probe takes its turn in every round
-    and the fastest round is the limit: the machine's GEMM rate drifts over minutes (bf16: 733 in one run, 850-905
-    in probes minutes before)."""
+    and the fastest round is the limit: the machine's GEMM rate drifts over minutes (bf16: 733
+    GFLOP/s in one run, 850-905 in probes minutes before)."""
     rows, verdicts = [], []
     for dname in dtypes:
         configs = [(causal, T) for causal in (True, False) for T in lengths]

@@ -43,7 +43,7 @@ def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int =
     The rate of the fastest of at least ``repeat`` products over at least ``min_time`` seconds:
     a limit, so a slow spell of the shared machine must not lower it. With the median of five,
     one run of ``bench ops`` read bf16 at 642 GFLOP/s where runs around it read 850-905, and
-    the op's fraction of it read 92-98% instead of ~68%.
+    the bidirectional bf16 op's fraction of it read 92-98% instead of 66-70%.
 
     In fp32 on CPU this is the faster of PyTorch's matmul (MKL) and oneDNN's inner product, which
     the library's linear layers use where it is faster (ops/dense.py): on the AMD CPU of
