@@ -64,7 +64,7 @@ constexpr int kNV = 4;  // vectors of C per row
 
 template <typename T, int MR, int NV>
 static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T* __restrict b, idx ldb,
-                         T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last) {
+                         T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last, bool stream) {
     typedef Vec<T> V;
     typename V::reg r[MR][NV];
 #pragma GCC unroll 8
@@ -90,42 +90,50 @@ static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) {
-            if (j == NV - 1) V::storem(c + i * ldc + j * V::W, r[i][j], last);
+            if (stream) V::stream(c + i * ldc + j * V::W, r[i][j]);  // whole 64-byte lines (gemm)
+            else if (j == NV - 1) V::storem(c + i * ldc + j * V::W, r[i][j], last);
             else V::store(c + i * ldc + j * V::W, r[i][j]);
         }
 }
 
 template <typename T, int MR>
 static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                            bool accumulate, typename Vec<T>::mask last) {
+                            bool accumulate, typename Vec<T>::mask last, bool stream) {
     switch (nv) {
-        case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
     }
 }
 
 template <typename T>
 static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                         bool accumulate) {
+                         bool accumulate, bool stream) {
     typedef Vec<T> V;
     const int nv = (int)((nn + V::W - 1) / V::W);
     const int tail = (int)(nn - (idx)(nv - 1) * V::W);
     const typename V::mask last = (typename V::mask)((tail == V::W) ? ((1u << V::W) - 1) : ((1u << tail) - 1));
     switch (mr) {
-        case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        case 4: micro_nv<T, 4>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        case 3: micro_nv<T, 3>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        case 2: micro_nv<T, 2>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
-        default: micro_nv<T, 1>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last); break;
+        case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 4: micro_nv<T, 4>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 3: micro_nv<T, 3>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 2: micro_nv<T, 2>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        default: micro_nv<T, 1>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
     }
+}
+
+// stream: write C with streaming stores, past the caches (an output not read again soon); C's
+// rows must be whole 64-byte lines on line boundaries (stream_ok), and tri kFull.
+template <typename T>
+static bool stream_ok(const T* c, idx ldc, idx N) {
+    return !((reinterpret_cast<uintptr_t>(c) | uintptr_t(ldc * sizeof(T)) | uintptr_t(N * sizeof(T))) & 63);
 }
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                 bool accumulate, Tri tri = kFull, tn::RowPrefetch* pf = nullptr) {
+                 bool accumulate, Tri tri = kFull, tn::RowPrefetch* pf = nullptr, bool stream = false) {
     static_assert(kMR == 6, "block() dispatches row counts 1..6");
     const idx panel = kNV * Vec<T>::W;
     const idx mblocks = (M + kMR - 1) / kMR, blocks = mblocks * ((N + panel - 1) / panel);
@@ -149,7 +157,8 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
                     for (idx i = 0; i < mr; ++i) std::fill(cb + i * ldc, cb + i * ldc + nn, T(0));
                 continue;
             }
-            block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate);
+            block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate,
+                     stream);
         }
     }
     if (pf) pf->issue(pf->rows);
@@ -158,8 +167,11 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
 // Portable fallback (no AVX-512): plain loops the compiler vectorises along n.
 
 template <typename T>
+static bool stream_ok(const T*, idx, idx) { return false; }
+
+template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                 bool accumulate, Tri = kFull, tn::RowPrefetch* = nullptr) {  // full products: the masked tiles are zero anyway
+                 bool accumulate, Tri = kFull, tn::RowPrefetch* = nullptr, bool = false) {  // full products: the masked tiles are zero anyway
     for (idx m = 0; m < M; ++m) {
         T* crow = c + m * ldc;
         if (!accumulate) std::fill(crow, crow + N, T(0));
