@@ -229,3 +229,32 @@ def test_t2_model_under_autocast_takes_the_kernel_and_agrees(mode, monkeypatch):
     assert abs(out["auto"][0] - out["torch"][0]) < 1e-2 * abs(out["torch"][0])
     g, g_ref = out["auto"][1], out["torch"][1]
     assert float((g - g_ref).norm() / g_ref.norm()) < 3e-2
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("causal", [True, False])
+def test_outputs_streamed_from_the_products_equal_the_tiled_path(causal):
+    # bf16 outputs on 64-byte lines are written from the dot-product engine's accumulators; one
+    # element off the line boundary they go through the fp32 tile and a conversion pass: the
+    # same values, bit for bit (T = 100: a short last chunk)
+    from transnormer.ops._native import _call, _ptr
+
+    B, T, H, D, c = 1, 100, 2, 64, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, generator=g).mul_(0.3).bfloat16() for _ in range(4))
+    n = B * T * H * D
+
+    def outputs(aligned: bool):
+        bufs = [torch.zeros(n + 1, dtype=torch.bfloat16) for _ in range(4)]
+        o, dq, dk, dv = (b[:n] if aligned else b[1:] for b in bufs)
+        fin, dS = torch.zeros(B, H, D, D), torch.zeros(B, H, D, D)
+        tail = (c,) if causal else ()
+        kind = "causal" if causal else "bidir"
+        _call(f"tn_{kind}_fwd", torch.bfloat16, _ptr(q), _ptr(k), _ptr(v), _ptr(o), None, _ptr(fin), B, T, H, D, D, *tail)
+        state = None if causal else fin  # the causal backward takes the initial state, the other the final
+        _call(f"tn_{kind}_bwd", torch.bfloat16, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(state), None, _ptr(dq),
+              _ptr(dk), _ptr(dv), _ptr(dS), B, T, H, D, D, *tail)
+        return o, dq, dk, dv, fin, dS
+
+    for a, b in zip(outputs(True), outputs(False)):
+        assert torch.equal(a, b)

@@ -83,9 +83,9 @@ struct Worker {
         if (plain) vnni(R, C, sb.data(), C, plain);
         if (transposed) vnni_of_transpose(R, C, sb.data(), C, transposed);
     }
-    // out rows of chunk g (fp32 [c x width]) rounded into x's first L rows
-    void write(const float* o, bf* x, idx n, idx g, idx width) const {
-        stream_bf16_rows(rows(g), width, o, width, x + offset(n, g * c, width), s.H * width);
+    // x's rows of chunk g (width wide) = A1 B1 (+ A2 B2), rounded to bf16 (gemm_to_rows)
+    void product_to(bf* x, idx n, idx g, idx width, const Pair& p1, const Pair* p2, tn::RowPrefetch* pf = nullptr) {
+        gemm_to_rows(c, width, p1, p2, rows(g), x + offset(n, g * c, width), s.H * width, of.data(), pf);
     }
 
     // states[(n - lo)] = init (optionally transposed to [E x D]) or zeros.
@@ -121,9 +121,8 @@ struct Worker {
                 const Pair QS{D, Q.p, Q.ld, sv.data(), E, kDense};
                 tn::RowPrefetch p1, p2;
                 queue_next(p1, q, n, g, D), queue_next(p1, v, n, g, E), queue_next(p2, k, n, g, D);
-                gemm(c, E, {c, pa.data(), c, v1.data(), E, kLowerA}, &QS, of.data(), E, false, kAll, &p1);
+                product_to(o, n, g, E, {c, pa.data(), c, v1.data(), E, kLowerA}, &QS, &p1);
                 gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true, kAll, &p2);
-                write(of.data(), o, n, g, E);
             }
         store_states(states, fin);
     }
@@ -149,8 +148,7 @@ struct Worker {
                     const Pair dOS{E, dO.p, dO.ld, sv.data(), D, kDense};
                     tn::RowPrefetch p1, p2;
                     queue_next(p1, k, n, g, D), queue_next(p1, dout, n, g, E), queue_next(p2, v, n, g, E);
-                    gemm(c, D, {c, pa.data(), c, v1.data(), D, kLowerA}, &dOS, of.data(), D, false, kAll, &p1);
-                    write(of.data(), dq, n, g, D);
+                    product_to(dq, n, g, D, {c, pa.data(), c, v1.data(), D, kLowerA}, &dOS, &p1);
                     gemm(E, D, {c, ta.data(), c, v1.data(), D, kDense}, nullptr, st, D, true, kAll, &p2);
                 }
         }
@@ -176,14 +174,12 @@ struct Worker {
                 tn::RowPrefetch p1, p2;
                 queue_next(p1, q, n, g, D, true), queue_next(p1, dout, n, g, E, true);
                 queue_next(p2, k, n, g, D, true), queue_next(p2, v, n, g, E, true);
-                gemm(c, D, {c, pa.data(), c, v1.data(), D, kUpperA}, &VR, of.data(), D, false, kAll, &p1);
-                write(of.data(), dk, n, g, D);
+                product_to(dk, n, g, D, {c, pa.data(), c, v1.data(), D, kUpperA}, &VR, &p1);
                 // A^T = K Q^T (upper triangular); dV = A^T dO + K R
                 gemm(c, c, {D, K.p, K.ld, t1.data(), c, kDense}, nullptr, af.data(), c, false, kUpperC);
                 to_bf16_rows(c, c, af.data(), c, pa.data(), c, kUpper);
                 const Pair KR{D, K.p, K.ld, sv2.data(), E, kDense};
-                gemm(c, E, {c, pa.data(), c, v2.data(), E, kUpperA}, &KR, of.data(), E, false, kAll, &p2);
-                write(of.data(), dv, n, g, E);
+                product_to(dv, n, g, E, {c, pa.data(), c, v2.data(), E, kUpperA}, &KR, &p2);
 #if defined(TN_AMX)
                 gemm(D, E, {c, ta.data(), c, v2.data(), E, kDense}, nullptr, R, E, true);  // R += Q^T dO
 #else
@@ -252,8 +248,7 @@ struct Worker {
                 tn::RowPrefetch pf;
                 queue_next(pf, q, n, g, D);
                 const Rows Q = chunk(q, n, g, D, qa);
-                gemm(c, E, {D, Q.p, Q.ld, Sv.data() + (n - lo) * DE / 2, E, kDense}, nullptr, of.data(), E, false, kAll, &pf);
-                write(of.data(), o, n, g, E);
+                product_to(o, n, g, E, {D, Q.p, Q.ld, Sv.data() + (n - lo) * DE / 2, E, kDense}, nullptr, &pf);
             }
         store_states(states, fin);
     }
@@ -271,8 +266,7 @@ struct Worker {
                 queue_next(p1, q, n, g, D), queue_next(p2, dout, n, g, E);
                 const Rows dO = chunk(dout, n, g, E, ga);
                 add_outer(chunk(q, n, g, D, qa), dO, dS.data() + (n - lo) * DE, &p1);  // Q^T dO
-                gemm(c, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, of.data(), D, false, kAll, &p2);
-                write(of.data(), dq, n, g, D);  // dQ = dO S^T
+                product_to(dq, n, g, D, {E, dO.p, dO.ld, St.data() + (n - lo) * DE / 2, D, kDense}, nullptr, &p2);  // dQ = dO S^T
             }
         const tn::buffer<w32> dSt = vnni_states(dS.data(), true), dSv = vnni_states(dS.data(), false);
         for (idx g = 0; g < G; ++g)
@@ -281,10 +275,8 @@ struct Worker {
                 tn::RowPrefetch p1, p2;
                 queue_next(p1, v, n, g, E), queue_next(p2, k, n, g, D);
                 const Rows V = chunk(v, n, g, E, va), K = chunk(k, n, g, D, ka);
-                gemm(c, D, {E, V.p, V.ld, dSt.data() + h, D, kDense}, nullptr, of.data(), D, false, kAll, &p1);  // dK = V dS^T
-                write(of.data(), dk, n, g, D);
-                gemm(c, E, {D, K.p, K.ld, dSv.data() + h, E, kDense}, nullptr, of.data(), E, false, kAll, &p2);  // dV = K dS
-                write(of.data(), dv, n, g, E);
+                product_to(dk, n, g, D, {E, V.p, V.ld, dSt.data() + h, D, kDense}, nullptr, &p1);  // dK = V dS^T
+                product_to(dv, n, g, E, {D, K.p, K.ld, dSv.data() + h, E, kDense}, nullptr, &p2);  // dV = K dS
             }
         store_states(dS, dinit);
     }
