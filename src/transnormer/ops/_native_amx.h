@@ -203,7 +203,7 @@ inline void gemm_sum(idx M, idx N, const P* ps, int np, float* C, idx ldc, bool 
         for (idx m0 = 0; m0 < M; m0 += kDpRows) {
             if (pf) pf->share(++done, blocks);
             if ((out == kLowerC && n0 > m0 + kDpRows - 1) || (out == kUpperC && n0 + 31 < m0)) continue;
-            float* c = C + m0 * ldc + n0;
+            float* c = to ? nullptr : C + m0 * ldc + n0;  // (C is null when writing to `to`)
             __m512 acc[kDpRows][2];
 #pragma GCC unroll 8
             for (idx i = 0; i < kDpRows; ++i) {
@@ -244,7 +244,6 @@ inline void gemm(idx M, idx N, const Pair& p1, const Pair* p2, float* C, idx ldc
     const Pair ps[2] = {p1, p2 ? *p2 : p1};
     gemm_sum(M, N, ps, p2 ? 2 : 1, C, ldc, accumulate, out, pf);
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Packing (all widths multiples of 32 bf16 / 16 words)
