@@ -247,6 +247,16 @@ struct Worker {
         store_states(Rs, dinit);
     }
 
+    // out (L rows of one head, row stride ld) = A B, A and B as gemm takes them: written by the
+    // products themselves with streaming stores where out's rows are whole 64-byte lines (the
+    // bidirectional walk's note below), else into `tile` and then by unpack().
+    void product_to(idx L, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* out, idx ld, T* tile,
+                    RowPrefetch* pf) {
+        if (stream_ok(out, ld, N)) return gemm<T>(L, N, K, a, ars, acs, b, ldb, out, ld, false, kFull, pf, true);
+        gemm<T>(L, N, K, a, ars, acs, b, ldb, tile, N, false, kFull, pf);
+        unpack(L, N, tile, out, ld);
+    }
+
     // Queue into pf the rows of x (E wide if e, else D) that the walk's next step reads: head
     // n + 1 of chunk g, or the first head of the next chunk (g + 1, or g - 1 walking in reverse);
     // none after the last.
@@ -287,13 +297,7 @@ struct Worker {
                 pack(L, D, rd(q, n, t0), ldd_, q_);
                 RowPrefetch pf;
                 queue_next(pf, q, n, g, false);
-                T* out = re(o, n, t0);
-                if (stream_ok(out, lde_, E)) {  // O = Q S, written straight to the output
-                    gemm<T>(L, E, D, q_, D, 1, states.data() + (n - lo) * D * E, E, out, lde_, false, kFull, &pf, true);
-                    continue;
-                }
-                gemm<T>(L, E, D, q_, D, 1, states.data() + (n - lo) * D * E, E, o_, E, false, kFull, &pf);  // O = Q S
-                unpack(L, E, o_, out, lde_);
+                product_to(L, E, D, q_, D, 1, states.data() + (n - lo) * D * E, E, re(o, n, t0), lde_, o_, &pf);  // O = Q S
             }
         store_states(states, fin);
     }
@@ -313,13 +317,7 @@ struct Worker {
                 RowPrefetch pq, pg;
                 queue_next(pq, q, n, g, false), queue_next(pg, dout, n, g, true);
                 gemm<T>(D, E, L, q_, 1, D, g_, E, dS.data() + h, E, true, kFull, &pq);  // dS += Q^T dO
-                T* out = rd(dq, n, t0);
-                if (stream_ok(out, ldd_, D)) {  // dQ = dO S^T, straight to the output
-                    gemm<T>(L, D, E, g_, E, 1, St.data() + h, D, out, ldd_, false, kFull, &pg, true);
-                    continue;
-                }
-                gemm<T>(L, D, E, g_, E, 1, St.data() + h, D, o_, D, false, kFull, &pg);  // dQ = dO S^T
-                unpack(L, D, o_, out, ldd_);
+                product_to(L, D, E, g_, E, 1, St.data() + h, D, rd(dq, n, t0), ldd_, o_, &pg);  // dQ = dO S^T
             }
         tn::buffer<T> dSt((hi - lo) * DE);
         for (idx n = lo; n < hi; ++n) transpose<T>(D, E, dS.data() + (n - lo) * DE, E, dSt.data() + (n - lo) * DE, D);
@@ -329,15 +327,9 @@ struct Worker {
                 RowPrefetch pv, pk;
                 queue_next(pv, v, n, g, true), queue_next(pk, k, n, g, false);
                 pack(L, E, re(v, n, t0), lde_, v_);
-                T *dk_out = rd(dk, n, t0), *dv_out = re(dv, n, t0);
-                const bool direct = stream_ok(dk_out, ldd_, D) && stream_ok(dv_out, lde_, E);  // straight to the outputs
-                gemm<T>(L, D, E, v_, E, 1, dSt.data() + h, D, direct ? dk_out : o_, direct ? ldd_ : D, false, kFull,
-                        &pv, direct);  // dK = V dS^T
-                if (!direct) unpack(L, D, o_, dk_out, ldd_);
+                product_to(L, D, E, v_, E, 1, dSt.data() + h, D, rd(dk, n, t0), ldd_, o_, &pv);  // dK = V dS^T
                 pack(L, D, rd(k, n, t0), ldd_, k_);
-                gemm<T>(L, E, D, k_, D, 1, dS.data() + h, E, direct ? dv_out : o2_, direct ? lde_ : E, false, kFull,
-                        &pk, direct);  // dV = K dS
-                if (!direct) unpack(L, E, o2_, dv_out, lde_);
+                product_to(L, E, D, k_, D, 1, dS.data() + h, E, re(dv, n, t0), lde_, o2_, &pk);  // dV = K dS
             }
         store_states(dS, dinit);
     }
