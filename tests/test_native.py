@@ -95,8 +95,9 @@ def test_bidirectional_kernel_matches_reference_fp64(native, monkeypatch, T, H, 
 
 
 @needs_kernel
-def test_bidirectional_kernel_without_state_and_fp32(native):
-    q, k, v, _, go, _ = _case(1, 300, 4, 64, 32, dtype=torch.float32)
+@pytest.mark.parametrize("D,E", [(64, 32), (80, 130)])  # one panel of C: A read in place; wider: packed
+def test_bidirectional_kernel_without_state_and_fp32(native, D, E):
+    q, k, v, _, go, _ = _case(1, 300, 4, D, E, dtype=torch.float32)
     o, fin = norm_linear_attn(q, k, v, causal=False)
     assert fin is None
     grads = torch.autograd.grad((o * go).sum(), (q, k, v))

@@ -124,6 +124,10 @@ static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, co
     }
 }
 
+// Columns of C per pass over A: a product with N <= gemm_panel<T>() reads each row of A once.
+template <typename T>
+constexpr idx gemm_panel() { return kNV * Vec<T>::W; }
+
 // stream: write C with streaming stores, past the caches (an output not read again soon); C's
 // rows must be whole 64-byte lines on line boundaries (stream_ok), and tri kFull.
 template <typename T>
@@ -168,6 +172,8 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
 
 template <typename T>
 static bool stream_ok(const T*, idx, idx) { return false; }
+template <typename T>
+constexpr idx gemm_panel() { return idx(1) << 40; }  // each row of A is read once, for all of C's row
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,

@@ -257,6 +257,14 @@ struct Worker {
         unpack(L, N, tile, out, ld);
     }
 
+    // The L x C rows of x (row stride ld) as the A of a product with N columns: in place when the
+    // product reads each row once (bidirectional walk's note), else packed into tile. Sets lda.
+    const T* a_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& lda) const {
+        if (N <= gemm_panel<T>()) return lda = ld, x;
+        pack(L, C, x, ld, tile);
+        return lda = C, tile;
+    }
+
     // Queue into pf the rows of x (E wide if e, else D) that the walk's next step reads: head
     // n + 1 of chunk g, or the first head of the next chunk (g + 1, or g - 1 walking in reverse);
     // none after the last.
@@ -277,7 +285,13 @@ struct Worker {
     // is final (O, dQ, dK, dV) write it to the output with streaming stores from their registers
     // instead of into a tile that unpack() then streams: fwd+bwd (8 heads of 64, medians of 21
     // interleaved in one process, two runs) 5.04 -> 4.75 and 5.58 -> 5.02 ms at 4k, 20.1 -> 18.9
-    // and 21.5 -> 20.1 at 16k.
+    // and 21.5 -> 20.1 at 16k. A product that reads each row of its A once (O = Q S, dK = V dS^T,
+    // dV = K dS when C is one panel wide: 64 fp32 columns) reads A in place (a_rows): the
+    // power-of-two row stride costs nothing when no row is read twice, and the copy into a tile
+    // goes. Same sums; fwd+bwd
+    // (medians of 15 and 21 interleaved) 5.11 -> 4.90 and 5.41 -> 5.15 ms at 4k, 21.8 -> 20.8
+    // and 21.5 -> 20.2 at 16k. The products that sweep their operands several times (S += K^T V,
+    // dS += Q^T dO) still pack them.
     void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
         tn::buffer<T> states = load_states(init, false);
@@ -294,10 +308,11 @@ struct Worker {
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const idx t0 = g * c, L = rows(g);
-                pack(L, D, rd(q, n, t0), ldd_, q_);
                 RowPrefetch pf;
                 queue_next(pf, q, n, g, false);
-                product_to(L, E, D, q_, D, 1, states.data() + (n - lo) * D * E, E, re(o, n, t0), lde_, o_, &pf);  // O = Q S
+                idx lq;
+                const T* qa = a_rows(L, D, rd(q, n, t0), ldd_, E, q_, lq);
+                product_to(L, E, D, qa, lq, 1, states.data() + (n - lo) * D * E, E, re(o, n, t0), lde_, o_, &pf);  // O = Q S
             }
         store_states(states, fin);
     }
@@ -326,10 +341,11 @@ struct Worker {
                 const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
                 RowPrefetch pv, pk;
                 queue_next(pv, v, n, g, true), queue_next(pk, k, n, g, false);
-                pack(L, E, re(v, n, t0), lde_, v_);
-                product_to(L, D, E, v_, E, 1, dSt.data() + h, D, rd(dk, n, t0), ldd_, o_, &pv);  // dK = V dS^T
-                pack(L, D, rd(k, n, t0), ldd_, k_);
-                product_to(L, E, D, k_, D, 1, dS.data() + h, E, re(dv, n, t0), lde_, o2_, &pk);  // dV = K dS
+                idx lv, lk;
+                const T* va = a_rows(L, E, re(v, n, t0), lde_, D, v_, lv);
+                product_to(L, D, E, va, lv, 1, dSt.data() + h, D, rd(dk, n, t0), ldd_, o_, &pv);  // dK = V dS^T
+                const T* ka = a_rows(L, D, rd(k, n, t0), ldd_, E, k_, lk);
+                product_to(L, E, D, ka, lk, 1, dS.data() + h, E, re(dv, n, t0), lde_, o2_, &pk);  // dV = K dS
             }
         store_states(dS, dinit);
     }
