@@ -275,10 +275,12 @@ def test_cpu_info_reads_the_first_cpu_and_tolerates_no_proc(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_bidirectional_outputs_streamed_from_the_products_equal_the_tiled_path(native, dtype):
-    # outputs on 64-byte lines take the products' streaming stores; one element off the line
-    # boundary they go through a tile and unpack(): the same values, bit for bit
+def test_outputs_streamed_from_the_products_equal_the_tiled_path(native, dtype, causal):
+    # outputs on 64-byte lines are streamed (by the products themselves in the bidirectional walk,
+    # by unpack() from the tile in the causal one); one element off the line boundary they go
+    # through a tile and plain stores: the same values, bit for bit
     from transnormer.ops._native import _call, _ptr
 
     B, T, H, D = 1, 130, 2, 64
@@ -291,9 +293,14 @@ def test_bidirectional_outputs_streamed_from_the_products_equal_the_tiled_path(n
         o, dq, dk, dv = (b[:n] if aligned else b[1:] for b in bufs)
         assert all((x.data_ptr() % 64 == 0) == aligned for x in (o, dq, dk, dv))
         fin, dS = torch.empty(B, H, D, D, dtype=dtype), torch.empty(B, H, D, D, dtype=dtype)
-        _call("tn_bidir_fwd", dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), None, _ptr(fin), B, T, H, D, D)
-        _call("tn_bidir_bwd", dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(fin), None, _ptr(dq), _ptr(dk), _ptr(dv),
-              _ptr(dS), B, T, H, D, D)
+        if causal:
+            _call("tn_causal_fwd", dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), None, _ptr(fin), B, T, H, D, D, 64)
+            _call("tn_causal_bwd", dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), None, _ptr(fin), _ptr(dq), _ptr(dk),
+                  _ptr(dv), _ptr(dS), B, T, H, D, D, 64)
+        else:
+            _call("tn_bidir_fwd", dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(o), None, _ptr(fin), B, T, H, D, D)
+            _call("tn_bidir_bwd", dtype, _ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(fin), None, _ptr(dq), _ptr(dk),
+                  _ptr(dv), _ptr(dS), B, T, H, D, D)
         return o, dq, dk, dv, fin, dS
 
     for a, b in zip(outputs(True), outputs(False)):
