@@ -288,10 +288,9 @@ struct Worker {
     // and 21.5 -> 20.1 at 16k. A product that reads each row of its A once (O = Q S, dK = V dS^T,
     // dV = K dS when C is one panel wide: 64 fp32 columns) reads A in place (a_rows): the
     // power-of-two row stride costs nothing when no row is read twice, and the copy into a tile
-    // goes. Same sums; fwd+bwd
-    // (medians of 15 and 21 interleaved) 5.11 -> 4.90 and 5.41 -> 5.15 ms at 4k, 21.8 -> 20.8
-    // and 21.5 -> 20.2 at 16k. The products that sweep their operands several times (S += K^T V,
-    // dS += Q^T dO) still pack them.
+    // goes. Same sums; fwd+bwd in nine interleaved runs: at 4k faster in all nine (0.4-7%; 5.11
+    // -> 4.90 ms in the first), at 16k in seven (2-6%; two slower by under 1%). The products that
+    // sweep an operand several times (S += K^T V, dS += Q^T dO) still pack it.
     void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
         tn::buffer<T> states = load_states(init, false);
