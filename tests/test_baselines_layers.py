@@ -381,3 +381,14 @@ def test_mixers_check_the_mask_and_positions_shape():
         layer(x, attention_mask=torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="positions must be"):
         layer(x, positions=torch.arange(4)[None])
+
+
+
+@pytest.mark.parametrize("kw,err", [({"normalizer": "fixed", "fixed_len": 0}, ValueError),
+                                    ({"normalizer": "fixed", "fixed_len": -8}, ValueError),
+                                    ({"normalizer": "fixed", "fixed_len": 8.0}, TypeError),
+                                    ({"max_rel_len": 0}, ValueError)])
+def test_gau_refuses_bad_lengths(kw, err):
+    name = "fixed_len" if "fixed_len" in kw else "max_rel_len"
+    with pytest.raises(err, match=name):
+        GAU(16, causal=True, qk_dim=8, **kw)

@@ -409,3 +409,28 @@ def test_inputs_embeds_are_checked():
     for bad in (torch.randn(2, 8), torch.randn(2, 8, 16), torch.ones(2, 8, 32, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"inputs_embeds must be a floating-point \[B, T, hidden_size=32\]"):
             model(inputs_embeds=bad)
+
+
+def test_causal_lm_refuses_a_bidirectional_config():
+    cfg = get_config("t2-roberta-tiny", vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=2)
+    with pytest.raises(ValueError, match="needs a causal config"):
+        TransNormerForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("task", ["mlm", "cls"])
+def test_bidirectional_heads_check_position_ids(task):
+    """As the causal LM does: the positions the model derives are accepted, others (packed
+    sequences) refused, not silently dropped."""
+    model = build_model("t2-roberta-tiny", task=task, vocab_size=50, hidden_size=32, num_attention_heads=2,
+                        num_hidden_layers=2).eval()
+    ids = torch.randint(3, 50, (2, 7))
+    ref = model(ids).logits
+    torch.testing.assert_close(model(ids, position_ids=torch.arange(7).expand(2, 7)).logits, ref)
+    with pytest.raises(ValueError, match="position_ids must count the real tokens"):
+        model(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2))
+
+
+@pytest.mark.parametrize("eps", ["1e-5", -1.0, float("nan"), True])
+def test_config_refuses_a_bad_norm_eps(eps):
+    with pytest.raises(ValueError, match="norm_eps must be None"):
+        get_config("t2-lm-tiny", norm_eps=eps).check()

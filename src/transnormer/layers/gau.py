@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..modules.linear import Linear
 from ..modules.positional import LRPE
+from ..ops._checks import check_positive_int
 from ..ops.dense import linear
 from ..ops.flash import (
     GLOBAL_NORMALIZERS,
@@ -162,6 +163,7 @@ class _GatedUnit(TokenMixer):
         switch_to_rope: bool = True,
     ):
         super().__init__()
+        check_positive_int("max_rel_len", max_rel_len)  # the Toeplitz table holds 2 max_rel_len - 1 offsets
         e = int(round(expansion * hidden_size))
         if e < 1 or qk_dim < 1:
             raise ValueError(f"expansion and qk_dim must give positive widths, got e={e}, s={qk_dim}")
@@ -225,6 +227,7 @@ class GAU(_GatedUnit):
     def __init__(self, hidden_size: int, *, causal: bool, normalizer: str = "seq_len", fixed_len: int = 512, **kw):
         super().__init__(hidden_size, causal=causal, **kw)
         check_normalizer(normalizer, QUAD_NORMALIZERS, "normalizer")
+        check_positive_int("fixed_len", fixed_len)  # the divisor of the "fixed" normalizer
         self.normalizer, self.fixed_len = normalizer, fixed_len
         self.reset_parameters()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 VARIANT_DEFAULTS = {
@@ -164,6 +166,10 @@ class TransNormerConfig(PretrainedConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.norm_eps is not None and (isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float))
+                                          or not 0 <= self.norm_eps < math.inf):
+            raise ValueError(f"norm_eps must be None (each norm's default) or a finite number >= 0, got "
+                             f"{self.norm_eps!r}")
         for name in ("dropout", "attention_dropout", "classifier_dropout"):
             value = getattr(self, name)
             if value is None and name == "classifier_dropout":  # None: dropout's

@@ -359,6 +359,8 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: TransNormerConfig):
         super().__init__(config)
+        if not config.causal:  # every position would see the tokens it is trained to predict
+            raise ValueError("TransNormerForCausalLM needs a causal config (causal=True)")
         self.model = TransNormerModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -499,6 +501,7 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
         """``return_logits=False`` with ``labels``: the head runs on the masked positions only (about
         15% of the tokens) and ``logits`` is None."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         position_ids=kwargs.get("position_ids"),  # checked there: only what the model derives
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)
         h = out.last_hidden_state
@@ -546,6 +549,7 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs) -> SequenceClassifierOutput:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         position_ids=kwargs.get("position_ids"),  # checked there: only what the model derives
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)
         logits = self.classifier(pool(out.last_hidden_state, attention_mask, self.config.classifier_pooling))
