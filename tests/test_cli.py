@@ -39,6 +39,25 @@ def test_generate_streams(run_dir, capsys):
     assert capsys.readouterr().out.startswith("def return")
 
 
+def test_eval_finds_a_tokenizer_beside_the_weights(run_dir, tmp_path, capsys):
+    """A Hugging Face layout (tokenizer.json next to config.json), as generate reads it."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from transnormer.cli import resolve_model_dir
+
+    root, out = run_dir
+    hf, ckpt = tmp_path / "hf", resolve_model_dir(out)
+    AutoModelForCausalLM.from_pretrained(ckpt).save_pretrained(hf)
+    for f in (ckpt / "tokenizer").iterdir():
+        shutil.copy(f, hf / f.name)
+    assert main(["eval", "--model", str(hf), "--data", str(root), "--seq-len", "32", "--max-batches", "1",
+                 "--cache-dir", str(root / "cache")]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.find("{"):])["eval_tokens"] > 0
+
+
 def test_eval_with_stride(run_dir, capsys):
     root, out = run_dir
     assert main(["eval", "--model", str(out), "--data", str(root), "--seq-len", "32", "--stride", "16",
@@ -85,16 +104,27 @@ def test_generate_refuses_out_of_range_sampling(run_dir, capsys, flags, match):
     assert match in capsys.readouterr().err
 
 
+def _exit_code(argv) -> int:
+    """main's return value, or the code of the SystemExit with which argparse refuses an argument."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
 @pytest.mark.parametrize("flags,match", [
-    (["--max-batches", "0"], "--max-batches must be >= 1"),
-    (["--max-batches", "-2"], "--max-batches must be >= 1"),
+    (["--max-batches", "0"], "argument --max-batches: expected an integer >= 1, got 0"),
+    (["--max-batches", "-2"], "argument --max-batches: expected an integer >= 1, got -2"),
+    (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+    (["--stride", "0"], "argument --stride: expected an integer >= 1, got 0"),
+    (["--stride", "64"], "eval_stride must be an int in [1, seq_len = 32]"),
     (["--task", "mlm", "--stride", "8"], "--stride applies to --task clm only"),
     (["--text-column", "0"], "apply to --task cls only"),
 ])
 def test_eval_refuses_flags_that_would_change_nothing(run_dir, capsys, flags, match):
     root, out = run_dir
-    assert main(["eval", "--model", str(out), "--data", str(root), "--seq-len", "32",
-                 "--cache-dir", str(root / "cache"), *flags]) == 2
+    assert _exit_code(["eval", "--model", str(out), "--data", str(root), "--seq-len", "32",
+                       "--cache-dir", str(root / "cache"), *flags]) == 2
     assert match in capsys.readouterr().err
 
 
@@ -125,7 +155,7 @@ def test_a_diverged_run_exits_non_zero(run_dir, tmp_path, capsys, monkeypatch):
     assert "the run diverged at step 2" in capsys.readouterr().err
 
 
-def test_column_indices_of_a_headerless_cls_file(tmp_path):
+def test_column_indices_of_a_headerless_cls_file(tmp_path, capsys):
     """All-digit --text-column / --label-column are indices: as strings, a first row labelled "0"
     or "1" had matched them as column names and been taken for a header."""
     from transnormer.cli import build_parser
@@ -142,6 +172,13 @@ def test_column_indices_of_a_headerless_cls_file(tmp_path):
                  "--no-progress", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
                  "--label-column", "1"]) == 0
     assert json.loads((out / "summary.json").read_text())["eval"]["n"] == 9  # every dev row, the first too
+    # evaluating needs no train split of one batch: a batch of 30 over the 9 dev rows, 24 train rows
+    capsys.readouterr()
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(tmp_path), "--seq-len", "16",
+                 "--batch-size", "30", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
+                 "--label-column", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.find("{"):])["n"] == 9
 
 
 def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, capsys):

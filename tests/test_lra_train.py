@@ -277,6 +277,33 @@ def test_cli_train_writes_provenance(listops_root, tmp_path, capsys):
     assert "synthetic-fixture" in table and "LRA average" not in table
 
 
+def test_cli_train_epochs_count_optimizer_steps_of_the_global_batch(listops_root, tmp_path):
+    """--epochs 1 with --grad-accum 2: each step takes 2 x 8 of the 96 training examples, so 6 steps
+    (12 had read the data twice)."""
+    run = tmp_path / "run"
+    assert main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
+                 "--epochs", "1", "--batch-size", "8", "--grad-accum", "2", "--lr", "1e-3", "--out", str(run),
+                 "--no-progress", "--eval-batches", "1", "--test-batches", "1"]) == 0
+    rec = json.loads((run / "lra_result.json").read_text())
+    assert rec["training"]["max_steps"] == 6 and rec["steps"] == 6
+
+
+@pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--seq-len", "0"], ["--epochs", "-5"],
+                                   ["--grad-accum", "0"], ["--test-batches", "0"], ["--max-steps", "0"]])
+def test_cli_train_refuses_values_it_would_have_replaced(listops_root, tmp_path, capsys, flags):
+    with pytest.raises(SystemExit) as e:
+        main(["lra", "train", "listops", "--root", str(listops_root), "--out", str(tmp_path / "run"), *flags])
+    assert e.value.code == 2 and f"argument {flags[0]}: expected" in capsys.readouterr().err
+
+
+def test_evaluate_lra_refuses_zero_batches(listops_root):
+    from transnormer.train.lra_tasks import evaluate_split
+
+    model = build_model("t2-lra-listops-tiny")
+    with pytest.raises(ValueError, match="max_batches must be an int >= 1"):
+        evaluate_split(model, f"lra:listops:{listops_root}", "test", max_len=64, max_batches=0)
+
+
 def test_results_table_naming_rule():
     from transnormer.cli_lra import results_table
 

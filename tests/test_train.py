@@ -50,11 +50,31 @@ def test_kill_and_resume_is_exact(corpus_dir, tmp_path):
     assert len(ref) == 6
     part = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), save_every=1, stop_after=3)
     assert train(part) == {"stopped_at": 3}
-    # a "crash" after step 3's checkpoint: the run resumes at step 3 and repeats nothing
+    # a "crash" after step 3's checkpoint, in the middle of writing a metrics record: the run resumes
+    # at step 3, drops the torn record and repeats nothing
+    with open(Path(part.out_dir) / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 4, "lo')
     resumed = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), save_every=1, resume=True)
     train(resumed)
     got = train_losses(resumed.out_dir)
     assert got == pytest.approx(ref, rel=0, abs=1e-6)
+
+
+def test_read_metrics_drops_only_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # damage before the end is not a torn write
+    with pytest.raises(ValueError, match="line 2 is not a JSON record"):
+        read_metrics(path)
+
+
+@pytest.mark.parametrize("kw,match", [({"eval_stride": 0}, "eval_stride must be an int in"),
+                                      ({"eval_stride": 33}, "eval_stride must be an int in"),
+                                      ({"eval_stride": 8, "task": "mlm"}, "eval_stride applies to task 'clm' only")])
+def test_eval_stride_is_checked_before_training(corpus_dir, tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        cfg_for(corpus_dir, tmp_path, **kw).check()
 
 
 def test_corrupt_checkpoint_falls_back(corpus_dir, tmp_path):

@@ -9,6 +9,28 @@ import sys
 from pathlib import Path
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value
+
+
 def _column(value: str) -> int | str:
     """A column name, or (all digits) a 0-based column index: a header-less file has no names."""
     return int(value) if value.isdigit() else value
@@ -49,8 +71,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--cache-dir")
     _add_cls_column_args(p)
     p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process and micro-step")
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="per process and micro-step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)
     p.add_argument("--max-steps", type=int, help="with --budget too, the run stops at whichever comes first")
     p.add_argument("--budget", help="tokens ('200k', '2M') or time ('90s', '5min'); with --max-steps too, the run "
@@ -73,9 +95,9 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--out", dest="out_dir", default=d.out_dir)
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="steps; 0 = at the end only (compare: 0 = 8 evaluations per run)")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+    p.add_argument("--eval-batches", type=positive_int, default=d.eval_batches,
                    help="batches each process evaluates (under torchrun the split is shared out, so N processes "
-                   "score up to N times as many; default: the whole split)")
+                   "score up to N times as many; default: %(default)s)")
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--keep-last", type=int, default=d.keep_last)
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
@@ -209,16 +231,15 @@ def cmd_eval(args) -> int:
     from .train.loop import TrainConfig, autocast_factory, build_model_for
     from .train.tasks import build_task_data
 
-    if args.max_batches is not None and args.max_batches < 1:  # 0 batches had reported loss 0 / ppl 1
-        raise ValueError(f"--max-batches must be >= 1 (or left out: the whole split), got {args.max_batches}")
     if args.stride is not None and args.task != "clm":  # mlm and cls windows do not slide
         raise ValueError(f"--stride applies to --task clm only, not --task {args.task}")
     read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
-    tok_dir = args.tokenizer or str(model_dir / "tokenizer")
-    cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=tok_dir,
+    # no --tokenizer: the model's own, in <model>/tokenizer or beside its weights (tasks.get_tokenizer)
+    cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
                       seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
                       cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read)
+    cfg.check()
     info = setup_distributed(args.device)
 
     autocast = autocast_factory(info.device, args.dtype)
@@ -255,10 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="stdlib")
     p.add_argument("--task", default="clm", choices=["clm", "mlm", "cls"])
     p.add_argument("--split", default="valid", choices=["valid", "test", "train"])
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--stride", type=int, help="clm sliding-window stride (default: seq-len)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-batches", type=int, help=">= 1 (default: the whole split)")
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--stride", type=positive_int, help="clm sliding-window stride (default: seq-len)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--max-batches", type=positive_int, help="default: the whole split")
     p.add_argument("--tokenizer")
     p.add_argument("--cache-dir")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
-    return value
+from .cli import positive_float, positive_int
 
 
 def _print(res: dict) -> None:
@@ -75,18 +56,18 @@ def register(sub) -> None:
     p.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"],
                    help="for train/infer (memory, long and peers use their own): the first is compared with "
                         "the last; peers as peer:NAME")
-    p.add_argument("--lengths", type=_positive_int, nargs="+", help="ops, train, infer")
+    p.add_argument("--lengths", type=positive_int, nargs="+", help="ops, train, infer")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--vocab-size", type=_positive_int, default=32768)
-    p.add_argument("--threads", type=_positive_int)
-    p.add_argument("--rounds", type=_positive_int, default=1,
+    p.add_argument("--vocab-size", type=positive_int, default=32768)
+    p.add_argument("--threads", type=positive_int)
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="ops, train, infer: measure the configurations in turn this many times; each keeps its "
                         "median round")
-    p.add_argument("--tokens-per-step", type=_positive_int, default=16384,
+    p.add_argument("--tokens-per-step", type=positive_int, default=16384,
                    help="train/infer: tokens in each step (batch = this // T, at least 1)")
-    p.add_argument("--max-step-s", type=_positive_float,
+    p.add_argument("--max-step-s", type=positive_float,
                    help="train/infer: a preset whose step takes longer than this is not run at longer T")
-    p.add_argument("--max-mem-gb", type=_positive_float,
+    p.add_argument("--max-mem-gb", type=positive_float,
                    help="train/infer on CPU: cap each measuring process's address space; a configuration "
                         "that needs more is recorded as out of memory and the preset's longer T skipped")
     p.add_argument("--out", default="runs/bench")

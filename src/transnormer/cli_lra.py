@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
+
+from .cli import positive_float, positive_int
 
 LRA_FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
 TASK_TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
@@ -212,17 +215,19 @@ def run_train(args) -> dict:
     info_t = task_info(task)
     defaults = training_defaults(task)
     preset = args.preset or preset_for(task)
-    batch = args.batch_size or defaults["batch_size"]
+    batch = args.batch_size if args.batch_size is not None else defaults["batch_size"]
     lr = args.lr if args.lr is not None else defaults["lr"]
-    seq_len = args.seq_len or info_t.length
+    seq_len = args.seq_len if args.seq_len is not None else info_t.length
     opts = _load_options(args)
     max_steps, budget = args.max_steps, args.budget
     if max_steps is None and budget is None:
         epochs = args.epochs if args.epochs is not None else defaults["epochs"]
         if epochs is None:
             raise ValueError(f"{task}: the authors give no epoch count; pass --max-steps, --budget or --epochs")
+        # an optimizer step takes batch x grad_accum examples on each of WORLD_SIZE processes
+        per_step = batch * args.grad_accum * int(os.environ.get("WORLD_SIZE", "1"))
         n_train = len(load_split(task, args.root, "train", seq_len, opts))
-        max_steps = max(1, int(epochs * (n_train // batch)))
+        max_steps = max(1, int(epochs * (n_train // per_step)))
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
     if warmup is None:
         warmup = min(1000, (max_steps or 10_000) // 10)  # [D] Path-X: not given by the authors
@@ -389,7 +394,7 @@ def register(sub) -> None:
                        help="override the detected data provenance (e.g. stand-in for a non-IMDB corpus)")
         q.add_argument("--name", help="stand-in name for the dataset id, e.g. text-<name> (stand-in)")
         q.add_argument("--val-from", choices=["test", "train"], help="Text: validate on test (official) or a train carve-out")
-        q.add_argument("--seq-len", type=int,
+        q.add_argument("--seq-len", type=positive_int,
                        help="truncate sequences (default: the task length; eval: the run's own setting)")
         q.add_argument("--device")
         q.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -398,11 +403,11 @@ def register(sub) -> None:
     q.add_argument("task")
     q.add_argument("--preset", help="default: t2-lra-TASK (see `python -m transnormer.presets`)")
     data_args(q)
-    q.add_argument("--max-steps", type=int)
+    q.add_argument("--max-steps", type=positive_int)
     q.add_argument("--budget", help="tokens ('2M') or time ('10min'); default: the authors' epochs")
-    q.add_argument("--epochs", type=float, help="default: the authors' epoch count")
-    q.add_argument("--batch-size", type=int, help="default: the authors' total batch")
-    q.add_argument("--grad-accum", type=int, default=1)
+    q.add_argument("--epochs", type=positive_float, help="default: the authors' epoch count")
+    q.add_argument("--batch-size", type=positive_int, help="default: the authors' total batch")
+    q.add_argument("--grad-accum", type=positive_int, default=1)
     q.add_argument("--lr", type=float)
     q.add_argument("--warmup", type=int, help="default: the authors' warmup (capped at half of --max-steps)")
     q.add_argument("--clip", type=float, help="gradient clipping (default: off, as the authors)")
@@ -410,8 +415,8 @@ def register(sub) -> None:
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     q.add_argument("--out", help="run folder (default: runs/lra/TASK-PRESET)")
     q.add_argument("--eval-every", type=int, default=0)
-    q.add_argument("--eval-batches", type=int, default=50, help="validation batches per evaluation")
-    q.add_argument("--test-batches", type=int,
+    q.add_argument("--eval-batches", type=positive_int, default=50, help="validation batches per evaluation")
+    q.add_argument("--test-batches", type=positive_int,
                    help="batches of the final validation and test evaluations (default: all)")
     q.add_argument("--save-every", type=int, default=0)
     q.add_argument("--resume", action="store_true")
@@ -423,8 +428,8 @@ def register(sub) -> None:
     q.add_argument("--model", required=True, help="model, checkpoint or run directory")
     data_args(q)
     q.add_argument("--split", default="test", choices=["train", "val", "test"])
-    q.add_argument("--batch-size", type=int, default=32)
-    q.add_argument("--max-batches", type=int)
+    q.add_argument("--batch-size", type=positive_int, default=32)
+    q.add_argument("--max-batches", type=positive_int)
     q.add_argument("--out", help="write the JSON here (and a .md next to it)")
     q.set_defaults(func=cmd_eval)
 

@@ -119,6 +119,13 @@ class TrainConfig:
             raise ValueError(f"max_steps must be >= 1 (or None with a budget), got {self.max_steps}")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"eval_batches must be >= 1 (or None: the whole split), got {self.eval_batches}")
+        if self.eval_stride is not None:  # the windows of a clm evaluation; checked here, not after training
+            if self.task != "clm":
+                raise ValueError(f"eval_stride applies to task 'clm' only, not {self.task!r}")
+            if isinstance(self.eval_stride, bool) or not isinstance(self.eval_stride, int) or not (
+                    1 <= self.eval_stride <= self.seq_len):
+                raise ValueError(f"eval_stride must be an int in [1, seq_len = {self.seq_len}] (or None: seq_len), "
+                                 f"got {self.eval_stride!r}")
         if self.max_steps is None and self.budget is None:
             raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
         if self.budget is not None:

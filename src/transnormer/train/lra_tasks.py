@@ -226,6 +226,9 @@ def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batche
     reviews come first), so a prefix would score one class."""
     from .evaluate import classification_metrics
 
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be an int >= 1 or None (the whole split), got {max_batches!r}")
     was_training = model.training
     model.eval()
     preds, golds, loss_sum = [], [], 0.0
@@ -256,7 +259,7 @@ def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batche
         p = torch.cat([g[0] for g in gathered])
         y = torch.cat([g[1] for g in gathered])
     (loss_sum,) = all_reduce_sum([loss_sum], info)
-    out = {"loss": loss_sum / max(len(y), 1), **classification_metrics(p, y)}
+    out = {"loss": loss_sum / len(y) if len(y) else float("nan"), **classification_metrics(p, y)}  # nothing scored: NaN
     if majority_class is not None:
         out["majority_accuracy"] = float((y == majority_class).float().mean()) if len(y) else float("nan")
     return out
@@ -315,8 +318,10 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         print(f"lra:{task}: truncating {n_trunc} training sequence(s) to seq_len={max_len} "
               f"(task length {info_t.length}); pass --seq-len {info_t.length} for the full task")
     collate = train_ds.collate_fn()
-    sampler = StepBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                               world_size=info.world_size)
+
+    def sampler():  # made at first use (ClsBatches): an evaluation does not need it
+        return StepBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                world_size=info.world_size)
     counts = np.bincount(_labels_of(train_ds), minlength=info_t.num_classes)
     majority = majority_class(train_ds)
     prov = provenance_record(train_ds)

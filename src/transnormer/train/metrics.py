@@ -45,10 +45,21 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a JSONL metrics file. A last line cut short (the process killed, or the disk
+    full, mid-write) is dropped: it is the record of a step that a resumed run repeats anyway."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i} is not a JSON record ({e})") from None
+    return records
 
 
 def truncate_metrics(path: str | Path, after_step: int) -> None:

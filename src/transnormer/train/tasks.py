@@ -78,8 +78,18 @@ class MLMBatches:
 
 
 class ClsBatches:
-    def __init__(self, dataset, collate, sampler: StepBatchSampler):
-        self.dataset, self.collate, self.sampler = dataset, collate, sampler
+    """Training batches of a classification split. The sampler is made at first use: evaluating a
+    model (``transnormer eval``) builds the task's data too, and must not need a train split of at
+    least one batch."""
+
+    def __init__(self, dataset, collate, make_sampler):
+        self.dataset, self.collate, self._make_sampler, self._sampler = dataset, collate, make_sampler, None
+
+    @property
+    def sampler(self) -> StepBatchSampler:
+        if self._sampler is None:
+            self._sampler = self._make_sampler()
+        return self._sampler
 
     def __next__(self) -> dict:
         return self.collate([self.dataset[int(i)] for i in next(self.sampler)])
@@ -254,8 +264,9 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
             except ValueError as e:
                 unusable["test"] = str(e)
         collate = ClassificationCollator(tok.pad_id)
-        sampler = StepBatchSampler(len(datasets["train"]), cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                   world_size=info.world_size)
+        def sampler():
+            return StepBatchSampler(len(datasets["train"]), cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                    world_size=info.world_size)
         eval_split = "valid" if "valid" in datasets else "train"
 
         def evaluate(model, split=eval_split, max_batches=None):
