@@ -288,6 +288,26 @@ def test_cli_train_epochs_count_optimizer_steps_of_the_global_batch(listops_root
     assert rec["training"]["max_steps"] == 6 and rec["steps"] == 6
 
 
+@pytest.mark.slow
+def test_cli_train_under_torchrun_scores_the_splits_once_over_the_ranks(listops_root, tmp_path):
+    """Each rank scores its share of val and test in the training's process group; rank 0 writes.
+    (Every rank had evaluated both whole splits alone and written the same files.)"""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script), "lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root",
+                    str(listops_root), "--max-steps", "2", "--batch-size", "4", "--lr", "1e-3", "--out", str(run),
+                    "--no-progress", "--eval-batches", "1"],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    rec = json.loads((run / "lra_result.json").read_text())
+    assert rec["val"]["n"] == 24 and rec["test"]["n"] == 24
+
+
 @pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--seq-len", "0"], ["--epochs", "-5"],
                                    ["--grad-accum", "0"], ["--test-batches", "0"], ["--max-steps", "0"]])
 def test_cli_train_refuses_values_it_would_have_replaced(listops_root, tmp_path, capsys, flags):

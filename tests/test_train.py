@@ -188,6 +188,40 @@ def test_ddp_two_processes_match_one(corpus_dir, tmp_path, task):
     assert torch.tensor(one).isfinite().all()
 
 
+def test_cleanup_leaves_a_process_group_it_did_not_create(tmp_path, monkeypatch):
+    """compare and lra train set the group up once around their runs: each run's cleanup must not
+    tear it down (a new group against the same torchrun store had failed to connect)."""
+    import torch.distributed as dist
+
+    from transnormer.train.distributed import cleanup, setup_distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun, the group already there
+        info = setup_distributed("cpu")
+        assert info.enabled and not info.owns_group
+        cleanup(info)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compare_under_torchrun_keeps_one_process_group(corpus_dir, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    c = cfg_for(corpus_dir, tmp_path)
+    argv = ["compare", "--presets", "t2-lm-tiny,vanilla-lm-tiny", "--data", c.data, "--vocab-size", "300",
+            "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--eval-batches", "1", "--no-progress",
+            "--cache-dir", c.cache_dir, "--out", str(tmp_path / "cmp"), "--set", "hidden_size=32",
+            "--set", "num_hidden_layers=2", "--set", "num_attention_heads=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script), *argv], check=True, env=env, timeout=300)
+    table = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "t2-lm-tiny" in table and "vanilla-lm-tiny" in table
+
+
 @pytest.mark.slow
 def test_ddp_time_budget_stops_all_ranks_together(corpus_dir, tmp_path):
     """Each rank had decided a time budget, timed evaluations and the budget-fitted schedule from

@@ -161,20 +161,24 @@ def load_model_dir(model_dir: Path):
 
 def evaluate_model(task: str, model, *, root: str | None = None, split: str = "test", seq_len: int | None = None,
                    batch_size: int = 32, max_batches: int | None = None, device: str | None = None,
-                   dtype: str = "fp32", load_options: dict | None = None) -> tuple[dict, dict]:
-    """(metrics incl. data labels, provenance record) of ``model`` on one split of ``task``."""
+                   dtype: str = "fp32", load_options: dict | None = None, info=None) -> tuple[dict, dict]:
+    """(metrics incl. data labels, provenance record) of ``model`` on one split of ``task``.
+
+    ``info``: a DistInfo of a process group (torchrun): the split is shared out over its ranks and
+    every rank gets the whole result; by default this process alone evaluates all of it."""
     import torch
 
     from .train.distributed import DistInfo
     from .train.lra_tasks import evaluate_split
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = info.device if info is not None else torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    info = info if info is not None else DistInfo(device=dev)
 
     def autocast():
         return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
     return evaluate_split(model.to(dev), _spec(task, root), split, max_len=seq_len, batch_size=batch_size,
-                          max_batches=max_batches, info=DistInfo(device=dev), autocast=autocast,
+                          max_batches=max_batches, info=info, autocast=autocast,
                           options=load_options)
 
 
@@ -208,6 +212,7 @@ def run_train(args) -> dict:
     from .cli import parse_overrides
     from .data.lra import task_info
     from .models.lra_presets import LRA_MODELS
+    from .train.distributed import cleanup, main_first, setup_distributed
     from .train.loop import TrainConfig, train
     from .train.lra_tasks import load_split
 
@@ -244,14 +249,19 @@ def run_train(args) -> dict:
         out_dir=str(out), eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
         resume=args.resume, progress=args.progress,
     )
-    summary = train(cfg)
-    model, model_path = load_model_dir(out)
-    # The reported numbers cover whole splits: the loop's periodic validation reads --eval-batches only.
-    val, _ = evaluate_model(task, model, root=args.root, split="val", seq_len=seq_len, batch_size=batch,
-                            max_batches=args.test_batches, device=args.device, dtype=args.dtype, load_options=opts)
-    test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=batch,
-                                max_batches=args.test_batches, device=args.device, dtype=args.dtype,
-                                load_options=opts)
+    # Under torchrun one process group serves the training and the evaluations after it: each rank
+    # scores its share of the splits, and rank 0 writes the result files.
+    info = setup_distributed(args.device)
+    try:
+        summary = train(cfg)
+        model, model_path = main_first(info, lambda: load_model_dir(out))  # rank 0 may repair a folder
+        # The reported numbers cover whole splits: the loop's periodic validation reads --eval-batches only.
+        val, _ = evaluate_model(task, model, root=args.root, split="val", seq_len=seq_len, batch_size=batch,
+                                max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
+        test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=batch,
+                                    max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
+    finally:
+        cleanup(info)
     base = preset.split("-lra-", 1)[1].removesuffix("-tiny") if "-lra-" in preset else None
     rec = {
         "kind": "lra-result", "task": task, "preset": preset, "data_provenance": test["data_provenance"],
@@ -265,12 +275,15 @@ def run_train(args) -> dict:
         "val": val, "test": test, "final_train_loss": summary["final_train_loss"],
         "comparable_to_published": test["data_provenance"] == "official",
     }
-    write_result(out, rec)
+    if info.is_main:
+        write_result(out, rec)
     return rec
 
 
 def cmd_train(args) -> int:
     rec = run_train(args)
+    if int(os.environ.get("RANK", "0")):  # under torchrun rank 0 reports
+        return 0
     print(result_markdown(rec))
     out = Path(rec["run_dir"])
     print(f"wrote {out / RESULT_JSON} and {out / RESULT_MD}")

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ..runtime import call_in_fresh_process
+from .distributed import DistInfo, cleanup, setup_distributed
 from .loop import TrainConfig, parse_budget, train
 from .metrics import plot_curves, read_metrics
 
@@ -31,9 +32,17 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
         config = get_config(p)  # fail fast on an unknown name, before any training
         if base.task == "clm" and not config.causal:  # found only after the earlier presets trained
             raise ValueError(f"presets: {p!r} is bidirectional; task 'clm' needs causal (-lm) presets")
+    # under torchrun every rank runs this and rank 0 writes; one process group for all the runs
+    info = setup_distributed(base.device)
+    try:
+        return _compare(presets, base, evals_per_run, info)
+    finally:
+        cleanup(info)
+
+
+def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: DistInfo) -> dict:
     out = Path(base.out_dir)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this; rank 0 writes
+    world, is_main = info.world_size, info.is_main
     kind, amount = parse_budget(base.budget) if base.budget else ("steps", base.max_steps)
     summaries, curves = [], {}
     for name in presets:

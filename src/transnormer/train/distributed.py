@@ -22,6 +22,9 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    # whether setup_distributed created the process group, so that cleanup() tears it down: a
+    # caller that runs several trainings (compare, lra train) sets the group up once around them
+    owns_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -33,7 +36,7 @@ class DistInfo:
 
 
 def setup_distributed(device: str | None = None) -> DistInfo:
-    """Initialise the process group when launched by torchrun; pick the device."""
+    """Initialise the process group when launched by torchrun (unless it exists); pick the device."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -52,9 +55,10 @@ def setup_distributed(device: str | None = None) -> DistInfo:
                          f"{str(e).splitlines()[0][:200]}") from None
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if world_size > 1 and not dist.is_initialized():
+    owns = world_size > 1 and not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, owns_group=owns)
 
 
 def check_strategy(info: DistInfo, strategy: str) -> None:
@@ -129,7 +133,9 @@ def barrier(info: DistInfo) -> None:
 
 
 def cleanup(info: DistInfo) -> None:
-    """Tear the process group down without the gloo exit deadlock.
+    """Tear the process group down, if ``info``'s setup_distributed created it, without the gloo
+    exit deadlock. (Destroying it and initialising another against the same torchrun store, once
+    per run of a compare, failed to connect in 3 of 7 tries.)
 
     A finished gloo work item is released by a gloo worker thread, which needs the GIL when it
     holds Python-created tensors (our metric all-reduces). If the main thread meanwhile blocks in
@@ -137,7 +143,7 @@ def cleanup(info: DistInfo) -> None:
     forever. So: a barrier (all ranks done), a short sleep that releases the GIL so the workers
     can drop what they hold, then the explicit destroy.
     """
-    if info.enabled and dist.is_initialized():
+    if info.owns_group and dist.is_initialized():
         dist.barrier()
         time.sleep(0.2)
         dist.destroy_process_group()
