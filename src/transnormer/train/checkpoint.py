@@ -55,8 +55,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: dict, *, tokenizer=None,
-                    keep_last: int = 3) -> Path:
-    """Write checkpoint ``root/step-{step:08d}`` atomically and prune to the newest ``keep_last``."""
+                    keep_last: int = 3, state_dict: dict | None = None) -> Path:
+    """Write checkpoint ``root/step-{step:08d}`` atomically and prune to the newest ``keep_last``.
+
+    ``state_dict``: the weights to write, when not ``model``'s own (FSDP: gathered whole)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):  # left by a process killed mid-write
@@ -70,7 +72,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one line per checkpoint is enough
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer")
         torch.save(trainer_state, tmp / STATE)

@@ -2,7 +2,7 @@
 
 Launched by ``torchrun`` the environment carries RANK / WORLD_SIZE / LOCAL_RANK; otherwise the run
 is a single process. CPU uses the gloo backend (``torchrun --nproc_per_node 2`` works on this
-machine), CUDA uses NCCL. DDP is the default; FSDP2 (``fully_shard``) on GPUs by flag.
+machine), CUDA uses NCCL. DDP is the default; FSDP2 (``fully_shard``) by flag, on GPUs or (gloo) CPUs.
 """
 
 from __future__ import annotations
@@ -65,12 +65,47 @@ def check_strategy(info: DistInfo, strategy: str) -> None:
     """Whether ``strategy`` can wrap a model here (called before any work, and by wrap_model)."""
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
-    if strategy == "fsdp" and info.enabled and info.device.type != "cuda":
-        raise ValueError("strategy='fsdp' needs GPUs; use 'ddp' on CPU")
+
+
+def is_sharded(info: DistInfo, strategy: str) -> bool:
+    """Whether wrap_model shards the parameters (FSDP over more than one process)."""
+    return strategy == "fsdp" and info.enabled
+
+
+def full_state(model: nn.Module, optimizer, info: DistInfo, strategy: str) -> tuple[dict | None, dict]:
+    """(model weights or None, optimizer state) for a checkpoint, called on every rank.
+
+    Sharded (FSDP): both gathered whole to rank 0's CPU memory (the other ranks get empty dicts),
+    the optimizer state keyed by parameter name. Otherwise (None: the model's own) and the
+    optimizer's ``state_dict()``."""
+    if not is_sharded(info, strategy):
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer, state: dict, info: DistInfo, strategy: str) -> None:
+    """Restore what full_state saved; every rank holds the whole state (read from the checkpoint)."""
+    if not is_sharded(info, strategy):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def global_value(x: torch.Tensor) -> torch.Tensor:
+    """A reduction over sharded parameters (e.g. clip_grad_norm_'s norm under FSDP, a DTensor) as
+    one plain tensor; other tensors as they are."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Module:
-    """DDP (default) or FSDP2 (GPU) around ``model``; the model itself unchanged when single-process."""
+    """DDP (default) or FSDP2 around ``model``; the model itself unchanged when single-process.
+
+    FSDP2 replaces the parameters by sharded DTensors in place: make the optimizer afterwards."""
     check_strategy(info, strategy)
     if not info.enabled:
         return model

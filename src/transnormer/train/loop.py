@@ -39,7 +39,11 @@ from .distributed import (
     all_reduce_sum,
     check_strategy,
     cleanup,
+    full_state,
     gather_objects,
+    global_value,
+    is_sharded,
+    load_optimizer_state,
     main_first,
     setup_distributed,
     unwrap,
@@ -347,6 +351,8 @@ def train(cfg: TrainConfig) -> dict:
     cfg.check()
     info = setup_distributed(cfg.device)
     check_strategy(info, cfg.strategy)  # before any data or model work
+    if cfg.grad_stats and is_sharded(info, cfg.strategy):  # its norms would be each rank's shard's
+        raise ValueError("grad_stats (--grad-stats) needs whole gradients: use strategy 'ddp'")
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     log = print if info.is_main else (lambda *a, **k: None)
@@ -370,10 +376,6 @@ def train(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
-    # fused: one kernel per parameter group instead of a dozen ops with temporaries (CPU: 3.3x
-    # faster measured on a 36M model); not for FSDP's sharded DTensors.
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                                  eps=cfg.adam_eps, fused=cfg.strategy != "fsdp" or not info.enabled)
     tokens_per_step = data.tokens_per_step * cfg.grad_accum * info.world_size
     budget_kind, budget = parse_budget(cfg.budget) if cfg.budget else ("steps", None)
     # max_steps and a budget together: whichever comes first ends the run (a time budget stops the
@@ -383,11 +385,10 @@ def train(cfg: TrainConfig) -> dict:
         total_steps = min(total_steps or math.inf, max(1, math.ceil(budget / tokens_per_step)))
     sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or _UNFITTED,
              "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
-    scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
 
-    # resume
+    # resume (the optimizer's and scheduler's states once they exist, after wrap_model below)
     step, tokens_seen, elapsed = 0, 0, 0.0
-    resumed = False
+    resumed, state = False, None
     if cfg.resume:
         # rank 0 first: finding the checkpoint may repair a save a kill interrupted (renames), which
         # two ranks must not do at once; the others then find the repaired folder
@@ -400,9 +401,7 @@ def train(cfg: TrainConfig) -> dict:
             if changed:
                 raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
                                  "resume with the original settings, or start a new run (--init-from for weights)")
-            load_model_weights(model, ckpt)
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
+            load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
             sched.update(state["sched"])
             data.train.load_state_dict(state["data"])
             per_rank = state.get("rng_per_rank")
@@ -428,6 +427,18 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.compile:
         model = torch.compile(model)
     wrapped = wrap_model(model, info, cfg.strategy)
+    # The optimizer after wrap_model: FSDP replaces the parameters by sharded ones, and an optimizer
+    # made before would step the old ones (which get no gradient). fused: one kernel per parameter
+    # group instead of a dozen ops with temporaries (CPU: 3.3x faster measured on a 36M model); not
+    # for FSDP's DTensors.
+    sharded = is_sharded(info, cfg.strategy)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                                  eps=cfg.adam_eps, fused=not sharded)
+    scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
+    if resumed:
+        load_optimizer_state(model, optimizer, state["optimizer"], info, cfg.strategy)
+        scheduler.load_state_dict(state["scheduler"])
+        state = None  # (the optimizer state's tensors are the optimizer's now)
     metrics = MetricsLogger(out / "metrics.jsonl", enabled=info.is_main)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -440,7 +451,9 @@ def train(cfg: TrainConfig) -> dict:
     def checkpoint():
         nonlocal saved_step
         saved_step = step
-        state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer.state_dict(),
+        # FSDP: the whole model and optimizer state gathered to rank 0 (every rank takes part)
+        weights, optimizer_state = full_state(model, optimizer, info, cfg.strategy)
+        state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
@@ -449,7 +462,8 @@ def train(cfg: TrainConfig) -> dict:
         if recorder is not None:  # grad_norms.jsonl reaches at least the checkpoint's step
             recorder.flush()
         if info.is_main:
-            save_checkpoint(ckpt_root, step, unwrap(model), state, tokenizer=data.tokenizer, keep_last=cfg.keep_last)
+            save_checkpoint(ckpt_root, step, unwrap(model), state, tokenizer=data.tokenizer, keep_last=cfg.keep_last,
+                            state_dict=weights)
 
     if data.eval_split != "valid":
         log(f"{cfg.data} has no validation split: evaluating on its {data.eval_split} split")
@@ -493,7 +507,8 @@ def train(cfg: TrainConfig) -> dict:
             loss_sum += float(loss.detach()) * weight if weight else 0.0  # (an MLM micro-batch may mask nothing)
         if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)
             recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
+        grad_norm = global_value(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                cfg.clip if cfg.clip > 0 else float("inf")))
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
         scheduler.step()
