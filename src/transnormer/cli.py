@@ -155,6 +155,8 @@ def cmd_compare(args) -> int:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if not presets:
         raise ValueError(f"--presets: give one or more comma-separated preset names, got {args.presets!r}")
+    if args.sample and args.task != "clm":  # generation needs a causal LM: said before the runs, not after
+        raise ValueError(f"--sample generates text and needs --task clm, not --task {args.task}")
     args.preset = presets[0]
     cfg = _train_config(args)
     result = compare(presets, cfg)
