@@ -227,6 +227,8 @@ def test_compare_and_generate_refuse_bad_input_up_front(run_dir, tmp_path, capsy
     assert main(["compare", "--presets", "t2-roberta-tiny", "--task", "mlm", "--sample", "--max-steps", "1",
                  *common]) == 2
     assert "--sample generates text and needs --task clm" in capsys.readouterr().err
+    assert main(["train", "--tokenizer", str(out), "--vocab-size", "500", "--max-steps", "1", *common]) == 2
+    assert "--vocab-size sizes the BPE trained on the data" in capsys.readouterr().err
     assert main(["compare", "--presets", "t2-lm-tiny,t2-roberta-tiny", "--max-steps", "1", *common]) == 2
     assert "'t2-roberta-tiny' is bidirectional" in capsys.readouterr().err
     assert not (tmp_path / "cmp" / "t2-lm-tiny").exists()  # refused before any training

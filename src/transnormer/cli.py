@@ -67,7 +67,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
                    help="override a config field (JSON value), e.g. --set dropout=0.0")
     p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG]")
     p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--vocab-size", type=positive_int,
+                   help=f"of the BPE trained on the data (default: {d.vocab_size}); not with --tokenizer or --init-from")
     p.add_argument("--cache-dir")
     _add_cls_column_args(p)
     p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
@@ -127,6 +128,9 @@ def _train_config(args) -> object:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     read = _cls_read_kwargs(args)
+    if args.vocab_size is not None and (args.tokenizer or getattr(args, "init_from", None)):
+        raise ValueError("--vocab-size sizes the BPE trained on the data; with --tokenizer or --init-from the "
+                         "given tokenizer's vocabulary is used: leave --vocab-size out")
     fields = TrainConfig.__dataclass_fields__
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     kw["betas"] = tuple(args.betas)
