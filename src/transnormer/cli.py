@@ -247,14 +247,12 @@ def cmd_eval(args) -> int:
                       cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read)
     cfg.check()
     info = setup_distributed(args.device)
-    try:
-        autocast = autocast_factory(info.device, args.dtype)
-        data = build_task_data(cfg, info, autocast)
-        factory = data.extra.get("model_factory", build_model_for)
-        model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
-        res = data.evaluate(model, args.split, args.max_batches)
-    finally:
-        cleanup(info)
+    autocast = autocast_factory(info.device, args.dtype)
+    data = build_task_data(cfg, info, autocast)
+    factory = data.extra.get("model_factory", build_model_for)
+    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    res = data.evaluate(model, args.split, args.max_batches)
+    cleanup(info)
     res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
            "seq_len": args.seq_len, "stride": args.stride, **res}
     if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it

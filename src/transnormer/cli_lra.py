@@ -251,17 +251,17 @@ def run_train(args) -> dict:
     )
     # Under torchrun one process group serves the training and the evaluations after it: each rank
     # scores its share of the splits, and rank 0 writes the result files.
+    # (No cleanup on an error: its barrier would wait for ranks stuck in a collective; the error ends
+    # the process, and torchrun the others.)
     info = setup_distributed(args.device)
-    try:
-        summary = train(cfg)
-        model, model_path = main_first(info, lambda: load_model_dir(out))  # rank 0 may repair a folder
-        # The reported numbers cover whole splits: the loop's periodic validation reads --eval-batches only.
-        val, _ = evaluate_model(task, model, root=args.root, split="val", seq_len=seq_len, batch_size=batch,
+    summary = train(cfg)
+    model, model_path = main_first(info, lambda: load_model_dir(out))  # rank 0 may repair a folder
+    # The reported numbers cover whole splits: the loop's periodic validation reads --eval-batches only.
+    val, _ = evaluate_model(task, model, root=args.root, split="val", seq_len=seq_len, batch_size=batch,
+                            max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
+    test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=batch,
                                 max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
-        test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=batch,
-                                    max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
-    finally:
-        cleanup(info)
+    cleanup(info)
     base = preset.split("-lra-", 1)[1].removesuffix("-tiny") if "-lra-" in preset else None
     rec = {
         "kind": "lra-result", "task": task, "preset": preset, "data_provenance": test["data_provenance"],

@@ -32,12 +32,12 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
         config = get_config(p)  # fail fast on an unknown name, before any training
         if base.task == "clm" and not config.causal:  # found only after the earlier presets trained
             raise ValueError(f"presets: {p!r} is bidirectional; task 'clm' needs causal (-lm) presets")
-    # under torchrun every rank runs this and rank 0 writes; one process group for all the runs
+    # Under torchrun every rank runs this and rank 0 writes; one process group for all the runs.
+    # (No cleanup on an error: its barrier would wait for ranks stuck in a collective.)
     info = setup_distributed(base.device)
-    try:
-        return _compare(presets, base, evals_per_run, info)
-    finally:
-        cleanup(info)
+    result = _compare(presets, base, evals_per_run, info)
+    cleanup(info)
+    return result
 
 
 def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: DistInfo) -> dict:
