@@ -147,5 +147,9 @@ def test_eval_batches_sharding_and_short_streams():
     assert len(short) == 1 and short[0]["input_ids"].tolist() == [[0, 1, 2, 3, 4]]
     with pytest.raises(ValueError, match="at least 2"):
         list(eval_batches(TOKENS[:1], 10, 2))
-    with pytest.raises(ValueError, match="stride"):
+    with pytest.raises(ValueError, match="stride must be <= seq_len=10, got 11"):
         list(eval_batches(TOKENS[:100], 10, 2, stride=11))
+    # a split shorter than seq_len takes any stride up to seq_len (the one the caller set), not only the default
+    for stride in (None, 5, 10):
+        short = list(eval_batches(TOKENS[:5], seq_len=10, batch_size=2, stride=stride))
+        assert len(short) == 1 and short[0]["input_ids"].tolist() == [[0, 1, 2, 3, 4]]

@@ -432,6 +432,20 @@ def test_overwriting_a_checkpoint_survives_a_kill(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000004"]
 
 
+@pytest.mark.parametrize("kw,err,match", [
+    ({"rank": 2, "world_size": 2}, ValueError, "rank must be < world_size=2"),  # had overlapped rank 0's batches
+    ({"rank": -1, "world_size": 2}, ValueError, "rank must be >= 0"),  # had given empty batches
+    ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),  # had been a ZeroDivisionError
+    ({"world_size": 0}, ValueError, "world_size must be >= 1"),
+    ({"batch_size": 2.0}, TypeError, "batch_size must be an int"),
+])
+def test_sampler_refuses_bad_arguments(kw, err, match):
+    from transnormer.data.sampler import StepBatchSampler
+
+    with pytest.raises(err, match=match):
+        StepBatchSampler(10, **{"batch_size": 2, **kw})
+
+
 def test_sampler_refuses_a_state_from_other_data():
     from transnormer.data.sampler import StepBatchSampler
 

@@ -263,9 +263,9 @@ def eval_batches(
     if n < 2:
         raise ValueError(f"tokens has {n} ids; evaluation needs at least 2")
     t = min(seq_len, n)
-    stride = t if stride is None else _check_pos_int("stride", stride)
-    if stride > t:
-        raise ValueError(f"stride must be <= seq_len={t}, got {stride}")
+    if stride is not None and _check_pos_int("stride", stride) > seq_len:
+        raise ValueError(f"stride must be <= seq_len={seq_len}, got {stride}")
+    stride = t if stride is None else min(stride, t)  # a split shorter than seq_len: one window
     starts = list(range(0, n - t + 1, stride))
     if starts[-1] + t < n:
         starts.append(n - t)

@@ -14,6 +14,14 @@ import numpy as np
 class StepBatchSampler:
     def __init__(self, num_items: int, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
                  step: int = 0):
+        for name, value, minimum in (("num_items", num_items, 0), ("batch_size", batch_size, 1),
+                                     ("world_size", world_size, 1), ("rank", rank, 0), ("step", step, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < minimum:
+                raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        if rank >= world_size:  # another rank's batches
+            raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
         global_batch = batch_size * world_size
         if num_items < global_batch:
             raise ValueError(
