@@ -433,3 +433,27 @@ def test_cosformer_max_len_must_be_positive():
     q = torch.rand(1, 4, 1, 8)
     with pytest.raises(ValueError, match="max_len must be >= 1"):
         cosformer_attn(q, q, q, causal=True, positions=torch.arange(4)[None], max_len=0)
+
+
+def _x(*shape):
+    return torch.randn(*shape)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((_x(2, 5, 4), _x(1, 5, 4), _x(1, 5, 3)), "k must have q's \\[B, T\\] = \\(2, 5\\)"),  # had broadcast
+    ((_x(2, 5, 4), _x(2, 5, 4), _x(2, 4, 3)), "v must have q's \\[B, T\\]"),
+    ((_x(2, 5, 4), _x(2, 5, 6), _x(2, 5, 3)), "k must have q's width 4"),
+])
+def test_gau_attn_refuses_mismatched_shapes(args, match):
+    with pytest.raises(ValueError, match=match):
+        gau_attn(*args, causal=False)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((2, 6, 4),) * 4 + ((2, 4, 3),), "v must have q_local's \\[B, T\\]"),
+    (((2, 6, 4),) * 4 + ((1, 6, 3),), "v must have q_local's \\[B, T\\]"),
+    (((2, 6, 4), (2, 6, 4), (2, 6, 6), (2, 6, 6), (2, 6, 3)), "q_global must have q_local's width 4"),
+])
+def test_flash_attn_refuses_mismatched_shapes(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attn(*(torch.randn(*sh) for sh in shapes), causal=True, chunk_size=2)

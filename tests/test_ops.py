@@ -228,3 +228,18 @@ def test_step_mask_is_checked_and_taken_as_bool():
         norm_linear_attn_step(q, k, v, None, key_padding_mask=torch.tensor([0.5, 1.0]))
     with pytest.raises(ValueError, match=r"\[B\] for one step"):
         norm_linear_attn_step(q, k, v, None, key_padding_mask=torch.ones(2, 1, dtype=torch.bool))
+
+
+def test_step_refuses_mixed_dtypes():
+    """As norm_linear_attn does: a k in fp64 had been rounded to q's fp32 without a word."""
+    q, k, v = (torch.rand(2, 2, 3) for _ in range(3))
+    with pytest.raises(TypeError, match="q, k, v must share one dtype"):
+        norm_linear_attn_step(q, k.double(), v, None)
+
+
+def test_lrpe_feature_map_refuses_integer_input():
+    from transnormer.ops.lrpe import lrpe_feature_map
+
+    cos = sin = torch.ones(1, 5, 2)
+    with pytest.raises(TypeError, match="x must be a floating-point torch.Tensor"):
+        lrpe_feature_map(torch.ones(1, 5, 2, 4, dtype=torch.long), cos, sin)

@@ -32,12 +32,23 @@ def check_normalizer(name: str, allowed: tuple[str, ...], what: str) -> None:
         raise ValueError(f"{what} must be one of {allowed}, got {name!r}")
 
 
-def _check_single_head(**tensors) -> None:
+def _check_single_head(heads: tuple[str, ...], **tensors) -> None:
+    """Each tensor [B, T, X] with one B and T; the query/key ``heads`` also one width X (v its own)."""
+    first = None
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point torch.Tensor")
         if x.dim() != 3:
             raise ValueError(f"{name} must have layout [B, T, X] (single head), got shape {tuple(x.shape)}")
+        if first is None:
+            first = name
+        elif x.shape[:2] != tensors[first].shape[:2]:  # a batch of 1 would broadcast: a silent wrong answer
+            raise ValueError(f"{name} must have {first}'s [B, T] = {tuple(tensors[first].shape[:2])}, got "
+                             f"{tuple(x.shape[:2])}")
+    for name in heads[1:]:
+        if tensors[name].shape[-1] != tensors[heads[0]].shape[-1]:
+            raise ValueError(f"{name} must have {heads[0]}'s width {tensors[heads[0]].shape[-1]}, got "
+                             f"{tensors[name].shape[-1]}")
 
 
 class _MaskedRelu2(torch.autograd.Function):
@@ -391,7 +402,7 @@ def gau_attn(
     q, k: [B, T, s]; v: [B, T, e]; bias: [T, T] or [B, T, T] (b_ij, added after the division).
     O(T²) time and memory. Returns [B, T, e].
     """
-    _check_single_head(q=q, k=k, v=v)
+    _check_single_head(("q", "k"), q=q, k=k, v=v)
     B, T, _ = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)
     valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
@@ -439,7 +450,8 @@ def flash_attn(
     Returns:
         [B, T, e] = local + global (before the U gate).
     """
-    _check_single_head(q_local=q_local, k_local=k_local, q_global=q_global, k_global=k_global, v=v)
+    _check_single_head(("q_local", "k_local", "q_global", "k_global"), q_local=q_local, k_local=k_local,
+                       q_global=q_global, k_global=k_global, v=v)
     check_positive_int("chunk_size", chunk_size)
     check_normalizer(normalizer, GLOBAL_NORMALIZERS, "global normalizer")
     if not (local_branch or global_branch):

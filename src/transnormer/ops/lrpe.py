@@ -28,6 +28,8 @@ FEATURE_KERNELS = {
 
 
 def _check(x, cos, sin, u, kernel):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # the output is in x's dtype
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"x must be [B, T, H, D] with D even, got {tuple(x.shape)}")
     want = (x.shape[0], x.shape[1], x.shape[-1] // 2)

@@ -168,6 +168,8 @@ def norm_linear_attn_step(
             raise ValueError(f"{name} must have layout [B, H, D] for one step, got shape {tuple(x.shape)}")
     if q.shape != k.shape or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k must be [B, H, D] and v [B, H, E] with the same B, H; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:  # as norm_linear_attn: one would be rounded to another silently
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, D = q.shape
     E = v.shape[-1]
     sdt = state_dtype_for(q.dtype)
