@@ -60,6 +60,19 @@ def test_kill_and_resume_is_exact(corpus_dir, tmp_path):
     assert got == pytest.approx(ref, rel=0, abs=1e-6)
 
 
+def test_param_groups_decay_matrices_or_everything():
+    from transnormer.presets import build_model
+    from transnormer.train.loop import param_groups
+
+    model = build_model("t2-lm-tiny", vocab_size=50)
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    decay, no_decay = param_groups(model, 0.01)
+    assert {p.dim() for p in no_decay["params"]} == {1} and min(p.dim() for p in decay["params"]) == 2
+    assert len(decay["params"]) + len(no_decay["params"]) == n
+    decay, no_decay = param_groups(model, 0.01, decay_all=True)  # fairseq's Adam: every parameter
+    assert len(decay["params"]) == n and not no_decay["params"]
+
+
 def test_read_metrics_drops_only_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"st')
