@@ -278,9 +278,9 @@ def test_cpu_info_reads_the_first_cpu_and_tolerates_no_proc(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_outputs_streamed_from_the_products_equal_the_tiled_path(native, dtype, causal):
-    # outputs on 64-byte lines are streamed (by the products themselves in the bidirectional walk,
-    # by unpack() from the tile in the causal one); one element off the line boundary they go
-    # through a tile and plain stores: the same values, bit for bit
+    # outputs on 64-byte lines are streamed by the product that completes them (in the causal walk
+    # the second of two, adding the first's partial sum from the tile); one element off the line
+    # boundary they go through a tile and unpack(): the same values, bit for bit
     from transnormer.ops._native import _call, _ptr
 
     B, T, H, D = 1, 130, 2, 64

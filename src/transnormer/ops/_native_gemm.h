@@ -64,7 +64,8 @@ constexpr int kNV = 4;  // vectors of C per row
 
 template <typename T, int MR, int NV>
 static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T* __restrict b, idx ldb,
-                         T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last, bool stream) {
+                         const T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last, bool stream,
+                         T* __restrict out, idx ldo) {
     typedef Vec<T> V;
     typename V::reg r[MR][NV];
 #pragma GCC unroll 8
@@ -90,37 +91,37 @@ static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) {
-            if (stream) V::stream(c + i * ldc + j * V::W, r[i][j]);  // whole 64-byte lines (gemm)
-            else if (j == NV - 1) V::storem(c + i * ldc + j * V::W, r[i][j], last);
-            else V::store(c + i * ldc + j * V::W, r[i][j]);
+            if (stream) V::stream(out + i * ldo + j * V::W, r[i][j]);  // whole 64-byte lines (gemm)
+            else if (j == NV - 1) V::storem(out + i * ldo + j * V::W, r[i][j], last);
+            else V::store(out + i * ldo + j * V::W, r[i][j]);
         }
 }
 
 template <typename T, int MR>
-static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                            bool accumulate, typename Vec<T>::mask last, bool stream) {
+static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, const T* c, idx ldc,
+                            bool accumulate, typename Vec<T>::mask last, bool stream, T* out, idx ldo) {
     switch (nv) {
-        case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
     }
 }
 
 template <typename T>
-static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                         bool accumulate, bool stream) {
+static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, const T* c,
+                         idx ldc, bool accumulate, bool stream, T* out, idx ldo) {
     typedef Vec<T> V;
     const int nv = (int)((nn + V::W - 1) / V::W);
     const int tail = (int)(nn - (idx)(nv - 1) * V::W);
     const typename V::mask last = (typename V::mask)((tail == V::W) ? ((1u << V::W) - 1) : ((1u << tail) - 1));
     switch (mr) {
-        case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        case 4: micro_nv<T, 4>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        case 3: micro_nv<T, 3>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        case 2: micro_nv<T, 2>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
-        default: micro_nv<T, 1>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream); break;
+        case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 4: micro_nv<T, 4>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 3: micro_nv<T, 3>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 2: micro_nv<T, 2>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        default: micro_nv<T, 1>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
     }
 }
 
@@ -128,8 +129,11 @@ static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, co
 template <typename T>
 constexpr idx gemm_panel() { return kNV * Vec<T>::W; }
 
-// stream: write C with streaming stores, past the caches (an output not read again soon); C's
-// rows must be whole 64-byte lines on line boundaries (stream_ok), and tri kFull.
+// stream: write the result with streaming stores, past the caches (an output not read again
+// soon); its rows must be whole 64-byte lines on line boundaries (stream_ok), and tri not
+// kOutLower (which leaves blocks unwritten).
+// out: where the result goes (ldo apart), when not to C: C then only holds the partial sum
+// that accumulate adds to, and a product that completes an output writes it there directly.
 template <typename T>
 static bool stream_ok(const T* c, idx ldc, idx N) {
     return !((reinterpret_cast<uintptr_t>(c) | uintptr_t(ldc * sizeof(T)) | uintptr_t(N * sizeof(T))) & 63);
@@ -137,8 +141,10 @@ static bool stream_ok(const T* c, idx ldc, idx N) {
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                 bool accumulate, Tri tri = kFull, tn::RowPrefetch* pf = nullptr, bool stream = false) {
+                 bool accumulate, Tri tri = kFull, tn::RowPrefetch* pf = nullptr, bool stream = false,
+                 T* out = nullptr, idx ldo = 0) {
     static_assert(kMR == 6, "block() dispatches row counts 1..6");
+    if (!out) out = c, ldo = ldc;
     const idx panel = kNV * Vec<T>::W;
     const idx mblocks = (M + kMR - 1) / kMR, blocks = mblocks * ((N + panel - 1) / panel);
     idx done = 0;
@@ -155,14 +161,16 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
             } else if (tri == kAUpper) {
                 k0 = std::min(K, m0);
             }
-            T* cb = c + m0 * ldc + n0;
-            if (k1 <= k0) {
-                if (!accumulate)
-                    for (idx i = 0; i < mr; ++i) std::fill(cb + i * ldc, cb + i * ldc + nn, T(0));
+            const T* cb = c + m0 * ldc + n0;
+            T* ob = out + m0 * ldo + n0;
+            if (k1 <= k0) {  // no terms: C as it was, or zeros
+                for (idx i = 0; i < mr; ++i)
+                    if (!accumulate) std::fill(ob + i * ldo, ob + i * ldo + nn, T(0));
+                    else if (ob != cb) std::copy(cb + i * ldc, cb + i * ldc + nn, ob + i * ldo);
                 continue;
             }
             block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate,
-                     stream);
+                     stream, ob, ldo);
         }
     }
     if (pf) pf->issue(pf->rows);
@@ -177,10 +185,13 @@ constexpr idx gemm_panel() { return idx(1) << 40; }  // each row of A is read on
 
 template <typename T>
 static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, idx ldb, T* c, idx ldc,
-                 bool accumulate, Tri = kFull, tn::RowPrefetch* = nullptr, bool = false) {  // full products: the masked tiles are zero anyway
+                 bool accumulate, Tri = kFull, tn::RowPrefetch* = nullptr, bool = false, T* out = nullptr,
+                 idx ldo = 0) {  // full products: the masked tiles are zero anyway
+    if (!out) out = c, ldo = ldc;
     for (idx m = 0; m < M; ++m) {
-        T* crow = c + m * ldc;
+        T* crow = out + m * ldo;
         if (!accumulate) std::fill(crow, crow + N, T(0));
+        else if (out != c) std::copy(c + m * ldc, c + m * ldc + N, crow);
         for (idx kk = 0; kk < K; ++kk) {
             const T av = a[m * ars + kk * acs];
             const T* brow = b + kk * ldb;
