@@ -259,12 +259,13 @@ struct Worker {
         unpack(L, N, tile, out, ld);
     }
 
-    // The L x C rows of x (row stride ld) as the A of a product with N columns: in place when the
-    // product reads each row once (bidirectional walk's note), else packed into tile. Sets lda.
-    const T* a_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& lda) const {
-        if (N <= gemm_panel<T>()) return lda = ld, x;
+    // The L x C rows of x (row stride ld) as an operand of a product with N columns: in place when
+    // N fits one panel of the micro-kernel (bidirectional walk's note), else packed into tile.
+    // Sets ld_out, the operand's row stride.
+    const T* a_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& ld_out) const {
+        if (N <= gemm_panel<T>()) return ld_out = ld, x;
         pack(L, C, x, ld, tile);
-        return lda = C, tile;
+        return ld_out = C, tile;
     }
 
     // Queue into pf the rows of x (E wide if e, else D) that the walk's next step reads: head
@@ -287,24 +288,26 @@ struct Worker {
     // is final (O, dQ, dK, dV) write it to the output with streaming stores from their registers
     // instead of into a tile that unpack() then streams: fwd+bwd (8 heads of 64, medians of 21
     // interleaved in one process, two runs) 5.04 -> 4.75 and 5.58 -> 5.02 ms at 4k, 20.1 -> 18.9
-    // and 21.5 -> 20.1 at 16k. A product that reads each row of its A once (O = Q S, dK = V dS^T,
-    // dV = K dS when C is one panel wide: 64 fp32 columns) reads A in place (a_rows): the
-    // power-of-two row stride costs nothing when no row is read twice, and the copy into a tile
-    // goes. Same sums; fwd+bwd in nine interleaved runs: at 4k faster in all nine (0.4-7%; 5.11
-    // -> 4.90 ms in the first), at 16k in seven (2-6%; two slower by under 1%). The products that
-    // sweep an operand several times (S += K^T V, dS += Q^T dO) still pack it.
+    // and 21.5 -> 20.1 at 16k. Where the products' results are one panel wide (D, E <= 64 in
+    // fp32) they read q, k, v, dO in place (a_rows), with no copy into tiles. First the products
+    // that read each row of their A once (O = Q S, dK = V dS^T, dV = K dS): fwd+bwd in nine
+    // interleaved runs faster at 4k in all nine (0.4-7%), at 16k in seven (2-6%). Then those that
+    // sweep their operands eleven times (S += K^T V, dS += Q^T dO, whose rows, 2 KB apart, share
+    // a few L1 sets: the lines come back from L2), in six runs of benchmarks/ab_kernels.py, three
+    // in each order: 2.1-3.9% less time at 4k; at 16k 2.2-5.7% less in five, 3.0% more in one.
     void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
         tn::buffer<T> states = load_states(init, false);
         T *k_ = w.k.data(), *v_ = w.v.data(), *q_ = w.q.data(), *o_ = w.o2.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
-                const idx t0 = g * c, L = rows(g);
-                pack(L, D, rd(k, n, t0), ldd_, k_);
-                pack(L, E, re(v, n, t0), lde_, v_);
+                const idx t0 = g * c, L = rows(g), W = std::max(D, E);
+                idx lk, lv;
+                const T* ka = a_rows(L, D, rd(k, n, t0), ldd_, W, k_, lk);
+                const T* va = a_rows(L, E, re(v, n, t0), lde_, W, v_, lv);
                 RowPrefetch pf;
                 queue_next(pf, k, n, g, false), queue_next(pf, v, n, g, true);
-                gemm<T>(D, E, L, k_, 1, D, v_, E, states.data() + (n - lo) * D * E, E, true, kFull, &pf);  // S += K^T V
+                gemm<T>(D, E, L, ka, 1, lk, va, lv, states.data() + (n - lo) * D * E, E, true, kFull, &pf);  // S += K^T V
             }
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
@@ -327,13 +330,14 @@ struct Worker {
         T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data(), *o_ = w.o.data(), *o2_ = w.o2.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
-                const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
-                pack(L, D, rd(q, n, t0), ldd_, q_);
-                pack(L, E, re(dout, n, t0), lde_, g_);
+                const idx t0 = g * c, L = rows(g), h = (n - lo) * DE, W = std::max(D, E);
+                idx lq, lg;
+                const T* qa = a_rows(L, D, rd(q, n, t0), ldd_, W, q_, lq);
+                const T* ga = a_rows(L, E, re(dout, n, t0), lde_, W, g_, lg);
                 RowPrefetch pq, pg;
                 queue_next(pq, q, n, g, false), queue_next(pg, dout, n, g, true);
-                gemm<T>(D, E, L, q_, 1, D, g_, E, dS.data() + h, E, true, kFull, &pq);  // dS += Q^T dO
-                product_to(L, D, E, g_, E, 1, St.data() + h, D, rd(dq, n, t0), ldd_, o_, &pg);  // dQ = dO S^T
+                gemm<T>(D, E, L, qa, 1, lq, ga, lg, dS.data() + h, E, true, kFull, &pq);  // dS += Q^T dO
+                product_to(L, D, E, ga, lg, 1, St.data() + h, D, rd(dq, n, t0), ldd_, o_, &pg);  // dQ = dO S^T
             }
         tn::buffer<T> dSt((hi - lo) * DE);
         for (idx n = lo; n < hi; ++n) transpose<T>(D, E, dS.data() + (n - lo) * DE, E, dSt.data() + (n - lo) * DE, D);
