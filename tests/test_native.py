@@ -78,7 +78,7 @@ def test_outputs_state_and_grads_match_reference_fp64(native, T, H, D, E, chunk)
 
 @needs_kernel
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200, 1100])
-@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 16, 40), (1, 7, 130), (2, 33, 17)])
+@pytest.mark.parametrize("H,D,E", [(2, 64, 64), (3, 16, 40), (1, 7, 130), (2, 33, 17), (2, 16, 24)])
 def test_bidirectional_kernel_matches_reference_fp64(native, monkeypatch, T, H, D, E):
     calls = []
     real = _native.native_bidir_linear_attn
