@@ -64,8 +64,8 @@ constexpr int kNV = 4;  // vectors of C per row
 
 template <typename T, int MR, int NV>
 static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T* __restrict b, idx ldb,
-                         const T* __restrict c, idx ldc, bool accumulate, typename Vec<T>::mask last, bool stream,
-                         T* __restrict out, idx ldo) {
+                         const T* c, idx ldc, bool accumulate, typename Vec<T>::mask last, bool stream, T* out,
+                         idx ldo) {  // (c and out may be the same tile: not restrict)
     typedef Vec<T> V;
     typename V::reg r[MR][NV];
 #pragma GCC unroll 8
