@@ -262,7 +262,7 @@ struct Worker {
     // The L x C rows of x (row stride ld) as an operand of a product with N columns: in place when
     // N fits one panel of the micro-kernel (bidirectional walk's note), else packed into tile.
     // Sets ld_out, the operand's row stride.
-    const T* a_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& ld_out) const {
+    const T* operand_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& ld_out) const {
         if (N <= gemm_panel<T>()) return ld_out = ld, x;
         pack(L, C, x, ld, tile);
         return ld_out = C, tile;
@@ -289,7 +289,7 @@ struct Worker {
     // instead of into a tile that unpack() then streams: fwd+bwd (8 heads of 64, medians of 21
     // interleaved in one process, two runs) 5.04 -> 4.75 and 5.58 -> 5.02 ms at 4k, 20.1 -> 18.9
     // and 21.5 -> 20.1 at 16k. Where the products' results are one panel wide (D, E <= 64 in
-    // fp32) they read q, k, v, dO in place (a_rows), with no copy into tiles. First the products
+    // fp32) they read q, k, v, dO in place (operand_rows), with no copy into tiles. First the products
     // that read each row of their A once (O = Q S, dK = V dS^T, dV = K dS): fwd+bwd in nine
     // interleaved runs faster at 4k in all nine (0.4-7%), at 16k in seven (2-6%). Then those that
     // sweep their operands eleven times (S += K^T V, dS += Q^T dO, whose rows, 2 KB apart, share
@@ -303,8 +303,8 @@ struct Worker {
             for (idx n = lo; n < hi; ++n) {
                 const idx t0 = g * c, L = rows(g), W = std::max(D, E);
                 idx lk, lv;
-                const T* ka = a_rows(L, D, rd(k, n, t0), ldd_, W, k_, lk);
-                const T* va = a_rows(L, E, re(v, n, t0), lde_, W, v_, lv);
+                const T* ka = operand_rows(L, D, rd(k, n, t0), ldd_, W, k_, lk);
+                const T* va = operand_rows(L, E, re(v, n, t0), lde_, W, v_, lv);
                 RowPrefetch pf;
                 queue_next(pf, k, n, g, false), queue_next(pf, v, n, g, true);
                 gemm<T>(D, E, L, ka, 1, lk, va, lv, states.data() + (n - lo) * D * E, E, true, kFull, &pf);  // S += K^T V
@@ -315,7 +315,7 @@ struct Worker {
                 RowPrefetch pf;
                 queue_next(pf, q, n, g, false);
                 idx lq;
-                const T* qa = a_rows(L, D, rd(q, n, t0), ldd_, E, q_, lq);
+                const T* qa = operand_rows(L, D, rd(q, n, t0), ldd_, E, q_, lq);
                 product_to(L, E, D, qa, lq, 1, states.data() + (n - lo) * D * E, E, re(o, n, t0), lde_, o_, &pf);  // O = Q S
             }
         store_states(states, fin);
@@ -332,8 +332,8 @@ struct Worker {
             for (idx n = lo; n < hi; ++n) {
                 const idx t0 = g * c, L = rows(g), h = (n - lo) * DE, W = std::max(D, E);
                 idx lq, lg;
-                const T* qa = a_rows(L, D, rd(q, n, t0), ldd_, W, q_, lq);
-                const T* ga = a_rows(L, E, re(dout, n, t0), lde_, W, g_, lg);
+                const T* qa = operand_rows(L, D, rd(q, n, t0), ldd_, W, q_, lq);
+                const T* ga = operand_rows(L, E, re(dout, n, t0), lde_, W, g_, lg);
                 RowPrefetch pq, pg;
                 queue_next(pq, q, n, g, false), queue_next(pg, dout, n, g, true);
                 gemm<T>(D, E, L, qa, 1, lq, ga, lg, dS.data() + h, E, true, kFull, &pq);  // dS += Q^T dO
@@ -347,9 +347,9 @@ struct Worker {
                 RowPrefetch pv, pk;
                 queue_next(pv, v, n, g, true), queue_next(pk, k, n, g, false);
                 idx lv, lk;
-                const T* va = a_rows(L, E, re(v, n, t0), lde_, D, v_, lv);
+                const T* va = operand_rows(L, E, re(v, n, t0), lde_, D, v_, lv);
                 product_to(L, D, E, va, lv, 1, dSt.data() + h, D, rd(dk, n, t0), ldd_, o_, &pv);  // dK = V dS^T
-                const T* ka = a_rows(L, D, rd(k, n, t0), ldd_, E, k_, lk);
+                const T* ka = operand_rows(L, D, rd(k, n, t0), ldd_, E, k_, lk);
                 product_to(L, E, D, ka, lk, 1, dS.data() + h, E, re(dv, n, t0), lde_, o2_, &pk);  // dV = K dS
             }
         store_states(dS, dinit);
