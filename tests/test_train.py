@@ -73,6 +73,19 @@ def test_param_groups_decay_matrices_or_everything():
     assert len(decay["params"]) == n and not no_decay["params"]
 
 
+def test_the_kernel_build_is_not_training_time(corpus_dir, tmp_path, monkeypatch):
+    """With an empty kernel cache the first step had built the CPU kernels (15-20 s) on the
+    training clock, eating a time budget: make demo's first model lost a fifth of its 90 s."""
+    import time
+
+    import transnormer.train.loop as loop
+
+    calls = []
+    monkeypatch.setattr(loop, "build_cpu_kernels", lambda: calls.append(time.sleep(2.0)) or True)
+    summary = train(cfg_for(corpus_dir, tmp_path, max_steps=2))
+    assert len(calls) == 1 and summary["elapsed_s"] < 2.0
+
+
 def test_read_metrics_drops_only_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"st')

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime import build_cpu_kernels
 from .checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
@@ -475,6 +476,8 @@ def train(cfg: TrainConfig) -> dict:
         metrics.log({"kind": "eval", "step": step, "split": split, "tokens": tokens_seen, "elapsed": elapsed, **res})
         return res
 
+    if info.device.type == "cpu":  # the kernels' first-use build (seconds) must not count as training time
+        build_cpu_kernels()
     model.train()
     bar = None
     if info.is_main and cfg.progress:
