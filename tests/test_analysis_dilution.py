@@ -251,6 +251,24 @@ def test_run_dilution_writes_files(tmp_path):
         plot_dilution_compare({}, tmp_path / "x.png")
 
 
+def test_run_dilution_refuses_a_model_with_no_scorable_layer(tmp_path):
+    """FLASH's layers give no attention matrix: every one was skipped with a warning and the
+    model's result was an empty AUC table, written as if it were a finding."""
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="flash-lm-tiny has no layer with an attention"):
+        run_dilution(["flash-lm-tiny"], None, tmp_path, seq_len=32, batch_size=1)
+
+
+def test_dilution_cli_seeds_the_presets_it_builds(tmp_path, capsys):
+    from transnormer.cli import main
+
+    aucs = []
+    for run in ("a", "b"):
+        assert main(["analyze", "dilution", "--models", "t1-lm-tiny", "--seq-len", "32", "--samples", "1",
+                     "--vocab-size", "300", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / run)]) == 0
+        aucs.append(json.loads((tmp_path / run / "dilution_summary_clip.json").read_text())["t1-lm-tiny"]["auc"])
+    assert aucs[0] == aucs[1]  # had read 0.4739, then 0.5118
+
+
 def test_chunked_map_evaluation_matches(monkeypatch):
     import transnormer.analysis.dilution as dil
 

@@ -110,6 +110,25 @@ def test_ablation_driver_with_fake_training(tmp_path):
     assert curve_stats([(0, 2.0), (1, 3.0)])["diverged"]
 
 
+@pytest.mark.slow
+def test_ablation_cli_under_torchrun(tmp_path):
+    """Its three runs share one process group (each had made and destroyed its own: the second
+    failed to connect), and rank 0 alone writes the results."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    out = tmp_path / "abl"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script), "analyze", "ablation", "--budget", "256", "--seq-len", "16", "--batch-size", "2",
+                    "--vocab-size", "300", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert set(json.loads((out / "ablation.json").read_text())["stats"]) == {"norm", "linear_elu",
+                                                                             "linear_elu_no_denom"}
+
+
 @pytest.mark.skipif(not linear_elu_registered(),
                     reason="layer type 'linear_elu' not registered yet (baseline layers are added concurrently)")
 def test_ablation_models_build():

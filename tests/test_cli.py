@@ -95,7 +95,8 @@ def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "--temperature must be >= 0"),
+@pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "--temperature must be finite and >= 0"),
+                                         (["--temperature", "inf"], "--temperature must be finite and >= 0"),
                                          (["--top-p", "1.5"], "--top-p must be in"),
                                          (["--top-p", "0"], "--top-p must be in")])
 def test_generate_refuses_out_of_range_sampling(run_dir, capsys, flags, match):

@@ -89,6 +89,8 @@ def test_prepare_and_load_pathfinder(tmp_path):
     assert len(rnd) == 2
     with pytest.raises(ValueError, match="n_images"):
         prepare("pathfinder", tmp_path, n_train=16)
+    with pytest.raises(ValueError, match="cannot be honoured"):  # all three had been summed and split 80/10/10
+        prepare("pathfinder", tmp_path, n_train=2, n_val=4, n_test=4)
     with pytest.raises(TypeError, match="unexpected option"):
         load_lra("pathfinder", tmp_path, "train", gray_rule="tf")
 

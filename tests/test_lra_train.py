@@ -324,6 +324,24 @@ def test_evaluate_lra_refuses_zero_batches(listops_root):
         evaluate_split(model, f"lra:listops:{listops_root}", "test", max_len=64, max_batches=0)
 
 
+def test_lra_eval_and_report_refuse_what_they_cannot_score(listops_root, tmp_path, capsys):
+    """A causal LM loaded as a classifier got a fresh random head and a score; --out X.md had the
+    markdown overwrite the JSON; report read an eval's JSON into a KeyError."""
+    lm = tmp_path / "lm"
+    build_model("t2-lm-tiny", vocab_size=50).save_pretrained(lm)
+    assert main(["lra", "eval", "listops", "--model", str(lm), "--root", str(listops_root)]) == 2
+    assert "not a sequence classifier" in capsys.readouterr().err
+    other = tmp_path / "other"
+    build_model("t2-lra-listops-tiny", num_labels=2).save_pretrained(other)
+    assert main(["lra", "eval", "listops", "--model", str(other), "--root", str(listops_root)]) == 2
+    assert "a model trained on another task" in capsys.readouterr().err
+    assert main(["lra", "eval", "listops", "--model", str(other), "--out", str(tmp_path / "e.md")]) == 2
+    assert "give the JSON file's name" in capsys.readouterr().err
+    (tmp_path / "ev.json").write_text(json.dumps({"kind": "lra-eval", "task": "listops"}))
+    assert main(["lra", "report", str(tmp_path / "ev.json")]) == 2
+    assert "is not an lra_result.json of `lra train` (kind 'lra-eval'" in capsys.readouterr().err
+
+
 def test_results_table_naming_rule():
     from transnormer.cli_lra import results_table
 

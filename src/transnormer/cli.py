@@ -213,8 +213,8 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     input_ids = torch.tensor([ids])
     hf_tok = tok.to_hf()
     streamer = TextStreamer(hf_tok, skip_prompt=False, skip_special_tokens=True) if stream else None
-    if not temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # inf samples uniformly, whatever the model says
+        raise ValueError(f"--temperature must be finite and >= 0 (0 = greedy), got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     torch.manual_seed(seed)

@@ -67,12 +67,15 @@ def cmd_dilution(args) -> int:
             load_corpus(args.data, cache_dir=args.cache_dir), args.vocab_size, cache_dir=args.cache_dir)
     for name in names:
         if name not in models:
+            import torch
+
             from .presets import build_model
 
+            torch.manual_seed(args.seed)  # a preset's random weights: the same for every run and position in --models
             models[name] = build_model(name, vocab_size=tok.vocab_size, dropout=0.0,
                                        max_position_embeddings=max(512, args.seq_len)).eval()
     ids = _text_ids(args.data, tok, args.seq_len, args.samples, args.cache_dir)
-    res = run_dilution(models, ids, args.out, mode=args.mode, seq_len=args.seq_len)
+    res = run_dilution(models, ids, args.out, mode=args.mode, seq_len=args.seq_len, seed=args.seed)
     _dump(res["summary"])
     print("wrote", ", ".join(str(f) for f in res["files"]))
     return 0
@@ -89,21 +92,27 @@ def cmd_grad_stats(args) -> int:
 
 def cmd_ablation(args) -> int:
     from .analysis.ablation import run_scaling_ablation
+    from .train.distributed import barrier, cleanup, setup_distributed
     from .train.loop import TrainConfig, train
     from .train.metrics import read_metrics
 
     out = Path(args.out)
+    # under torchrun: one process group for the three runs (as compare), rank 0 writes
+    info = setup_distributed()
 
     def train_fn(config, budget):
         run = out / config.name_or_path if getattr(config, "name_or_path", "") else out / "run"
-        run.mkdir(parents=True, exist_ok=True)
         cfg_path = run / "model_config.json"
-        config.to_json_file(cfg_path)
+        if info.is_main:
+            run.mkdir(parents=True, exist_ok=True)
+            config.to_json_file(cfg_path)
+        barrier(info)  # the config file is there for every rank
         cfg = TrainConfig(preset=None, config_file=str(cfg_path), data=args.data, budget=budget,
                           seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                           clip=0.0, out_dir=str(run), seed=args.seed, vocab_size=args.vocab_size,
                           cache_dir=args.cache_dir, eval_batches=10, progress=False)
         train(cfg)
+        barrier(info)  # rank 0 has written the run's metrics
         return [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
 
     from .analysis.ablation import ablation_configs
@@ -111,9 +120,11 @@ def cmd_ablation(args) -> int:
     configs = ablation_configs(args.base)
     for name, c in configs.items():
         c.name_or_path = name
-    res = run_scaling_ablation(train_fn, args.budget, out, base=args.base, configs=configs)
-    _dump(res["stats"])
-    print("wrote", ", ".join(res["files"]))
+    res = run_scaling_ablation(train_fn, args.budget, out if info.is_main else None, base=args.base, configs=configs)
+    cleanup(info)
+    if info.is_main:
+        _dump(res["stats"])
+        print("wrote", ", ".join(res["files"]))
     return 0
 
 
@@ -135,6 +146,7 @@ def register(sub) -> None:
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--samples", type=int, default=2)
     q.add_argument("--mode", default="clip", choices=["clip", "shift", "causal"])
+    q.add_argument("--seed", type=int, default=0, help="of the random weights of presets given by name")
     q.add_argument("--out", default="runs/analysis/dilution")
     q.set_defaults(func=cmd_dilution)
 

@@ -57,8 +57,10 @@ def register(sub) -> None:
                    help="for train/infer (memory, long and peers use their own): the first is compared with "
                         "the last; peers as peer:NAME")
     p.add_argument("--lengths", type=positive_int, nargs="+", help="ops, train, infer")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--vocab-size", type=positive_int, default=32768)
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="(long: bf16 only, the target's)")
+    p.add_argument("--vocab-size", type=positive_int, default=32768,
+                   help="(long: 8,192, what fits at T = 65,536 in 24 GB)")
     p.add_argument("--threads", type=positive_int)
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="ops, train, infer: measure the configurations in turn this many times; each keeps its "

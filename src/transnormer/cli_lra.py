@@ -314,9 +314,31 @@ def run_settings(model_path: Path) -> dict:
     return {}
 
 
+def _check_classifier_for(task: str, model, path) -> None:
+    """Refuse a model that cannot score ``task``: not a sequence classifier (a language model
+    loads with a fresh random head), or one with another number of classes or a smaller
+    vocabulary than the task's."""
+    from .data.lra import task_info
+
+    info = task_info(task)
+    archs = getattr(model.config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"--model {path} is a {', '.join(archs) or 'model'} checkpoint, not a sequence classifier "
+                         f"trained on an LRA task")
+    if model.config.num_labels != info.num_classes or model.config.vocab_size < info.vocab_size:
+        raise ValueError(f"--model {path} has {model.config.num_labels} classes and a vocabulary of "
+                         f"{model.config.vocab_size}; {task} has {info.num_classes} classes and {info.vocab_size} "
+                         "symbols: a model trained on another task")
+
+
 def cmd_eval(args) -> int:
+    from .train.distributed import cleanup, setup_distributed
+
     task = _canonical(args.task)
+    if args.out and Path(args.out).suffix == ".md":  # the JSON goes to --out, the table beside it as .md
+        raise ValueError(f"--out {args.out}: give the JSON file's name (the markdown is written beside it as .md)")
     model, path = load_model_dir(Path(args.model))
+    _check_classifier_for(task, model, path)
     # By default the run's own data settings (sequence length, provenance label, Text's validation
     # source), so that evaluating a run reproduces its result and keeps its data label.
     run = run_settings(Path(path))
@@ -328,9 +350,14 @@ def cmd_eval(args) -> int:
 
         run_task, run_root = parse_lra_spec(run["data"])
         root = run_root if run_task == task else None  # the folder the run read, unless told otherwise
+    # under torchrun each rank scores its share of the split; rank 0 reports
+    info = setup_distributed(args.device)
     res, prov = evaluate_model(task, model, root=root, split=args.split, seq_len=seq_len,
-                               batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                               dtype=args.dtype, load_options=opts)
+                               batch_size=args.batch_size, max_batches=args.max_batches, dtype=args.dtype,
+                               load_options=opts, info=info)
+    cleanup(info)
+    if not info.is_main:
+        return 0
     trained_on = _trained_labels(Path(path))
     if trained_on and trained_on.get("data_provenance") and trained_on["data_provenance"] != res["data_provenance"]:
         print(f"lra eval: the model was trained on {trained_on['data_provenance']} data "
@@ -374,7 +401,13 @@ def cmd_report(args) -> int:
         f = p if p.is_file() else p / RESULT_JSON
         if not f.is_file():
             raise ValueError(f"report: no {RESULT_JSON} in {d}")
-        records.append(json.loads(f.read_text()))
+        rec = json.loads(f.read_text())
+        kind = rec.get("kind") if isinstance(rec, dict) else type(rec).__name__
+        missing = [k for k in ("task", "preset", "data_provenance", "dataset_id") if k not in rec] if kind else []
+        if kind != "lra-result" or missing:  # e.g. the JSON of `lra eval --out`
+            raise ValueError(f"report: {f} is not an {RESULT_JSON} of `lra train` (kind {kind!r}"
+                             + (f", no {', '.join(missing)}" if missing else "") + ")")
+        records.append(rec)
     text = results_table(records, args.split)
     print(text)
     if args.out:

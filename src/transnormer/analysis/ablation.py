@@ -84,7 +84,8 @@ def run_scaling_ablation(train_fn: Callable, budget, out_dir="analysis_out/ablat
     """Train the three configs with ``train_fn(config, budget) -> [(step, loss), ...]`` and plot.
 
     ``configs`` replaces :func:`ablation_configs` (e.g. names → preset names for a custom
-    train_fn). Writes ablation.json and ablation.png; returns {"curves", "stats", "files"}.
+    train_fn). Writes ablation.json and ablation.png (unless ``out_dir`` is None: under torchrun
+    the ranks but the first); returns {"curves", "stats", "files"}.
     """
     if configs is None:
         if require_registered and not linear_elu_registered():
@@ -94,6 +95,8 @@ def run_scaling_ablation(train_fn: Callable, budget, out_dir="analysis_out/ablat
     for name, cfg in configs.items():
         curve = [(int(s), float(v)) for s, v in train_fn(cfg, budget)]
         curves[name], stats[name] = curve, curve_stats(curve)
+    if out_dir is None:
+        return {"curves": curves, "stats": stats, "files": []}
     out = Path(out_dir)
     files = [save_json({"budget": budget, "base": base, "stats": stats, "curves": curves}, out / "ablation.json"),
              plot_ablation(curves, out / "ablation.png")]

@@ -298,6 +298,9 @@ def run_dilution(models, text_ids: torch.Tensor | None = None, out_dir="analysis
     results, summary, files = {}, {}, []
     for name, m in built.items():
         res = dilution_curves(m, text_ids, attention_mask, rs=rs, mode=mode)
+        if not res["layers"]:  # every layer skipped: an empty result would read as a finding
+            raise ValueError(f"models: {name} has no layer with an attention matrix to score "
+                             f"({'; '.join(sorted({s['reason'] for s in res.get('skipped', [])}))})")
         res["model"] = name
         results[name], summary[name] = res, dilution_summary(res)
         files.append(save_json(res, out / f"dilution_{_safe(name)}_{mode}.json"))

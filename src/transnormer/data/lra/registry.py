@@ -442,14 +442,11 @@ def prepare(
     opts = dict(options)
     difficulty = opts.pop("difficulty", "hard")
     n_images = opts.pop("n_images", None)
-    given = [v for v in (n_train, n_val, n_test) if v is not None]
-    if given:
-        if n_images is not None or len(given) != 3:
-            raise ValueError(
-                "Pathfinder: pass n_images, or all three of n_train/n_val/n_test (their sum is generated; "
-                "the loader splits 80/10/10 by position)"
-            )
-        n_images = sum(given)
+    if any(v is not None for v in (n_train, n_val, n_test)):  # three sizes it would not keep
+        raise ValueError(
+            "Pathfinder: pass n_images (n_train/n_val/n_test cannot be honoured: the loader splits the "
+            "images 80/10/10 by position, as the official data is split)"
+        )
     if n_images is not None:
         opts["n_images"] = check_int("n_images", n_images, minimum=1)
     try:
