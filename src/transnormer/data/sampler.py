@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .lm import _check_pos_int  # the data package's int check (bools refused, numpy ints taken)
+
 
 class StepBatchSampler:
     def __init__(self, num_items: int, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
                  step: int = 0):
         for name, value, minimum in (("num_items", num_items, 0), ("batch_size", batch_size, 1),
                                      ("world_size", world_size, 1), ("rank", rank, 0), ("step", step, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}, got {value}")
+            _check_pos_int(name, value, minimum)
         if rank >= world_size:  # another rank's batches
             raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
         global_batch = batch_size * world_size
