@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.sampler import StepBatchSampler
 from .distributed import DistInfo, all_reduce_sum
 from .tasks import ClsBatches, TaskData
 
@@ -318,10 +317,6 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         print(f"lra:{task}: truncating {n_trunc} training sequence(s) to seq_len={max_len} "
               f"(task length {info_t.length}); pass --seq-len {info_t.length} for the full task")
     collate = train_ds.collate_fn()
-
-    def sampler():  # made at first use (ClsBatches): an evaluation does not need it
-        return StepBatchSampler(len(train_ds), cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                world_size=info.world_size)
     counts = np.bincount(_labels_of(train_ds), minlength=info_t.num_classes)
     majority = majority_class(train_ds)
     prov = provenance_record(train_ds)
@@ -363,5 +358,5 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         "pooling": info_t.pooling,
         "model_factory": build_lra_model,
     }
-    return TaskData(tok, ClsBatches(train_ds, collate, sampler), evaluate, cfg.batch_size * per_item,
+    return TaskData(tok, ClsBatches(train_ds, collate, cfg.batch_size, info, cfg.seed), evaluate, cfg.batch_size * per_item,
                     num_labels=info_t.num_classes, extra=extra)

@@ -82,13 +82,15 @@ class ClsBatches:
     model (``transnormer eval``) builds the task's data too, and must not need a train split of at
     least one batch."""
 
-    def __init__(self, dataset, collate, make_sampler):
-        self.dataset, self.collate, self._make_sampler, self._sampler = dataset, collate, make_sampler, None
+    def __init__(self, dataset, collate, batch_size: int, info: DistInfo, seed: int):
+        self.dataset, self.collate, self._sampler = dataset, collate, None
+        self.batch_size, self.info, self.seed = batch_size, info, seed
 
     @property
     def sampler(self) -> StepBatchSampler:
         if self._sampler is None:
-            self._sampler = self._make_sampler()
+            self._sampler = StepBatchSampler(len(self.dataset), self.batch_size, seed=self.seed, rank=self.info.rank,
+                                             world_size=self.info.world_size)
         return self._sampler
 
     def __next__(self) -> dict:
@@ -264,9 +266,6 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
             except ValueError as e:
                 unusable["test"] = str(e)
         collate = ClassificationCollator(tok.pad_id)
-        def sampler():
-            return StepBatchSampler(len(datasets["train"]), cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                    world_size=info.world_size)
         eval_split = "valid" if "valid" in datasets else "train"
 
         def evaluate(model, split=eval_split, max_batches=None):
@@ -275,7 +274,7 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 raise ValueError(f"split {split!r} of {cfg.data} cannot be evaluated: {why}")
             return _eval_cls(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
 
-        return TaskData(tok, ClsBatches(datasets["train"], collate, sampler), evaluate,
+        return TaskData(tok, ClsBatches(datasets["train"], collate, cfg.batch_size, info, cfg.seed), evaluate,
                         cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),
                         extra={"label_set": labels}, eval_split=eval_split)
     raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {cfg.task!r}")
