@@ -54,6 +54,7 @@ def build(checkout: Path, out: Path) -> ctypes.CDLL:
     if proc.returncode:
         raise SystemExit(f"compiling {ops} failed:\n{proc.stderr[-2000:]}")
     lib = ctypes.CDLL(str(out))
+    # (not _native._declare, which requires every symbol: a base checkout may lack kernels added since)
     for name, (suffixes, argtypes) in _native._SIGNATURES.items():
         for sfx in suffixes:
             fn = getattr(lib, f"{name}_{sfx}", None)

@@ -145,7 +145,7 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
                  T* out = nullptr, idx ldo = 0) {
     static_assert(kMR == 6, "block() dispatches row counts 1..6");
     if (!out) out = c, ldo = ldc;
-    const idx panel = kNV * Vec<T>::W;
+    const idx panel = gemm_panel<T>();
     const idx mblocks = (M + kMR - 1) / kMR, blocks = mblocks * ((N + panel - 1) / panel);
     idx done = 0;
     for (idx n0 = 0; n0 < N; n0 += panel) {
