@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from ._files import atomic_write_text
+
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
@@ -260,7 +262,7 @@ def cmd_eval(args) -> int:
     if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it
         print(json.dumps(res, indent=1))
         if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=1))
+            atomic_write_text(args.out, json.dumps(res, indent=1))
     return 0
 
 

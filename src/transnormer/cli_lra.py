@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from ._files import atomic_write_text
 from .cli import positive_float, positive_int
 
 LRA_FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
@@ -139,8 +140,8 @@ def results_table(records: list[dict], split: str = "test") -> str:
 
 def write_result(out_dir: Path, rec: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RESULT_JSON).write_text(json.dumps(rec, indent=1, default=str))
-    (out_dir / RESULT_MD).write_text(result_markdown(rec))
+    atomic_write_text(out_dir / RESULT_JSON, json.dumps(rec, indent=1, default=str))
+    atomic_write_text(out_dir / RESULT_MD, result_markdown(rec))
 
 
 def load_model_dir(model_dir: Path):
@@ -369,10 +370,10 @@ def cmd_eval(args) -> int:
            "comparable_to_published": res["data_provenance"] == "official"}
     print(json.dumps(rec, indent=1, default=str))
     if args.out:
-        Path(args.out).write_text(json.dumps(rec, indent=1, default=str))
+        atomic_write_text(args.out, json.dumps(rec, indent=1, default=str))
         split = f"{args.split} ({res['note']})" if res.get("note") else args.split
         md = Path(args.out).with_suffix(".md")
-        md.write_text(f"# LRA {TASK_TITLES.get(task, task)} evaluation on {res['data_provenance']} data\n\n"
+        atomic_write_text(md, f"# LRA {TASK_TITLES.get(task, task)} evaluation on {res['data_provenance']} data\n\n"
                       f"Data: `{res['dataset_id']}` (data_provenance = **{res['data_provenance']}**).\n\n"
                       "| task | data (provenance) | dataset_id | model | split | accuracy % | majority-class % | n |\n"
                       "|---|---|---|---|---|---|---|---|\n"
@@ -411,7 +412,7 @@ def cmd_report(args) -> int:
     text = results_table(records, args.split)
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        atomic_write_text(args.out, text)
     return 0
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .._files import atomic_savefig, atomic_write_text
+
 
 def to_jsonable(obj):
     """Tensors → lists, non-finite floats → None (strict JSON has no NaN/Infinity)."""
@@ -26,8 +28,7 @@ def to_jsonable(obj):
 
 def save_json(obj, path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_jsonable(obj), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(to_jsonable(obj), indent=2) + "\n")
     return path
 
 
@@ -44,8 +45,5 @@ def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (5.0,
 
 
 def save_figure(fig, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return atomic_savefig(fig, path, dpi=120)

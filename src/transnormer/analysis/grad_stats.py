@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .._files import atomic_path
 from ._io import new_figure, save_figure, save_json, to_jsonable
 
 MODE = "norm_over_steps"
@@ -222,8 +223,7 @@ class GradientRecorder:
         """Write every recorded step (one JSON line each) to ``path`` (overwrites)."""
         self.flush()
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
+        with atomic_path(path) as tmp, tmp.open("w") as f:
             for i, (step, v) in enumerate(zip(self.steps, self.values, strict=True)):
                 rec = {"step": step, "grad_norm": v, "param_set": self.param_set}
                 if self.per_layer:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .._files import atomic_write_text
 from ..ops import _native
 
 
@@ -47,9 +48,9 @@ def write_report(rows: list[dict], out_dir, name: str, columns: list[str], *, x:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"environment": environment(), "results": rows, **(extra or {})}
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str))
+    atomic_write_text(out / f"{name}.json", json.dumps(payload, indent=1, default=str))
     table = markdown_table(rows, columns)
-    (out / f"{name}.md").write_text(table + "\n")
+    atomic_write_text(out / f"{name}.md", table + "\n")
     files = [str(out / f"{name}.json"), str(out / f"{name}.md")]
     for y in plots:
         p = loglog_plot(rows, out / f"{name}_{y}.png", x=x, y=y, series=series, title=f"{name}: {y} vs {x}")

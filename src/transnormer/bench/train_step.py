@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import time
 
+from .._files import atomic_write_text
+
 
 def build_bench_model(preset: str, seq_len: int, vocab_size: int | None, overrides: dict):
     """A causal LM for benchmarking: one of our presets, or a peer (``peer:NAME``, see bench/peers.py)."""
@@ -267,5 +269,4 @@ def model_flops_per_token(config, seq_len: int, *, recompute: bool = False) -> f
 
 
 def dump(results: list[dict], path) -> None:
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+    atomic_write_text(path, json.dumps(results, indent=1))

@@ -1,19 +1,14 @@
-"""Small helpers shared by the data modules: cache location, atomic writes, stable hashing."""
+"""Small helpers shared by the data modules: cache location, stable hashing (atomic writes: ``.._files``)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
     "default_cache_dir",
     "resolve_cache_dir",
-    "atomic_path",
-    "atomic_write_text",
     "stable_unit_hash",
     "sha256_text",
 ]
@@ -36,36 +31,6 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     path = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-@contextlib.contextmanager
-def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``final``; on success it is moved onto ``final`` with ``os.replace``.
-
-    The temporary file lives in the same directory so the rename is atomic (same filesystem): readers see
-    either the old file, nothing, or the complete new file, never a half-written one. If the body raises
-    (including ``KeyboardInterrupt``) the temporary file is removed and ``final`` is left untouched.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        # mkstemp creates 0600 files; caches are ordinary files that other users of the cache may read.
-        os.chmod(tmp_path, 0o644)
-        os.replace(tmp_path, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
-        raise
-
-
-def atomic_write_text(final: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``final`` atomically."""
-    with atomic_path(final) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def sha256_text(*parts: str) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ._util import atomic_write_text
+from .._files import atomic_write_text
 from .mlm import pad_sequences
 
 __all__ = [

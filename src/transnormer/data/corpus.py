@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._util import atomic_write_text, resolve_cache_dir, sha256_text, stable_unit_hash
+from .._files import atomic_write_text
+from ._util import resolve_cache_dir, sha256_text, stable_unit_hash
 
 __all__ = [
     "SPLITS",

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._util import atomic_path, atomic_write_text, resolve_cache_dir
+from .._files import atomic_path, atomic_write_text
+from ._util import resolve_cache_dir
 
 __all__ = ["build_token_cache", "token_cache_dir", "token_dtype", "open_token_split"]
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from ._util import atomic_write_text, resolve_cache_dir, sha256_text
+from .._files import atomic_write_text
+from ._util import resolve_cache_dir, sha256_text
 
 __all__ = [
     "SPECIAL_TOKENS",

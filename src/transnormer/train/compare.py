@@ -12,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+from .._files import atomic_write_text
 from ..runtime import call_in_fresh_process
 from .distributed import DistInfo, cleanup, setup_distributed
 from .loop import TrainConfig, parse_budget, train
@@ -66,8 +67,8 @@ def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: Di
     table = comparison_table(summaries, base)
     if not is_main:
         return {"summaries": summaries, "table": table, "plot": None}
-    (out / "comparison.md").write_text(table + "\n")
-    (out / "comparison.json").write_text(json.dumps(summaries, indent=1))
+    atomic_write_text(out / "comparison.md", table + "\n")
+    atomic_write_text(out / "comparison.json", json.dumps(summaries, indent=1))
     plot_curves(curves, out / "valid_curves.png", xlabel="training tokens", ylabel="validation loss",
                 title=f"{base.data}, budget {base.budget or base.max_steps}, seed {base.seed}")
     print("\n" + table)

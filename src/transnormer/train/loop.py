@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._files import atomic_write_text
 from ..runtime import build_cpu_kernels
 from .checkpoint import (
     latest_valid_checkpoint,
@@ -445,7 +446,7 @@ def train(cfg: TrainConfig) -> dict:
     metrics = MetricsLogger(out / "metrics.jsonl", enabled=info.is_main)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str))
+        atomic_write_text(out / "train_config.json", json.dumps(asdict(cfg), indent=1, default=str))
     log(f"{run_name(cfg)}: {n_params / 1e6:.2f}M parameters, task {cfg.task}, "
         f"{tokens_per_step} tokens/step, world size {info.world_size}, {cfg.dtype}")
 
@@ -604,7 +605,7 @@ def train(cfg: TrainConfig) -> dict:
     if info.is_main:
         eval_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
         plot_curves({"train": train_pts, "valid": eval_pts}, out / "loss.png", title=str(summary["name"]))
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     metrics.close()
     cleanup(info)
     return summary

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from .._files import atomic_savefig, atomic_write_text
+
 
 class MetricsLogger:
     """Append-only JSONL writer (rank 0 only) with an optional TensorBoard mirror."""
@@ -68,9 +70,7 @@ def truncate_metrics(path: str | Path, after_step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= after_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, *, xlabel: str = "step",
@@ -100,8 +100,6 @@ def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, 
     ax.grid(alpha=0.3, which="both" if logx or logy else "major")
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    path = atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return path

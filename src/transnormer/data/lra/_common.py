@@ -9,23 +9,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._util import atomic_path
+from ..._files import atomic_path, atomic_write_text
 
 PROVENANCES = ("official", "regenerated", "stand-in", "synthetic-fixture")
 
 SIDECAR_NAME = "generation.json"
 """File name of the JSON sidecar our generators write next to their output."""
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder + ``os.replace``)."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` atomically (``\\n`` line endings, no translation)."""
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:

@@ -286,7 +286,7 @@ def load_fmnist_split(
 
 def write_idx_gz(images_path, labels_path, images: np.ndarray, labels: np.ndarray) -> None:
     """Write idx3/idx1 gz files (used by tests and for making fixtures); atomic."""
-    from ._common import atomic_write_bytes
+    from ..._files import atomic_write_bytes
 
     images = np.ascontiguousarray(images, dtype=np.uint8)
     labels = np.ascontiguousarray(labels, dtype=np.uint8)

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._files import atomic_write_bytes
 from ._common import (
     SIDECAR_NAME,
     as_dir,
-    atomic_write_bytes,
     atomic_write_lines,
     check_int,
     check_seed,

@@ -1,0 +1,60 @@
+"""Atomic file writes for everything the library leaves on disk: caches, results, reports, figures.
+
+A run that is killed mid-write (Ctrl-C, a job's time limit, a full disk) must not leave a torn
+``summary.json`` or ``results.json`` that a later ``report`` or ``--resume`` reads as the truth:
+each writer fills a temporary file beside the target and renames it over the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig"]
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``final``; on success it is moved onto ``final`` with ``os.replace``.
+
+    The temporary file lives in the same directory so the rename is atomic (same filesystem): readers see
+    either the old file, nothing, or the complete new file, never a half-written one. If the body raises
+    (including ``KeyboardInterrupt``) the temporary file is removed and ``final`` is left untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        # mkstemp creates 0600 files; outputs and caches are ordinary files other users may read.
+        os.chmod(tmp_path, 0o644)
+        os.replace(tmp_path, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``final`` atomically."""
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(final: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``final`` atomically: UTF-8, ``\\n`` line endings on every platform."""
+    atomic_write_bytes(final, text.encode("utf-8"))
+
+
+def atomic_savefig(fig, final: str | os.PathLike, **kwargs) -> Path:
+    """``fig.savefig`` to ``final`` atomically; the format comes from ``final``'s suffix."""
+    final = Path(final)
+    fmt = final.suffix.lstrip(".").lower() or None
+    with atomic_path(final) as tmp:
+        fig.savefig(tmp, format=fmt, **kwargs)
+    return final
