@@ -109,13 +109,14 @@ def test_failed_build_leaves_no_partial_files(corpus, tok, tmp_path, monkeypatch
         build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"], batch_docs=16)
     directory = token_cache_dir(corpus, tok, tmp_path)
     assert calls["n"] == 3
-    assert sorted(p.name for p in directory.iterdir()) == []  # no .bin, no sidecar, no temp file
+    # no .bin, no sidecar, no temp file (the split's lock file stays: it holds no data)
+    assert sorted(p.name for p in directory.iterdir() if p.suffix != ".lock") == []
     monkeypatch.undo()
 
     # The next build succeeds and is complete.
     arr = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"], batch_docs=16)["train"]
     assert arr.tolist() == [i for d in corpus["train"] for i in tok.encode(d) + [tok.eos_id]]
-    assert sorted(p.name for p in directory.iterdir()) == ["train.bin", "train.json"]
+    assert sorted(p.name for p in directory.iterdir()) == ["train.bin", "train.json", "train.lock"]
 
 
 def test_argument_errors(corpus, tok, tmp_path):
@@ -127,3 +128,31 @@ def test_argument_errors(corpus, tok, tmp_path):
         build_token_cache(corpus, object(), cache_dir=tmp_path)
     with pytest.raises(ValueError, match="batch_docs"):
         build_token_cache(corpus, tok, cache_dir=tmp_path, batch_docs=0)
+
+
+def _build_in_child(corpus, tok, cache_dir, queue):
+    try:
+        arrays = build_token_cache(corpus, tok, cache_dir=cache_dir)
+        queue.put(("ok", len(arrays["train"])))
+    except Exception as e:  # reported to the parent, which asserts on it
+        queue.put((type(e).__name__, str(e)))
+
+
+def test_concurrent_builders_take_turns(corpus, tok, tmp_path):
+    """Two processes building the same entry: the second waits for the first's commit and reads it
+    (it used to delete the first's freshly written sidecar, failing the first's read-back)."""
+    import multiprocessing as mp
+
+    from transnormer._files import file_lock
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    lock = token_cache_dir(corpus, tok, tmp_path) / "train.lock"
+    with file_lock(lock):  # this process is mid-build of "train"
+        child = ctx.Process(target=_build_in_child, args=(corpus, tok, tmp_path, queue))
+        child.start()
+        child.join(timeout=1.5)
+        assert child.is_alive(), "the second builder did not wait for the split's lock"
+        arrays = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
+    child.join(timeout=60)
+    assert queue.get(timeout=5) == ("ok", len(arrays["train"]))

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "file_lock"]
 
 
 @contextlib.contextmanager
@@ -58,3 +59,26 @@ def atomic_savefig(fig, final: str | os.PathLike, **kwargs) -> Path:
     with atomic_path(final) as tmp:
         fig.savefig(tmp, format=fmt, **kwargs)
     return final
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (created if missing) for the body.
+
+    For check-then-build sections that several processes may enter at once (two runs, or ranks
+    outside one process group, building the same cache entry): the second waits, then finds the
+    first's result. POSIX ``flock``; where it does not exist (Windows) the body runs unlocked.
+    """
+    if sys.platform == "win32":  # pragma: no cover - no flock there
+        yield
+        return
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._files import atomic_path, atomic_write_text
+from .._files import atomic_path, atomic_write_text, file_lock
 from ._util import resolve_cache_dir
 
 __all__ = ["build_token_cache", "token_cache_dir", "token_dtype", "open_token_split"]
@@ -140,39 +140,48 @@ def build_token_cache(
     }
     out: dict[str, np.ndarray] = {}
     for split in wanted:
-        arr = None if rebuild else open_token_split(directory, split, expect=expect)
-        if arr is None:
-            docs = corpus.splits[split]
-            # Remove the commit mark first: if we die mid-build, an older sidecar must not vouch for a
-            # .bin that is about to be replaced.
-            with contextlib.suppress(FileNotFoundError):
-                (directory / f"{split}.json").unlink()
-            progress = None
-            if show_progress:
-                from tqdm.auto import tqdm
-
-                progress = tqdm(total=len(docs), desc=f"tokenizing {split}", unit="doc")
-            try:
-                n_tokens, n_docs = _write_split(
-                    docs, tokenizer, directory / f"{split}.bin", dtype, batch_docs, progress
-                )
-            finally:
-                if progress is not None:
-                    progress.close()
-            meta = dict(
-                expect,
-                format=_FORMAT,
-                split=split,
-                num_tokens=n_tokens,
-                num_docs=n_docs,
-                eos_id=tokenizer.eos_id,
-                vocab_size=tokenizer.vocab_size,
-                corpus=corpus.name,
-                tokenizer=tokenizer.name,
-            )
-            atomic_write_text(directory / f"{split}.json", json.dumps(meta, indent=1))
-            arr = open_token_split(directory, split, expect=expect)
-            if arr is None:  # pragma: no cover - would mean the filesystem lost our write
-                raise RuntimeError(f"token cache {str(directory)!r}: {split} unreadable right after writing it")
-        out[split] = arr
+        # One builder at a time per split: a second process building the same entry would otherwise
+        # delete the sidecar the first has just committed (below) and make the first fail its read-back.
+        with file_lock(directory / f"{split}.lock"):
+            out[split] = _open_or_build(corpus, tokenizer, directory, split, expect, dtype,
+                                        rebuild=rebuild, batch_docs=batch_docs, show_progress=show_progress)
     return out
+
+
+def _open_or_build(corpus, tokenizer, directory: Path, split: str, expect: dict, dtype, *, rebuild: bool,
+                   batch_docs: int, show_progress: bool) -> np.ndarray:
+    arr = None if rebuild else open_token_split(directory, split, expect=expect)
+    if arr is None:
+        docs = corpus.splits[split]
+        # Remove the commit mark first: if we die mid-build, an older sidecar must not vouch for a
+        # .bin that is about to be replaced.
+        with contextlib.suppress(FileNotFoundError):
+            (directory / f"{split}.json").unlink()
+        progress = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(docs), desc=f"tokenizing {split}", unit="doc")
+        try:
+            n_tokens, n_docs = _write_split(
+                docs, tokenizer, directory / f"{split}.bin", dtype, batch_docs, progress
+            )
+        finally:
+            if progress is not None:
+                progress.close()
+        meta = dict(
+            expect,
+            format=_FORMAT,
+            split=split,
+            num_tokens=n_tokens,
+            num_docs=n_docs,
+            eos_id=tokenizer.eos_id,
+            vocab_size=tokenizer.vocab_size,
+            corpus=corpus.name,
+            tokenizer=tokenizer.name,
+        )
+        atomic_write_text(directory / f"{split}.json", json.dumps(meta, indent=1))
+        arr = open_token_split(directory, split, expect=expect)
+        if arr is None:  # pragma: no cover - would mean the filesystem lost our write
+            raise RuntimeError(f"token cache {str(directory)!r}: {split} unreadable right after writing it")
+    return arr
