@@ -397,11 +397,24 @@ def test_an_encoder_loaded_as_masked_lm_gets_an_initialised_head(tmp_path, initi
     ("pre_norm", "no", "pre_norm must be a bool"),
     ("layer_options", {"nrom": {}}, "unknown layer types \\['nrom'\\]"),
     ("layer_options", {"norm": 3}, "layer_options must map layer types to dicts"),
+    ("norm_type", "batch", "norm_type='batch' needs causal=False"),  # batch statistics see the future
+    ("num_labels", 0, "num_labels must be >= 1"),
+    ("problem_type", "foo", "problem_type must be None or one of"),
+    ("lrpe_seed", "a", "lrpe_seed must be an int"),
 ])
 def test_config_values_are_checked(field, value, match):
     # these used to fail deep inside a layer, or (a truthy string, a misspelt type) be accepted
     with pytest.raises((ValueError, TypeError), match=match):
         TransNormerConfig(**{field: value}).check()
+
+
+def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():
+    TransNormerConfig(norm_type="batch", causal=False).check()
+    from transnormer.presets import get_config
+
+    cfg = get_config("linear-elu-noscale-lm-tiny")
+    cfg.layer_options["linear_elu"]["denominator"] = True  # editing one config ...
+    assert get_config("linear-elu-noscale-lm").layer_options["linear_elu"].get("denominator") is not True
 
 
 def test_inputs_embeds_are_checked():

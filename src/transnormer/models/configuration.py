@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 from transformers import PretrainedConfig
@@ -13,6 +14,7 @@ VARIANT_DEFAULTS = {
 }
 ABS_POS_TYPES = ("sinusoidal", "learned", "scaled_sinusoid", "none")
 POOLING_TYPES = ("mean", "first", "last")
+PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 
 
 def default_layer_types(num_layers: int) -> list[str]:
@@ -109,7 +111,8 @@ class TransNormerConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.classifier_pooling = classifier_pooling
         self.classifier_dropout = classifier_dropout
-        self.layer_options = dict(layer_options or {})
+        # deep: a preset's nested option dicts must not be shared with (and edited through) a config
+        self.layer_options = copy.deepcopy(dict(layer_options or {}))
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
@@ -198,6 +201,11 @@ class TransNormerConfig(PretrainedConfig):
             raise ValueError(f"layer_options has unknown layer types {unknown}; known: {sorted(LAYER_TYPES)}")
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
+        if self.causal and self.norm_type == "batch":
+            # BatchNorm's training statistics pool every position of the batch, so each position would
+            # see the tokens it has to predict.
+            raise ValueError("norm_type='batch' needs causal=False: batch statistics mix future tokens into "
+                             "every position of a causal model")
         if self.ffn_type not in FFN_TYPES:
             raise ValueError(f"ffn_type must be one of {FFN_TYPES}, got {self.ffn_type!r}")
         if self.ffn_act not in ACTIVATIONS:
@@ -216,3 +224,9 @@ class TransNormerConfig(PretrainedConfig):
             raise ValueError(f"norm_kernel must be one of {tuple(KERNELS)}, got {self.norm_kernel!r}")
         if self.resolved("diag_kernel") not in ("softmax", "relu"):
             raise ValueError(f"diag_kernel must be 'softmax' or 'relu', got {self.diag_kernel!r}")
+        if isinstance(self.lrpe_seed, bool) or not isinstance(self.lrpe_seed, int):
+            raise TypeError(f"lrpe_seed must be an int, got {type(self.lrpe_seed).__name__} {self.lrpe_seed!r}")
+        if self.num_labels < 1:
+            raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
+        if self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"problem_type must be None or one of {PROBLEM_TYPES[1:]}, got {self.problem_type!r}")
