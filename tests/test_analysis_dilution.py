@@ -129,6 +129,15 @@ def test_softmax_diag_map_reproduces_layer_output():
     assert torch.allclose(layer.out_proj(o), layer(x)[0], atol=1e-5)
 
 
+def test_diag_map_refuses_left_padding_as_the_layer_does():
+    layer = DiagAttention(32, 4, causal=True, kernel="softmax", block_size=16).eval()
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :3] = False  # left-padded: blocks cut by index would not be the unpadded sequence's
+    for fn in (lambda: layer(_x(), attention_mask=mask), lambda: attention_map(layer, _x(), attention_mask=mask)):
+        with pytest.raises(ValueError, match="needs right-padded rows"):
+            fn()
+
+
 def test_rela_and_norm_maps():
     x = _x()
     rela = attention_map(DiagAttention(32, 4, causal=False, kernel="relu", block_size=16), x)

@@ -447,3 +447,41 @@ def test_bidirectional_heads_check_position_ids(task):
 def test_config_refuses_a_bad_norm_eps(eps):
     with pytest.raises(ValueError, match="norm_eps must be None"):
         get_config("t2-lm-tiny", norm_eps=eps).check()
+
+
+@pytest.mark.parametrize("return_logits", [True, False])
+@pytest.mark.parametrize("pad_id", [0, 7])
+def test_causal_lm_loss_ignores_padding_on_either_side(return_logits, pad_id):
+    # left padding's last pad used to be scored against the first real token (6 targets instead of 5)
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small()).double().eval()
+    seq = torch.randint(3, 97, (6,))
+    alone = model(seq[None], labels=seq[None]).loss
+    for ids, mask in (
+        (torch.cat([torch.full((3,), pad_id), seq]), [0, 0, 0] + [1] * 6),
+        (torch.cat([seq, torch.full((3,), pad_id)]), [1] * 6 + [0, 0, 0]),
+    ):
+        mask = torch.tensor([mask])
+        # labels = input_ids, as HF collators without -100 give: pads must not become targets either
+        out = model(ids[None], attention_mask=mask, labels=ids[None], return_logits=return_logits)
+        torch.testing.assert_close(out.loss, alone, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_mask_values_other_than_zero_and_one_are_refused():
+    torch.manual_seed(0)
+    model = TransNormerForSequenceClassification(small(causal=False, num_labels=3)).eval()
+    ids = torch.randint(3, 97, (2, 10))
+    base = torch.ones(2, 10)
+    base[1, 7:] = 0
+    ref = model(ids, attention_mask=base).logits
+    for dtype in (torch.bool, torch.long, torch.half):  # 0/1 in any dtype is fine
+        torch.testing.assert_close(model(ids, attention_mask=base.to(dtype)).logits, ref)
+    with pytest.raises(ValueError, match="attention_mask must hold 1 .* and 0 .* only"):
+        model(ids, attention_mask=(1 - base) * -1e9)  # HF's additive form
+
+
+def test_mean_pooling_does_not_overflow_in_half():
+    from transnormer.models.modeling import pool
+
+    h = torch.full((1, 4096, 4), 20.0)
+    assert torch.equal(pool(h.half(), None, "mean"), torch.full((1, 4), 20.0).half())

@@ -104,11 +104,26 @@ def default_positions(x: torch.Tensor, attention_mask: torch.Tensor | None) -> t
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``attention_mask`` [B, T] (1 / True = real token, 0 / False = padding, any dtype) as bool.
+
+    Anything but 0 and 1 is refused: an additive mask (0 / -inf, or -1e9 for padding) would
+    otherwise read as "every position real except the real ones"."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only, got other values "
+                         "(an additive 0 / -inf mask? pass 1 for real tokens, 0 for padding)")
+    return attention_mask.bool()
+
+
 def mask_or_none(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Drop an all-true mask so fast paths stay mask-free."""
     if attention_mask is None:
         return None
-    attention_mask = attention_mask.bool()
+    attention_mask = padding_mask(attention_mask)
     return None if bool(attention_mask.all()) else attention_mask
 
 
@@ -120,6 +135,8 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
     B, T = x.shape[:2]
     if attention_mask is not None and tuple(attention_mask.shape) != (B, T):  # before an all-true one is dropped
         raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
+    if attention_mask is not None:
+        attention_mask = padding_mask(attention_mask)
     if positions is not None and (positions.dim() not in (1, 2) or positions.shape[-1] != T
                                   or positions.dim() == 2 and positions.shape[0] not in (1, B)):
         raise ValueError(f"positions must be [B, T] = {(B, T)} (or [1, T], [T]), got {tuple(positions.shape)}")

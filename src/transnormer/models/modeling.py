@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import can_return_tuple
 
 from ..layers import build_mixer
+from ..layers.base import padding_mask
 from ..modules.ffn import build_ffn
 from ..modules.lm_loss import linear_cross_entropy
 from ..modules.norms import build_norm
@@ -280,7 +281,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, width):
                 want = f"[B, T] = {(B, T)}" + (f" or [B, past + T] = {(B, width)}" if decoding else "")
                 raise ValueError(f"attention_mask must be {want}, got {tuple(attention_mask.shape)}")
-            mask = attention_mask[:, -T:].bool()  # HF passes past + current columns while decoding
+            mask = padding_mask(attention_mask[:, -T:])  # HF passes past + current columns while decoding
         prefix = cache.seen if decoding else torch.zeros(B, dtype=torch.long, device=x.device)
         if mask is None:
             positions = prefix[:, None] + torch.arange(T, device=x.device)
@@ -405,6 +406,11 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         logits = loss = None
         # Shift the labels, not the logits: slicing [B, T, V] logits copies them (and their gradient).
         shifted = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)
+        if shifted is not None and attention_mask is not None:
+            # A target is scored only from a real position to a real token: left padding's last pad
+            # would otherwise predict the first real token, and right padding's first pad be a target.
+            real = padding_mask(attention_mask[:, -labels.shape[1]:])
+            shifted = shifted.masked_fill(~(real & F.pad(real[:, 1:], (0, 1), value=False)), -100)
         if shifted is not None and not return_logits:
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
         else:
@@ -521,10 +527,12 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str) -> torch.Tensor:
     """[B, T, d] → [B, d]: mean over real tokens, the first token, or the last real token."""
     B, T, _ = hidden.shape
-    mask = torch.ones(B, T, dtype=torch.bool, device=hidden.device) if attention_mask is None else attention_mask.bool()
+    mask = (torch.ones(B, T, dtype=torch.bool, device=hidden.device) if attention_mask is None
+            else padding_mask(attention_mask))
     if mode == "mean":
-        m = mask[:, :, None].to(hidden.dtype)
-        return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
+        # summed in fp32: an fp16 sum over T = 4096 overflows once the mean passes 16
+        summed = (hidden * mask[:, :, None].to(hidden.dtype)).sum(1, dtype=torch.float32)
+        return (summed / mask.sum(1, keepdim=True).clamp_min(1)).to(hidden.dtype)
     idx = torch.arange(T, device=hidden.device).expand(B, T)
     if mode == "first":
         pos = torch.where(mask, idx, T).amin(1).clamp_max(T - 1)
