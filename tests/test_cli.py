@@ -39,6 +39,27 @@ def test_generate_streams(run_dir, capsys):
     assert capsys.readouterr().out.startswith("def return")
 
 
+def test_generate_starts_the_prompt_as_training_starts_a_document(run_dir, monkeypatch):
+    """Training reads documents each followed by EOS, so a document starts after EOS; <s> never
+    occurs there (starting from it cost a trained model ~3 nats on the first token)."""
+    from transformers import GenerationMixin
+
+    from transnormer.cli import generate_text, load_tokenizer_for, resolve_model_dir
+
+    _, out = run_dir
+    seen = []
+    real = GenerationMixin.generate
+
+    def spy(self, input_ids, **kw):
+        seen.append(input_ids[0].tolist())
+        return real(self, input_ids, **kw)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    generate_text(out, "def return", max_new_tokens=2, stream=False)
+    tok = load_tokenizer_for(resolve_model_dir(out), None)
+    assert seen == [[tok.eos_id] + tok.encode("def return")]
+
+
 def test_eval_finds_a_tokenizer_beside_the_weights(run_dir, tmp_path, capsys):
     """A Hugging Face layout (tokenizer.json next to config.json), as generate reads it."""
     import shutil

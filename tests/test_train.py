@@ -12,7 +12,7 @@ import torch
 
 from transnormer.train import CheckpointError, TrainConfig, latest_valid_checkpoint, train, verify_checkpoint
 from transnormer.train.distributed import DistInfo
-from transnormer.train.loop import build_model_for
+from transnormer.train.loop import build_model_for, special_token_ids
 from transnormer.train.metrics import read_metrics
 from transnormer.train.tasks import build_task_data
 
@@ -145,7 +145,7 @@ def test_classification_run_and_errors(tmp_path):
     assert {"accuracy", "f1", "mcc"} <= set(s["eval"])
     # the test split is its own file: evaluated when labelled, refused when not (never the dev file instead)
     data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext())
-    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id)
+    model = build_model_for(cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
     (tmp_path / "test.tsv").write_text("\n".join(lines[:6]) + "\n")
     data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext())
     assert data.evaluate(model, "test")["n"] == 5 and data.evaluate(model, "valid")["n"] == 16
@@ -832,3 +832,30 @@ def test_model_dirs_without_latest_and_named_checkpoints_are_verified(tmp_path):
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):  # named directly: verified too
         resolve_model_dir(ckpt)
+
+
+def test_the_model_config_names_the_tokenizer_special_ids():
+    # config.json / generation_config.json kept the defaults 1 / 2 whatever the tokenizer said
+    from transnormer.train.loop import model_config_for
+
+    class Tok:
+        pad_id, bos_id, eos_id = 4, None, 3
+
+    config = model_config_for(TrainConfig(max_steps=1), 300, None, special_token_ids(Tok()))
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (4, None, 3)
+
+
+def test_retrieval_init_from_applies_overrides_and_checks_the_vocabulary(tmp_path):
+    from transnormer.models.dual_encoder import TransNormerDualEncoderForSequenceClassification as Dual
+    from transnormer.presets import get_config
+    from transnormer.train.lra_tasks import build_lra_model
+
+    Dual(get_config("t2-lra-retrieval-tiny", dropout=0.0)).save_pretrained(tmp_path / "dual")
+    cfg = TrainConfig(max_steps=1, task="cls", preset=None, init_from=str(tmp_path / "dual"),
+                      overrides={"dropout": 0.3, "classifier_dropout": 0.5})
+    model = build_lra_model(cfg, 200, 2, {}, pair=True)
+    assert (model.config.dropout, model.config.classifier_dropout) == (0.3, 0.5)  # both were dropped
+    with pytest.raises(ValueError, match="below the tokenizer's 1000000 ids"):
+        build_lra_model(cfg, 10**6, 2, {}, pair=True)
+    with pytest.raises(ValueError, match="is a classifier of 2 labels and the data has 3"):
+        build_lra_model(cfg, 200, 3, {}, pair=True)

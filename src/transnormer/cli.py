@@ -209,9 +209,11 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     if tok.vocab_size > model.config.vocab_size:  # its ids past the embedding would fail inside the model
         raise ValueError(f"--tokenizer has {tok.vocab_size} ids, more than the model's vocab_size "
                          f"{model.config.vocab_size}: use the tokenizer the model was trained with")
-    ids = tok.encode(prompt)
-    if tok.bos_id is not None:
-        ids = [tok.bos_id] + ids
+    # The training stream is documents each followed by EOS (data/token_cache.py), so a document
+    # starts after an EOS there; <s> never occurs in it, and starting from it costs ~3 nats.
+    ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty and the tokenizer has no EOS to start from: give a prompt")
     input_ids = torch.tensor([ids])
     hf_tok = tok.to_hf()
     streamer = TextStreamer(hf_tok, skip_prompt=False, skip_special_tokens=True) if stream else None
@@ -238,7 +240,7 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from .train.distributed import cleanup, setup_distributed
-    from .train.loop import TrainConfig, autocast_factory, build_model_for
+    from .train.loop import TrainConfig, autocast_factory, build_model_for, special_token_ids
     from .train.tasks import build_task_data
 
     if args.stride is not None and args.task != "clm":  # mlm and cls windows do not slide
@@ -254,7 +256,8 @@ def cmd_eval(args) -> int:
     autocast = autocast_factory(info.device, args.dtype)
     data = build_task_data(cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)
-    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+    model = model.to(info.device)
     res = data.evaluate(model, args.split, args.max_batches)
     cleanup(info)
     res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,

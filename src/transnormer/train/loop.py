@@ -258,16 +258,23 @@ def fit_total_steps(step: int, elapsed: float, budget_s: float, run_steps: int, 
     return max(step + 1, step + int(left / max(per_step, 1e-6)))
 
 
-def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
-    """The TransNormerConfig of a run: preset or config file, with the run's overrides and vocabulary."""
+def special_token_ids(tokenizer) -> dict:
+    """The tokenizer's pad/bos/eos ids as config fields (None where it has no such token): a saved
+    model's config.json and generation_config.json must name the tokens its tokenizer uses."""
+    return {f"{name}_token_id": getattr(tokenizer, f"{name}_id", None) for name in ("pad", "bos", "eos")}
+
+
+def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, special_ids: dict):
+    """The TransNormerConfig of a run: preset or config file, with the run's overrides, vocabulary
+    and the tokenizer's special ids (:func:`special_token_ids`)."""
     from ..models import TransNormerConfig
     from ..presets import get_config
 
     extra = {"num_labels": num_labels} if num_labels else {}
     overrides = dict(cfg.overrides)
     overrides.setdefault("vocab_size", vocab_size)
-    if pad_id is not None:
-        overrides.setdefault("pad_token_id", pad_id)
+    for name, value in special_ids.items():
+        overrides.setdefault(name, value)
     if cfg.task == "clm":
         overrides.setdefault("max_position_embeddings", max(cfg.seq_len, 512))
     if cfg.config_file:
@@ -280,7 +287,25 @@ def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, 
     return config
 
 
-def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, pad_id: int | None):
+def init_config(init: Path, cfg: TrainConfig, vocab_size: int, num_labels: int | None):
+    """The config of a run that starts from the weights in ``init``: the saved config with the run's
+    overrides (only INIT_FROM_OVERRIDES, TrainConfig.check) and label count, checked against the run
+    before any weight loads."""
+    import transformers
+
+    saved = transformers.AutoConfig.from_pretrained(init)
+    archs = saved.architectures or []
+    if num_labels and num_labels != saved.num_labels and any("SequenceClassification" in a for a in archs):
+        raise ValueError(f"init_from: {init} is a classifier of {saved.num_labels} labels and the data has "
+                         f"{num_labels}; start from its encoder instead: AutoModel.from_pretrained(it).save_pretrained(dir) "
+                         "saves it without the head, and init_from=dir gives the run a new one")
+    extra = {"num_labels": num_labels} if num_labels else {}
+    config = transformers.AutoConfig.from_pretrained(init, **extra, **cfg.overrides)
+    check_model_fits(config, cfg, vocab_size)
+    return config
+
+
+def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, special_ids: dict):
     """The model named by the config (preset, config file, or a pretrained directory)."""
     from ..presets import build_model
 
@@ -288,13 +313,10 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, p
         import transformers
 
         head = {"clm": "CausalLM", "mlm": "MaskedLM", "cls": "SequenceClassification"}[cfg.task]
-        extra = {"num_labels": num_labels} if num_labels else {}
         init = resolve_model_dir(cfg.init_from, what="init_from")  # a run directory works too
-        # overrides: only INIT_FROM_OVERRIDES (TrainConfig.check); checked before the weights load
-        config = transformers.AutoConfig.from_pretrained(init, **extra, **cfg.overrides)
-        check_model_fits(config, cfg, vocab_size)
+        config = init_config(init, cfg, vocab_size, num_labels)
         return getattr(transformers, f"AutoModelFor{head}").from_pretrained(init, config=config)
-    return build_model(model_config_for(cfg, vocab_size, num_labels, pad_id), task=cfg.task)
+    return build_model(model_config_for(cfg, vocab_size, num_labels, special_ids), task=cfg.task)
 
 
 def micro_weights(micro_batches: list[dict], task: str, info: DistInfo) -> list[float]:
@@ -376,7 +398,8 @@ def train(cfg: TrainConfig) -> dict:
     build_cfg = replace(cfg, init_from=str(resolve_model_dir(cfg.init_from, what="init_from"))) if cfg.init_from else cfg
     data = build_task_data(build_cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
-    model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, data.tokenizer.pad_id).to(info.device)
+    model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+    model = model.to(info.device)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()

@@ -147,22 +147,22 @@ def _is_dual_encoder_dir(path: str | os.PathLike) -> bool:
     return "TransNormerDualEncoderForSequenceClassification" in archs
 
 
-def build_lra_model(cfg, vocab_size: int, num_labels: int | None, pad_id: int | None, *, pair: bool | None = None):
+def build_lra_model(cfg, vocab_size: int, num_labels: int | None, special_ids: dict, *, pair: bool | None = None):
     """The model for an LRA run: the loop's usual classifier, or the two-tower model for pair tasks."""
     from . import loop
 
     if pair is None:
         pair = is_pair_task(parse_lra_spec(cfg.data)[0])
     if not pair:
-        return loop.build_model_for(cfg, vocab_size, num_labels, pad_id)
+        return loop.build_model_for(cfg, vocab_size, num_labels, special_ids)
     from ..models.dual_encoder import TransNormerDualEncoderForSequenceClassification as Dual
 
     if cfg.init_from:
         if not _is_dual_encoder_dir(cfg.init_from):
             raise ValueError(f"init_from: {cfg.init_from} is not a two-tower (Retrieval) model; "
                              "the pair task needs TransNormerDualEncoderForSequenceClassification weights")
-        return Dual.from_pretrained(cfg.init_from, **({"num_labels": num_labels} if num_labels else {}))
-    return Dual(loop.model_config_for(cfg, vocab_size, num_labels, pad_id))
+        return Dual.from_pretrained(cfg.init_from, config=loop.init_config(Path(cfg.init_from), cfg, vocab_size, num_labels))
+    return Dual(loop.model_config_for(cfg, vocab_size, num_labels, special_ids))
 
 
 # ----------------------------------------------------------------------------------------- data
