@@ -142,6 +142,10 @@ def test_performer_does_not_redraw_while_decoding_in_train_mode():
     for _ in range(5):
         cache = model(torch.randint(3, 61, (2, 1)), cache=cache, use_cache=True).cache
     assert layers and all(int(m.num_redraws) == 0 for m in layers)
+    with torch.no_grad():  # generate(use_cache=False) in train mode: no cache, but no training step either
+        model.generate(torch.randint(3, 61, (1, 4)), use_cache=False, max_new_tokens=6, do_sample=False,
+                       pad_token_id=0)
+    assert all(int(m.num_redraws) == 0 and int(m.calls_since_redraw) == 0 for m in layers)
     for _ in range(3):
         model(torch.randint(3, 61, (2, 7)))  # training calls still redraw
     assert all(int(m.num_redraws) == 1 for m in layers)

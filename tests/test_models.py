@@ -321,8 +321,9 @@ def test_hf_output_controls_are_honoured():
     model = build_model("t2-lm-tiny", vocab_size=64).eval()
     ids = torch.randint(0, 64, (2, 9))
     ref = model(input_ids=ids, labels=ids)
-    loss, logits = model(input_ids=ids, labels=ids, return_dict=False)
-    assert torch.equal(loss, ref.loss) and torch.equal(logits, ref.logits)
+    loss, logits, cache = model(input_ids=ids, labels=ids, return_dict=False)  # eval mode: a cache, as HF
+    assert torch.equal(loss, ref.loss) and torch.equal(logits, ref.logits) and cache.length == 9
+    loss, logits = model(input_ids=ids, labels=ids, use_cache=False, return_dict=False)
     model.config.output_hidden_states = True
     assert len(model(input_ids=ids).hidden_states) == model.config.num_hidden_layers + 1
     model.config.return_dict = False
@@ -485,3 +486,36 @@ def test_mean_pooling_does_not_overflow_in_half():
 
     h = torch.full((1, 4096, 4), 20.0)
     assert torch.equal(pool(h.half(), None, "mean"), torch.full((1, 4), 20.0).half())
+
+
+def test_use_cache_defaults_as_in_hf_models():
+    """use_cache=None: config.use_cache in eval mode, so the HF loop ``out = m(ids); m(next,
+    cache=out.cache)`` continues the sequence (it returned no cache, and the next call then read its
+    token alone at position 0); a given cache is always continued; training mode builds none."""
+    from transnormer.models import TransNormerCache
+
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small()).double().eval()
+    ids = torch.randint(3, 97, (2, 12))
+    full = model(ids).logits
+    first = model(ids[:, :5])
+    assert isinstance(first.cache, TransNormerCache)
+    nxt = model(ids[:, 5:], cache=first.cache)
+    torch.testing.assert_close(nxt.logits, full[:, 5:], rtol=1e-10, atol=1e-10)
+    assert nxt.cache.length == 12
+    assert model(ids, use_cache=False).cache is None
+    model.config.use_cache = False
+    assert model(ids).cache is None
+    model.config.use_cache = True
+    assert model.train()(ids).cache is None
+    assert TransNormerForSequenceClassification(small(causal=False, num_labels=2)).eval()(ids).logits.shape == (2, 2)
+
+
+def test_generate_refuses_a_cache_without_use_cache():
+    # HF feeds the whole sequence each step without a cache: the given prefix was counted twice
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small()).eval()
+    ids = torch.randint(3, 97, (1, 6))
+    prefix = model(ids[:, :4], use_cache=True).cache
+    with pytest.raises(ValueError, match="generate\\(\\) with a cache needs use_cache=True"):
+        model.generate(ids, cache=prefix, use_cache=False, max_new_tokens=2, do_sample=False, pad_token_id=0)

@@ -34,7 +34,7 @@ def lm_loss(model, ids):
     """Next-token loss of our models (HF output) and of peers (raw logits)."""
     import torch.nn.functional as F
 
-    out = model(input_ids=ids, labels=ids, return_logits=False, return_dict=True) \
+    out = model(input_ids=ids, labels=ids, return_logits=False, use_cache=False, return_dict=True) \
         if not getattr(model, "is_peer", False) else None
     if out is not None:
         return out.loss

@@ -94,9 +94,12 @@ class Performer(KernelLinearAttention):
             self._decoding = False
 
     def feature_map(self, q, k, positions, mask):
-        # Not while decoding (the state was built with this projection) nor while activation
-        # checkpointing recomputes the block (the gradient must be that of the forward's features).
-        if self.training and self.redraw_interval and not self._decoding and not recomputing():
+        # Not while decoding (the state was built with this projection), nor while activation
+        # checkpointing recomputes the block (the gradient must be that of the forward's features),
+        # nor without gradients: only training steps count (generate(use_cache=False) in train mode
+        # runs under no_grad and would otherwise redraw mid-sequence).
+        if (self.training and self.redraw_interval and not self._decoding and not recomputing()
+                and torch.is_grad_enabled()):
             if int(self.calls_since_redraw) >= self.redraw_interval:
                 self.redraw_features()
             self.calls_since_redraw += 1

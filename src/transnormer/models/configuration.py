@@ -72,6 +72,7 @@ class TransNormerConfig(PretrainedConfig):
         classifier_dropout: float | None = None,
         layer_options: dict | None = None,
         tie_word_embeddings: bool = True,
+        use_cache: bool = True,
         pad_token_id: int | None = 0,
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
@@ -105,6 +106,7 @@ class TransNormerConfig(PretrainedConfig):
         self.lrpe_learn_theta = lrpe_learn_theta
         self.lrpe_seed = lrpe_seed
         self.causal = causal
+        self.use_cache = use_cache  # forward's use_cache=None in eval mode, for causal models (HF's meaning)
         self.dropout = dropout
         self.attention_dropout = attention_dropout
         self.initializer = initializer
@@ -179,7 +181,7 @@ class TransNormerConfig(PretrainedConfig):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
-        for name in ("pre_norm", "final_norm", "scale_embedding", "embed_norm", "causal", "eps_inside_sqrt",
+        for name in ("pre_norm", "final_norm", "scale_embedding", "embed_norm", "causal", "use_cache", "eps_inside_sqrt",
                      "norm_per_head", "lrpe_learn_theta", "diag_norm"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "diag_norm" and value is None):

@@ -56,7 +56,8 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] → [B, d]: the encoder, then ``config.classifier_pooling`` over valid tokens."""
-        h = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
+        h = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                       return_dict=True).last_hidden_state
         return pool(h, attention_mask, self.config.classifier_pooling)
 
     def encode_pair(self, input_ids, attention_mask, input_ids_2, attention_mask_2):

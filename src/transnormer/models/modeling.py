@@ -256,11 +256,15 @@ class TransNormerModel(TransNormerPreTrainedModel):
             x = inputs_embeds
         x = x * self.embed_scale
         B, T = x.shape[:2]
+        if cache is None:
+            cache = past_key_values  # the pre-v5 name
+        if use_cache is None:
+            # As HF models: config.use_cache. Not in training mode (a training step never decodes and
+            # would only pay for the states), but always when a cache is given to continue.
+            use_cache = cache is not None or (self.config.use_cache and self.config.causal and not self.training)
         use_cache = bool(use_cache)
         if use_cache and not self.config.causal:
             raise ValueError("use_cache=True needs a causal model (config.causal=True)")
-        if cache is None:
-            cache = past_key_values  # the pre-v5 name
         if cache is not None and not isinstance(cache, TransNormerCache):
             raise TypeError(f"cache must be a TransNormerCache, got {type(cache).__name__}")
         if use_cache and cache is None:
@@ -429,6 +433,12 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         """generate()'s cache set-up, plus an empty TransNormerCache up front: chunked prefill
         (``prefill_chunk_size``) needs a cache before its first chunk, and HF makes none for
         models without key/value caches."""
+        given = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
+        if given and generation_config.use_cache is False:
+            # HF feeds the whole sequence each step without a cache, and a given prefix cache would be
+            # read under it every time: the prefix counted twice
+            raise ValueError("generate() with a cache needs use_cache=True (without it every step re-reads "
+                             "the whole sequence on top of the cached prefix)")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
                 and model_kwargs.get("past_key_values") is None):
@@ -507,6 +517,7 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
         """``return_logits=False`` with ``labels``: the head runs on the masked positions only (about
         15% of the tokens) and ``logits`` is None."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         use_cache=False,  # a causal encoder under a head never decodes
                          position_ids=kwargs.get("position_ids"),  # checked there: only what the model derives
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)
@@ -557,6 +568,7 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs) -> SequenceClassifierOutput:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                         use_cache=False,  # a causal encoder under a head never decodes
                          position_ids=kwargs.get("position_ids"),  # checked there: only what the model derives
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)

@@ -146,7 +146,7 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
             break
         batch = {k: v.to(info.device) for k, v in batch.items()}
         with autocast():
-            logits = model(input_ids=batch["input_ids"], return_dict=True).logits
+            logits = model(input_ids=batch["input_ids"], use_cache=False, return_dict=True).logits
         labels = batch["labels"]
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
