@@ -425,6 +425,22 @@ def test_causal_softmax_with_a_non_positive_scale_has_no_nan_rows(scale):
     q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.float64) for _ in range(3))
     o = softmax_attn(q, k, v, causal=True, scale=scale)
     assert rel_err(o, softmax_attn_reference(q, k, v, causal=True, scale=scale)) < 1e-12
+    from transnormer.ops import block_attn
+    from transnormer.ops.reference import block_attn_reference
+
+    for dtype in (torch.float32, torch.float64):  # block_attn's SDPA path (2 of 8 rows had been finite)
+        q, k, v = (torch.randn(2, 100, 2, 16, dtype=dtype) for _ in range(3))
+        o = block_attn(q, k, v, causal=True, block_size=64, scale=scale)
+        assert rel_err(o, block_attn_reference(q, k, v, causal=True, block_size=64, scale=scale)) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_attention_with_zero_width_keys_is_uniform(causal):
+    # D = 0 raised ZeroDivisionError computing the default scale D^-1/2; every score is 0 there
+    q, v = torch.randn(1, 5, 2, 0, dtype=torch.float64), torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    o = softmax_attn(q, q, v, causal=causal)
+    want = v.cumsum(1) / torch.arange(1, 6, dtype=v.dtype)[:, None, None] if causal else v.mean(1, keepdim=True)
+    assert rel_err(o, want.expand_as(o)) < 1e-12
 
 
 def test_cosformer_max_len_must_be_positive():
@@ -457,3 +473,22 @@ def test_gau_attn_refuses_mismatched_shapes(args, match):
 def test_flash_attn_refuses_mismatched_shapes(shapes, match):
     with pytest.raises(ValueError, match=match):
         flash_attn(*(torch.randn(*sh) for sh in shapes), causal=True, chunk_size=2)
+
+
+def test_relu2_attention_refuses_a_second_derivative():
+    # its backward read relu(s) saved without a graph: gradgradcheck failed with a silently wrong Hessian
+    q, k, v = (torch.randn(1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    (dq,) = torch.autograd.grad(gau_attn(q, k, v, causal=True).pow(2).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+def test_flash_attn_refuses_mixed_dtypes_outside_autocast():
+    # the fused causal path cast fp64 q/k to v's fp32 silently; the padded path raised a torch error
+    q = torch.randn(1, 64, 8, dtype=torch.float64)
+    v = torch.randn(1, 64, 16)
+    with pytest.raises(TypeError, match="must share one dtype outside autocast"):
+        flash_attn(q, q, q, q, v, causal=True, chunk_size=16)
+    z = torch.randn(1, 64, 0)  # zero-width heads failed inside a reshape
+    with pytest.raises(ValueError, match="q_local must have a width >= 1"):
+        flash_attn(z, z, z, z, v, causal=True, chunk_size=16)

@@ -46,6 +46,23 @@ def test_a_build_without_the_fast_flags_says_why(monkeypatch, tmp_path):
     assert (tmp_path / "lib.so").exists()
 
 
+def test_the_built_library_is_readable_by_other_users(monkeypatch, tmp_path):
+    """mkstemp's 0600 stayed on the library (0711 after the compiler): another user of a shared cache
+    could not dlopen it and ran the PyTorch forms for good."""
+    def run(cmd, **kw):
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(_native.subprocess, "run", run)
+    monkeypatch.setattr(_native, "_compiler", lambda: "c++")
+    old = os.umask(0o022)
+    try:
+        _native._compile(tmp_path / "lib.so")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "lib.so").stat().st_mode & 0o777 == 0o755
+
+
 def _case(B, T, H, D, E, dtype=torch.float64):
     g = torch.Generator().manual_seed(T * 1000 + D * 10 + E)
     q, k, v = (torch.randn(B, T, H, x, dtype=dtype, generator=g).requires_grad_() for x in (D, D, E))
@@ -305,3 +322,18 @@ def test_outputs_streamed_from_the_products_equal_the_tiled_path(native, dtype, 
 
     for a, b in zip(outputs(True), outputs(False)):
         assert torch.equal(a, b)
+
+
+def test_fullgraph_compile_of_softmax_ops_on_a_cold_start():
+    """A fresh process (library not loaded yet): the fused-kernel probe took the library's lock
+    inside the trace and fullgraph=True failed with 'Unsupported context manager'."""
+    code = ("import torch\nfrom transnormer.ops import softmax_attn, block_attn\n"
+            "q = torch.randn(1, 64, 2, 16)\n"
+            "f = torch.compile(lambda q: softmax_attn(q, q, q, causal=True), fullgraph=True, backend='eager')\n"
+            "g = torch.compile(lambda q: block_attn(q, q, q, causal=True, block_size=16), fullgraph=True, "
+            "backend='eager')\n"
+            "print(float((f(q) - softmax_attn(q, q, q, causal=True)).abs().max()), "
+            "float((g(q) - block_attn(q, q, q, causal=True, block_size=16)).abs().max()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(float(x) < 1e-5 for x in proc.stdout.split())

@@ -243,3 +243,25 @@ def test_lrpe_feature_map_refuses_integer_input():
     cos = sin = torch.ones(1, 5, 2)
     with pytest.raises(TypeError, match="x must be a floating-point torch.Tensor"):
         lrpe_feature_map(torch.ones(1, 5, 2, 4, dtype=torch.long), cos, sin)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_non_finite_values_at_padded_positions_stay_out(causal):
+    """Padded keys are masked in every op, also when they hold inf/NaN (k·0 = NaN had reached every
+    real query through the state or the 0-weighted sum)."""
+    from transnormer.ops import block_attn, softmax_attn
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 70, 2, 16) for _ in range(3))
+    mask = torch.ones(2, 70, dtype=torch.bool)
+    mask[1, 60:] = False
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[1, 65], v_bad[1, 66] = float("inf"), float("nan")
+    ops = (lambda k, v: norm_linear_attn(q, k, v, causal=causal, key_padding_mask=mask)[0],
+           lambda k, v: block_attn(q, k, v, causal=causal, block_size=16, key_padding_mask=mask),
+           lambda k, v: softmax_attn(q, k, v, causal=causal, key_padding_mask=mask))
+    for op in ops:
+        assert torch.equal(op(k_bad, v_bad)[mask], op(k, v)[mask])
+    state = torch.zeros(2, 2, 16, 16)
+    o, s = norm_linear_attn_step(q[:, 0], k_bad[:, 65], v_bad[:, 66], state, key_padding_mask=torch.tensor([1, 0]))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()

@@ -124,6 +124,11 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
             lines = [ln for ln in first_error.splitlines() if "error" in ln] or first_error.splitlines()
             warnings.warn(f"the CPU kernels were built without {' '.join(_FLAGS_TRIED_FIRST)} (slower): "
                           f"{lines[0] if lines else 'compiler failed'}", RuntimeWarning, stacklevel=2)
+        # mkstemp made the file 0600 (the compiler adds only x bits): other users of a shared cache
+        # could not dlopen it and would run the slow PyTorch forms for good
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)
         os.replace(tmp, out)  # atomic: concurrent ranks never load a half-written library
     finally:
         if os.path.exists(tmp):
@@ -492,7 +497,8 @@ def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) 
     """o from a fused softmax-attention kernel, or None where none takes these inputs (the caller's
     PyTorch form runs then). Inputs are cast as CPU autocast would first (:func:`autocast_inputs`);
     scale must be > 0 (the kernels keep the running max of the unscaled scores)."""
-    if scale <= 0:
+    if scale <= 0 or _mode == "torch" or torch.compiler.is_compiling():
+        # (before anything that loads the library: its lock breaks a fullgraph torch.compile trace)
         return None
     q, k, v = autocast_inputs(q, k, v)
     if not softmax_usable(q, k, v, window):

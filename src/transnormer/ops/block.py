@@ -61,6 +61,8 @@ def block_attn(
             return o
     nb = -(-T // w)
     pad = nb * w - T
+    if mask is not None:  # a padded key or value holding inf/NaN: weight 0 times it would be NaN
+        k, v = (x.masked_fill(~mask[:, :, None, None], 0.0) for x in (k, v))
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     # [B, H, nb, w, D] -> [B, H*nb, w, D] so that SDPA sees 4-d tensors
@@ -101,8 +103,11 @@ def block_attn(
             if dropout_p > 0.0:
                 a = F.dropout(a, p=dropout_p, training=True)
             o = a @ vb
-        elif safe is None:
+        elif safe is None and (not causal or scale > 0):
             o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale)
+        elif safe is None:  # SDPA's is_causal path returns NaN rows for scale <= 0 (torch 2.13, CPU)
+            tril = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=tril, dropout_p=dropout_p, scale=scale)
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=safe, dropout_p=dropout_p, scale=scale)
         if has_any is not None:

@@ -45,6 +45,8 @@ def _check_single_head(heads: tuple[str, ...], **tensors) -> None:
         elif x.shape[:2] != tensors[first].shape[:2]:  # a batch of 1 would broadcast: a silent wrong answer
             raise ValueError(f"{name} must have {first}'s [B, T] = {tuple(tensors[first].shape[:2])}, got "
                              f"{tuple(x.shape[:2])}")
+    if tensors[heads[0]].shape[-1] < 1:
+        raise ValueError(f"{heads[0]} must have a width >= 1, got shape {tuple(tensors[heads[0]].shape)}")
     for name in heads[1:]:
         if tensors[name].shape[-1] != tensors[heads[0]].shape[-1]:
             raise ValueError(f"{name} must have {heads[0]}'s width {tensors[heads[0]].shape[-1]}, got "
@@ -67,6 +69,7 @@ class _MaskedRelu2(torch.autograd.Function):
         return r * r
 
     @staticmethod
+    @once_differentiable  # r is saved without its graph: a second derivative would lose d(2r)/ds
     def backward(ctx, grad):
         (r,) = ctx.saved_tensors
         return grad * r * 2.0, None
@@ -466,6 +469,10 @@ def flash_attn(
     G = max(1, -(-T // C))
     pad = G * C - T
     amp = torch.is_autocast_enabled(v.device.type)
+    dtypes = {x.dtype for x in (q_local, k_local, q_global, k_global, v)}
+    if len(dtypes) > 1 and not amp:  # (the fused path would cast them all to v's dtype silently)
+        raise TypeError(f"q_local, k_local, q_global, k_global and v must share one dtype outside autocast, "
+                        f"got {sorted(str(d) for d in dtypes)}")
     if (causal and local_branch and global_branch and mask is None and pad == 0 and dropout_p == 0.0
             and _EXPLICIT_BACKWARD and _native.backend() != "torch"
             and (amp or v.dtype in (torch.float32, torch.float64))):

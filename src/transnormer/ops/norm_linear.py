@@ -38,8 +38,10 @@ def _apply_key_mask(k, v, key_padding_mask):
     mask = check_key_padding_mask(key_padding_mask, k.shape[0], k.shape[1])
     if mask is None:
         return k, v
-    m = mask[:, :, None, None].to(k.dtype)
-    return k * m, v * m
+    # zeroed, not multiplied: a padded key or value holding inf/NaN would otherwise put 0·inf = NaN
+    # into the state every later (or, bidirectional, every) query reads
+    pad = ~mask[:, :, None, None]
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
 def norm_linear_attn(
@@ -179,8 +181,8 @@ def norm_linear_attn_step(
         _check_state(state, B, H, D, E, "state")
     mask = check_step_mask(key_padding_mask, B)
     kv = k.to(sdt)[..., :, None] * v.to(sdt)[..., None, :]
-    if mask is not None:
-        kv = kv * mask.to(sdt)[:, None, None, None]
+    if mask is not None:  # (masked_fill: a padded token's inf/NaN must not reach the state)
+        kv = kv.masked_fill(~mask[:, None, None, None], 0.0)
     state = state.to(sdt) + kv
     o = torch.einsum("bhd,bhde->bhe", q.to(sdt), state).to(q.dtype)
     return o, state

@@ -82,7 +82,7 @@ def softmax_attn_reference(q, k, v, *, causal, scale=None, key_padding_mask=None
     B, T, H, D = q.shape
     valid = _valid(key_padding_mask, B, T, q.device)
     allowed = _allowed(valid, causal)[:, None]  # [B, 1, T, T]
-    scale = D ** -0.5 if scale is None else scale
+    scale = (D ** -0.5 if D else 1.0) if scale is None else scale
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
     p = torch.where(allowed.any(-1, keepdim=True), p, torch.zeros_like(p))

@@ -48,16 +48,20 @@ def softmax_attn(
     check_qkv(q, k, v)
     B, T = q.shape[:2]
     mask = check_key_padding_mask(key_padding_mask, B, T)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if q.shape[-1] else 1.0  # D = 0: every score is 0 whatever the scale
     if mask is None and dropout_p == 0.0:
-        o = _native.fused_softmax_attn(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5 if scale is None else scale)
+        o = _native.fused_softmax_attn(q, k, v, causal=causal, scale=scale)
         if o is not None:
             return o
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    if mask is None and (not causal or scale is None or scale > 0):
+    if mask is None and (not causal or scale > 0):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, dropout_p=dropout_p, scale=scale)
         return o.transpose(1, 2)
     if mask is None:  # SDPA's is_causal path returned NaN rows for scale <= 0 (torch 2.13, CPU)
         mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
+    else:  # a padded key or value holding inf/NaN: weight 0 times it would be NaN
+        kh, vh = (x.masked_fill(~mask[:, None, :, None], 0.0) for x in (kh, vh))
     allowed = mask[:, None, None, :].expand(B, 1, T, T)
     if causal:
         allowed = allowed & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
