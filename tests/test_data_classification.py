@@ -132,6 +132,10 @@ def test_label_set_order_save_load(tmp_path):
         read_classification_file(_write(tmp_path / "a.tsv", "sentence\tlabel\na\t10\nb\t2\nc\t-1\n"))
     )
     assert ints.names == ["-1", "2", "10"] and ints.index("10") == 2
+    # "1.0" in a text cell is the class of "1", as the number 1.0 is (a CSV mixing them had 3 classes)
+    mixed = LabelSet.from_examples(read_classification_file(_write(tmp_path / "m.csv",
+                                                                   "sentence,label\na,1.0\nb,1\nc,0\nd,1.\n")))
+    assert mixed.names == ["0", "1"]
     strs = LabelSet(["neutral", "entailment"])
     strs.save(tmp_path / "labels.json")
     assert LabelSet.load(tmp_path / "labels.json") == strs

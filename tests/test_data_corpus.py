@@ -276,6 +276,17 @@ def test_hf_spec_with_fake_datasets(monkeypatch):
     assert c["valid"][0] == " = V = \n v ."
 
 
+def test_hf_line_rows_keep_their_blank_lines(monkeypatch):
+    """On the hub a blank line is an empty row "" (no newline); joined as they came, the paragraph
+    rule saw one document where the same text as a file has three."""
+    rows = ["First paragraph line one.\n", "line two.\n", "", "Second paragraph.\n", "", "Third.\n"]
+    split = {"train": _FakeSplit(rows * 4), "validation": _FakeSplit(rows), "test": _FakeSplit(rows)}
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a: split))
+    c = load_corpus("hf:lines")
+    assert c["valid"] == ["First paragraph line one.\nline two.", "Second paragraph.", "Third."]
+    assert c["valid"] == split_into_documents("".join(r or "\n" for r in rows))
+
+
 def test_hf_spec_without_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
     with pytest.raises(ImportError, match="needs the 'datasets' package"):

@@ -49,6 +49,18 @@ def test_train_bpe_specials_and_round_trip(bpe):
     assert bpe.encode_batch(["the list", "a file"]) == [bpe.encode("the list"), bpe.encode("a file")]
 
 
+def test_copies_keep_special_token_text_as_text(bpe):
+    """pickle / deepcopy rebuilt the backend from JSON without encode_special_tokens: a copy encoded
+    a literal "<s>" as the control id under the same fingerprint."""
+    import copy
+    import pickle
+
+    for clone in (pickle.loads(pickle.dumps(bpe)), copy.deepcopy(bpe)):
+        ids = clone.encode("a <mask> and <s> here")
+        assert ids == bpe.encode("a <mask> and <s> here") and not set(ids) & clone.special_ids
+        assert clone.fingerprint == bpe.fingerprint
+
+
 def test_decode_accepts_tensors_and_checks_range(bpe):
     import torch
 

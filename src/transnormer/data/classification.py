@@ -87,7 +87,10 @@ def _label_key(value, where: str) -> str:
             return str(int(value))
         return repr(value)
     if isinstance(value, str):
-        return value.strip()
+        # a text cell "1.0" is the class of "1", as the number 1.0 is (a file mixing them had 3 classes)
+        value = value.strip()
+        integral = re.fullmatch(r"([-+]?\d+)\.0*", value)
+        return str(int(integral.group(1))) if integral else value
     raise ValueError(f"{where}: label {value!r} must be a string or a number")
 
 

@@ -431,7 +431,9 @@ def _hf_documents(split_ds, where: str) -> list[str]:
     # Line-based datasets (WikiText on the hub: one row per line, each ending in "\n") are joined back
     # into the original text and cut into documents by the usual rule; otherwise a row is a document.
     if nonblank and sum(r.endswith("\n") for r in nonblank) >= 0.5 * len(nonblank):
-        return split_into_documents("".join(rows))
+        # A blank line is an empty row with no "\n" of its own: give it back, or the paragraph rule
+        # (and the text of every document) loses it.
+        return split_into_documents("".join(r if r.endswith("\n") else r + "\n" for r in rows))
     return [r.strip() for r in nonblank]
 
 

@@ -99,6 +99,21 @@ class TextTokenizer:
                 token = next((c for c in candidates if self._token_to_id(c) is not None), None)
             self._special[role] = token
 
+    # Copies (pickle: spawned DataLoader workers, multiprocessing; copy.deepcopy) rebuild the backend
+    # from the JSON, which does not carry encode_special_tokens: set it again, or a copy would turn
+    # a literal "<s>" in data text into the control token under the same fingerprint.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if state["_backend"] is not None:
+            state["_backend"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._json is not None:
+            self._backend = tokenizers.Tokenizer.from_str(self._json)
+            self._backend.encode_special_tokens = True
+
     # ------------------------------------------------------------------------------------------ lookup
     def _token_to_id(self, token: str) -> int | None:
         if self._backend is not None:
