@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,18 +44,20 @@ def train_losses(out_dir):
     return [r["loss"] for r in read_metrics(Path(out_dir) / "metrics.jsonl") if r["kind"] == "train"]
 
 
-def test_kill_and_resume_is_exact(corpus_dir, tmp_path):
-    full = cfg_for(corpus_dir, tmp_path / "a", out_dir=str(tmp_path / "full"))
+@pytest.mark.parametrize("task", ["clm", "mlm"])  # mlm: whole-sentence blocks, masked per step
+def test_kill_and_resume_is_exact(corpus_dir, tmp_path, task):
+    kw = {"task": task, "preset": "t2-lm-tiny" if task == "clm" else "t2-roberta-tiny"}
+    full = cfg_for(corpus_dir, tmp_path / "a", out_dir=str(tmp_path / "full"), **kw)
     train(full)
     ref = train_losses(full.out_dir)
     assert len(ref) == 6
-    part = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), save_every=1, stop_after=3)
+    part = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), save_every=1, stop_after=3, **kw)
     assert train(part) == {"stopped_at": 3}
     # a "crash" after step 3's checkpoint, in the middle of writing a metrics record: the run resumes
     # at step 3, drops the torn record and repeats nothing
     with open(Path(part.out_dir) / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 4, "lo')
-    resumed = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), save_every=1, resume=True)
+    resumed = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), save_every=1, resume=True, **kw)
     train(resumed)
     got = train_losses(resumed.out_dir)
     assert got == pytest.approx(ref, rel=0, abs=1e-6)
@@ -97,7 +100,9 @@ def test_read_metrics_drops_only_a_torn_last_line(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [({"eval_stride": 0}, "eval_stride must be an int in"),
                                       ({"eval_stride": 33}, "eval_stride must be an int in"),
-                                      ({"eval_stride": 8, "task": "mlm"}, "eval_stride applies to task 'clm' only")])
+                                      ({"eval_stride": 8, "task": "mlm"}, "eval_stride applies to task 'clm' only"),
+                                      ({"mlm_packing": "complete"}, "mlm_packing applies to task 'mlm' only"),
+                                      ({"mlm_packing": "lines", "task": "mlm"}, "mlm_packing must be one of")])
 def test_eval_stride_is_checked_before_training(corpus_dir, tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         cfg_for(corpus_dir, tmp_path, **kw).check()
@@ -859,3 +864,30 @@ def test_retrieval_init_from_applies_overrides_and_checks_the_vocabulary(tmp_pat
         build_lra_model(cfg, 10**6, 2, {}, pair=True)
     with pytest.raises(ValueError, match="is a classifier of 2 labels and the data has 3"):
         build_lra_model(cfg, 200, 3, {}, pair=True)
+
+
+def test_mlm_samples_are_whole_sentences_after_bos(corpus_dir, tmp_path):
+    """The paper's recipe (fairseq --sample-break-mode complete): each sample is <s> then whole
+    sentences, right-padded; masking never picks <s> or padding. 'contiguous' keeps the windows."""
+    cfg = cfg_for(corpus_dir, tmp_path, task="mlm", preset="t2-roberta-tiny", seq_len=64)
+    data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext())
+    tok = data.tokenizer
+    batch = next(data.train)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+    assert ids.shape == (4, 64) and (ids[:, 0] == tok.bos_id).all() and (labels[:, 0] == -100).all()
+    assert (labels[mask == 0] == -100).all() and (ids[mask == 0] == tok.pad_id).all()
+    blocks = data.train.windows.blocks
+    assert (blocks[:, 1] - blocks[:, 0]).max() <= 63
+    is_end = data.train.windows.is_end
+    stream = data.train.windows.tokens
+    assert all(is_end[stream[b - 1]] or b - a == 63 for a, b in blocks.tolist())  # ends on a sentence end
+    assert data.evaluate(_tiny_mlm(tok), max_batches=1)["eval_tokens"] > 0
+    flat = build_task_data(replace(cfg, mlm_packing="contiguous"), DistInfo(), lambda: contextlib.nullcontext())
+    assert "attention_mask" not in next(flat.train)
+
+
+def _tiny_mlm(tok):
+    from transnormer.presets import build_model
+
+    return build_model("t2-roberta-tiny", task="mlm", vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, block_size=8, chunk_size=8)

@@ -56,6 +56,12 @@ def _cls_read_kwargs(args) -> dict:
     return read
 
 
+def _add_mlm_packing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mlm-packing", choices=["complete", "contiguous"],
+                   help="mlm samples: whole sentences packed up to --seq-len with <s> first (complete, the "
+                   "paper's fairseq recipe; default) or contiguous windows of the token stream")
+
+
 def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False) -> None:
     from .train.loop import TrainConfig
 
@@ -74,6 +80,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--cache-dir")
     _add_cls_column_args(p)
     p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
+    _add_mlm_packing_arg(p)
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="per process and micro-step")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)
@@ -250,7 +257,8 @@ def cmd_eval(args) -> int:
     # no --tokenizer: the model's own, in <model>/tokenizer or beside its weights (tasks.get_tokenizer)
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
                       seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
-                      cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read)
+                      cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read,
+                      mlm_packing=args.mlm_packing)
     cfg.check()
     info = setup_distributed(args.device)
     autocast = autocast_factory(info.device, args.dtype)
@@ -291,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="valid", choices=["valid", "test", "train"])
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--stride", type=positive_int, help="clm sliding-window stride (default: seq-len)")
+    _add_mlm_packing_arg(p)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--max-batches", type=positive_int, help="default: the whole split")
     p.add_argument("--tokenizer")

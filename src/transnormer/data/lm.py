@@ -47,6 +47,15 @@ def _check_pos_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_shard(rank, world_size) -> tuple[int, int]:
+    """(rank, world_size) checked: ints with 0 <= rank < world_size."""
+    world_size = _check_pos_int("world_size", world_size)
+    rank = _check_pos_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    return rank, world_size
+
+
 def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
     """``LongTensor[len(starts), seq_len]`` of ``tokens[s : s + seq_len]`` for each start."""
     index = starts[:, None] + np.arange(seq_len)[None, :]
@@ -85,7 +94,57 @@ class LMWindowDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-class LMBatchIterator:
+class StepBatches:
+    """Iteration and resume shared by the step-indexed batch iterators: ``batch_at(step)`` is a pure
+    function of the step, so iterating is stepping and resuming is restoring ``step``."""
+
+    def __init__(self, tokens, seq_len: int, batch_size: int, seed: int, rank: int, world_size: int,
+                 step: int) -> None:
+        self.tokens = _check_tokens(tokens)
+        self.seq_len = _check_pos_int("seq_len", seq_len, 2)
+        self.batch_size = _check_pos_int("batch_size", batch_size)
+        self.seed = _check_pos_int("seed", seed, 0)
+        self.rank, self.world_size = _check_shard(rank, world_size)
+        self.step = _check_pos_int("step", step, 0)
+        self.global_batch_size = self.batch_size * self.world_size
+
+    def batch_at(self, step: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = self.batch_at(self.step)
+        self.step += 1
+        return batch
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state["step"]``.
+
+        The world size may change on resume as long as ``batch_size * world_size`` stays the same.
+
+        Raises:
+            ValueError: the state was saved with other settings (a different seed, sequence length,
+                global batch size or data): resuming would silently change the data order.
+        """
+        if not isinstance(state, dict) or "step" not in state:
+            raise TypeError(f"state must be a dict from {type(self).__name__}.state_dict()")
+        mine = self.state_dict()
+        diffs = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in mine
+            if k != "step" and k in state and state[k] != mine[k]
+        ]
+        if diffs:
+            raise ValueError("state does not match this data iterator (" + "; ".join(diffs) + ")")
+        self.step = _check_pos_int("state['step']", state["step"], 0)
+
+
+class LMBatchIterator(StepBatches):
     """Deterministic, resumable, rank-sharded training batches (see the module docstring).
 
     Args:
@@ -115,18 +174,9 @@ class LMBatchIterator:
         random_offset: bool = True,
         attention_mask: bool = False,
     ) -> None:
-        self.tokens = _check_tokens(tokens)
-        self.seq_len = _check_pos_int("seq_len", seq_len, 2)
-        self.batch_size = _check_pos_int("batch_size", batch_size)
-        self.seed = _check_pos_int("seed", seed, 0)
-        self.world_size = _check_pos_int("world_size", world_size)
-        self.rank = _check_pos_int("rank", rank, 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank must be < world_size={self.world_size}, got {self.rank}")
-        self.step = _check_pos_int("step", step, 0)
+        super().__init__(tokens, seq_len, batch_size, seed, rank, world_size, step)
         self.random_offset = bool(random_offset)
         self.attention_mask = bool(attention_mask)
-        self.global_batch_size = self.batch_size * self.world_size
         n = len(self.tokens)
         worst_offset = self.seq_len - 1 if self.random_offset else 0
         fewest_windows = max(0, n - worst_offset) // self.seq_len
@@ -183,15 +233,6 @@ class LMBatchIterator:
             batch["attention_mask"] = torch.ones_like(ids)
         return batch
 
-    # ------------------------------------------------------------------------------------- iteration
-    def __iter__(self) -> LMBatchIterator:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        batch = self.batch_at(self.step)
-        self.step += 1
-        return batch
-
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, int | bool]:
         """Data position plus the settings that must match on resume."""
@@ -203,27 +244,6 @@ class LMBatchIterator:
             "num_tokens": len(self.tokens),
             "random_offset": self.random_offset,
         }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state["step"]``.
-
-        The world size may change on resume as long as ``batch_size * world_size`` stays the same.
-
-        Raises:
-            ValueError: the state was saved with a different seed, sequence length, global batch size,
-                data size or offset mode (resuming would silently change the data order).
-        """
-        if not isinstance(state, dict) or "step" not in state:
-            raise TypeError("state must be a dict from LMBatchIterator.state_dict()")
-        mine = self.state_dict()
-        diffs = [
-            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
-            for k in mine
-            if k != "step" and k in state and state[k] != mine[k]
-        ]
-        if diffs:
-            raise ValueError("state does not match this data iterator (" + "; ".join(diffs) + ")")
-        self.step = _check_pos_int("state['step']", state["step"], 0)
 
 
 def eval_batches(
@@ -255,10 +275,7 @@ def eval_batches(
     tokens = _check_tokens(tokens)
     seq_len = _check_pos_int("seq_len", seq_len, 2)
     batch_size = _check_pos_int("batch_size", batch_size)
-    world_size = _check_pos_int("world_size", world_size)
-    rank = _check_pos_int("rank", rank, 0)
-    if rank >= world_size:
-        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    rank, world_size = _check_shard(rank, world_size)
     n = len(tokens)
     if n < 2:
         raise ValueError(f"tokens has {n} ids; evaluation needs at least 2")

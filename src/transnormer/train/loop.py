@@ -96,6 +96,7 @@ class TrainConfig:
     eval_every_s: float = 0.0  # seconds of training between evaluations (time budgets); 0 = off
     eval_batches: int | None = 50
     eval_stride: int | None = None
+    mlm_packing: str | None = None  # mlm samples: "complete" (default; whole sentences, <s> first) | "contiguous"
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 3
     resume: bool = False
@@ -133,6 +134,11 @@ class TrainConfig:
                     1 <= self.eval_stride <= self.seq_len):
                 raise ValueError(f"eval_stride must be an int in [1, seq_len = {self.seq_len}] (or None: seq_len), "
                                  f"got {self.eval_stride!r}")
+        if self.mlm_packing is not None:
+            if self.task != "mlm":
+                raise ValueError(f"mlm_packing applies to task 'mlm' only, not {self.task!r}")
+            if self.mlm_packing not in MLM_PACKINGS:
+                raise ValueError(f"mlm_packing must be one of {MLM_PACKINGS}, got {self.mlm_packing!r}")
         if self.max_steps is None and self.budget is None:
             raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
         if self.budget is not None:
@@ -150,6 +156,11 @@ class TrainConfig:
             from ..presets import get_config
 
             get_config(self.preset)  # an unknown name fails here, before any data work
+
+
+# MLM samples: whole sentences packed into blocks with <s> first (fairseq's --sample-break-mode
+# complete, the paper's recipe, data/mlm_blocks.py), or contiguous windows of the token stream.
+MLM_PACKINGS = ("complete", "contiguous")
 
 
 # What a resumed run may change: where and how often it reports and saves, not what it trains.

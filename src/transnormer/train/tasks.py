@@ -20,6 +20,7 @@ import torch
 from ..data.corpus import Corpus, load_corpus
 from ..data.lm import LMBatchIterator, eval_batches
 from ..data.mlm import mask_tokens
+from ..data.mlm_blocks import BlockBatchIterator, eval_block_batches, line_end_ids
 from ..data.sampler import StepBatchSampler
 from ..data.token_cache import build_token_cache
 from ..data.tokenizer import build_tokenizer, load_tokenizer
@@ -46,7 +47,7 @@ class MLMBatches:
     batch), so it is the same whatever the number of ranks the global batch is split over (and a
     run resumed on another world size sees the masks it would have seen)."""
 
-    def __init__(self, windows: LMBatchIterator, tokenizer, seed: int, rank: int):
+    def __init__(self, windows: LMBatchIterator | BlockBatchIterator, tokenizer, seed: int, rank: int):
         self.windows, self.tok, self.seed, self.rank = windows, tokenizer, seed, rank
 
     def masked(self, batch: dict, step: int, rows=None) -> dict:
@@ -64,7 +65,10 @@ class MLMBatches:
         ids, labels = torch.cat(out_ids), torch.cat(out_labels)
         if "labels" in batch:  # evaluation windows mark tokens an earlier window scored with -100
             labels = labels.masked_fill(batch["labels"] == -100, -100)
-        return {"input_ids": ids, "labels": labels}
+        out = {"input_ids": ids, "labels": labels}
+        if "attention_mask" in batch:  # whole-sentence blocks are padded (padding is never masked)
+            out["attention_mask"] = batch["attention_mask"]
+        return out
 
     def __next__(self) -> dict:
         step = self.windows.state_dict()["step"]
@@ -146,7 +150,8 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
             break
         batch = {k: v.to(info.device) for k, v in batch.items()}
         with autocast():
-            logits = model(input_ids=batch["input_ids"], use_cache=False, return_dict=True).logits
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False,
+                           return_dict=True).logits
         labels = batch["labels"]
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
@@ -219,8 +224,10 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         return build_lra_task_data(cfg, info, autocast)
     if cfg.task in ("clm", "mlm"):
         corpus, tok, tokens = _token_splits(cfg, info)
-        windows = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                  world_size=info.world_size)
+        packing = "complete" if cfg.task == "mlm" and cfg.mlm_packing in (None, "complete") else "contiguous"
+        if packing == "contiguous":
+            windows = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                      world_size=info.world_size)
         if cfg.task == "clm":
             train = windows
 
@@ -229,6 +236,23 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                                                     stride=cfg.eval_stride, rank=info.rank,
                                                     world_size=info.world_size),
                                 info, max_batches, autocast, shift=True)
+        elif packing == "complete":
+            # whole sentences, <s> first (fairseq's --sample-break-mode complete: spec §8)
+            if tok.pad_id is None:
+                raise ValueError(f"mlm_packing 'complete' pads blocks and the tokenizer {tok.name!r} has no pad "
+                                 "token; use mlm_packing 'contiguous' or a tokenizer with one")
+            is_end = line_end_ids(tok)
+            blocks = BlockBatchIterator(tokens["train"], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
+                                        pad_id=tok.pad_id, seed=cfg.seed, rank=info.rank, world_size=info.world_size)
+            train = MLMBatches(blocks, tok, cfg.seed, info.rank)
+            masker = MLMBatches(blocks, tok, cfg.seed + 1_000_003, info.rank)
+
+            def evaluate(model, split="valid", max_batches=None):
+                batches = eval_block_batches(tokens[split], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
+                                             pad_id=tok.pad_id, rank=info.rank, world_size=info.world_size)
+                # each block masked by its index in the split: the same masks on any number of ranks
+                masked = (masker.masked(b, 0, rows=b.pop("window").tolist()) for b in batches)
+                return _eval_lm(model, masked, info, max_batches, autocast, shift=False)
         else:
             train = MLMBatches(windows, tok, cfg.seed, info.rank)
             masker = MLMBatches(windows, tok, cfg.seed + 1_000_003, info.rank)
