@@ -139,8 +139,8 @@ def _build_in_child(corpus, tok, cache_dir, queue):
 
 
 def test_concurrent_builders_take_turns(corpus, tok, tmp_path):
-    """Two processes building the same entry: the second waits for the first's commit and reads it
-    (it used to delete the first's freshly written sidecar, failing the first's read-back)."""
+    """Two processes building the same entry take turns: the second waits for the first's lock (it
+    used to delete the first's freshly written sidecar, failing the first's read-back)."""
     import multiprocessing as mp
 
     from transnormer._files import file_lock
@@ -148,11 +148,11 @@ def test_concurrent_builders_take_turns(corpus, tok, tmp_path):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     lock = token_cache_dir(corpus, tok, tmp_path) / "train.lock"
-    with file_lock(lock):  # this process is mid-build of "train"
+    with file_lock(lock):  # another builder is mid-build of "train"
         child = ctx.Process(target=_build_in_child, args=(corpus, tok, tmp_path, queue))
         child.start()
         child.join(timeout=1.5)
         assert child.is_alive(), "the second builder did not wait for the split's lock"
-        arrays = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
     child.join(timeout=60)
+    arrays = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])  # the child's, committed
     assert queue.get(timeout=5) == ("ok", len(arrays["train"]))

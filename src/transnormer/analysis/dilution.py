@@ -125,7 +125,7 @@ def capture_mixer_inputs(model, input_ids: torch.Tensor, attention_mask: torch.T
     handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, m) in enumerate(mixers)]
     try:
         with eval_mode(model):  # no dropout in the embeddings / residuals while capturing
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            model(input_ids=input_ids, attention_mask=attention_mask)
     finally:
         for h in handles:
             h.remove()
