@@ -271,3 +271,27 @@ def test_position_ids_are_checked_against_the_mask():
         model(ids, attention_mask=mask, position_ids=hf + 100)
     with pytest.raises(ValueError, match="position_ids must be"):
         model(ids, position_ids=torch.arange(5)[None])
+
+
+def test_an_error_in_a_later_layer_leaves_the_cache_as_it_was(monkeypatch):
+    """The layers' new states are committed after the last layer: a failing layer must not leave the
+    caller's cache advanced in the layers before it (the next call would read them twice)."""
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
+    ids = torch.randint(3, 61, (2, 9))
+    cache = model(ids[:, :6], use_cache=True).cache
+    before = ([None if c is None else dict(c) for c in cache.layers], cache.seen.clone(), cache.length)
+    last = model.model.layers[-1]
+
+    def fail(*a, **k):
+        raise RuntimeError("layer failed")
+
+    monkeypatch.setattr(last, "forward", fail)
+    with pytest.raises(RuntimeError, match="layer failed"):
+        model(ids[:, 6:7], cache=cache, use_cache=True)
+    monkeypatch.undo()
+    for old, now in zip(before[0], cache.layers, strict=True):  # the very same states, not advanced ones
+        assert (old is None and now is None) or (old.keys() == now.keys() and all(old[k] is now[k] for k in old))
+    assert torch.equal(before[1], cache.seen) and before[2] == cache.length
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids[:, 6:], cache=cache, use_cache=True).logits, full[:, 6:], rtol=1e-4, atol=1e-4)

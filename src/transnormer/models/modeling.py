@@ -311,6 +311,9 @@ class TransNormerModel(TransNormerPreTrainedModel):
         x = self.dropout(x)
 
         hidden_states = [] if output_hidden_states else None
+        # The layers' new states are committed together after the last layer: an error in a later
+        # layer leaves the caller's cache as it was, not advanced in its first layers only.
+        new_layers = list(cache.layers) if step_layers else None
         for i, layer in enumerate(self.layers):
             if hidden_states is not None:
                 hidden_states.append(x)
@@ -322,7 +325,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
                 x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
                                            use_cache=step_layers)
             if step_layers:
-                cache.layers[i] = new_layer_cache
+                new_layers[i] = new_layer_cache
         if self.final_norm is not None:
             x = self.final_norm(x, mask)
         if hidden_states is not None:
@@ -333,6 +336,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
             if hidden_states is not None:
                 hidden_states = [h.gather(1, inv[:, :, None].expand_as(h)) for h in hidden_states]
         if use_cache:
+            cache.layers = new_layers
             cache.seen = prefix + (T if mask is None else mask.long().sum(1))
             cache.length += T
         return BaseModelOutputWithPast(
