@@ -207,3 +207,27 @@ def test_rsd_from_a_training_metrics_file_reads_train_records_only(tmp_path):
         rsd_from_jsonl(p, start=5, end=1)
     with pytest.raises(ValueError, match="no recorded step lies in"):
         rsd_from_jsonl(p, start=10, end=20)
+
+
+def test_ablation_cli_marks_a_run_the_loop_stopped(tmp_path, monkeypatch):
+    """The loop stops at a non-finite gradient after logging that step's finite loss; the ablation
+    dropped train()'s diverged_at and showed the stopped run as healthy."""
+    from pathlib import Path
+
+    import transnormer.train.loop as loop
+    from transnormer.cli import main
+
+    def fake_train(cfg):
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stopped = out.name == "linear_elu_no_denom"
+        n = 3 if stopped else 6
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 9.0 - 0.1 * s})
+                                                   + "\n" for s in range(1, n + 1)))
+        return {"diverged_at": n if stopped else None}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    assert main(["analyze", "ablation", "--budget", "10", "--out", str(tmp_path)]) == 0
+    stats = json.loads((tmp_path / "ablation.json").read_text())["stats"]
+    assert {k: v["diverged"] for k, v in stats.items()} == {"linear_elu": False, "linear_elu_no_denom": True,
+                                                            "norm": False}

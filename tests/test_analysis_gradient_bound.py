@@ -63,6 +63,14 @@ def test_norm_attention_measured_below_bound(kernel):
         assert 0 < r["ratio"] <= 1
     one = norm_attention_grad(eps=1e-6, score_scale=1e-6)
     assert one["bound"] == pytest.approx(3 * one["c1"] * one["c2"] * one["d"] / (2 * 1e-3))
+    # the library's default norm (ε outside the root) has its own bound, 2c₁c₂d/ε: its gradient goes
+    # past the paper's 3c₁c₂d/(2√ε), which the figure had drawn for it
+    res = norm_attention_sweep(eps_values=(1e-8, 1e-4, 1.0), scales=SCALES[::2], kernel=kernel, eps_inside_sqrt=False)
+    for eps, r in res["eps"].items():
+        assert 0 < r["ratio"] <= 1, eps
+    out = norm_attention_grad(eps=1e-4, score_scale=1e-6, eps_inside_sqrt=False)
+    assert out["measured"] > 3 * out["c1"] * out["c2"] * out["d"] / (2 * 1e-2)
+    assert out["bound"] == pytest.approx(2 * out["c1"] * out["c2"] * out["d"] / 1e-4)
 
 
 def test_run_gradient_bound_writes_files(tmp_path):
@@ -70,7 +78,7 @@ def test_run_gradient_bound_writes_files(tmp_path):
     data = json.loads((tmp_path / "gradient_bound.json").read_text())
     assert (tmp_path / "gradient_bound.png").stat().st_size > 0
     s = data["summary"]
-    assert s["softmax_within_quarter"] and s["norm_attention_within_bound"]
+    assert s["softmax_within_quarter"] and s["norm_attention_within_bound"] and "norm_attention_outside" in s
     assert s["linear_at_min_score"]["max"] > 1e4 and res["summary"] == s
 
 

@@ -111,9 +111,14 @@ def cmd_ablation(args) -> int:
                           seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                           clip=0.0, out_dir=str(run), seed=args.seed, vocab_size=args.vocab_size,
                           cache_dir=args.cache_dir, eval_batches=10, progress=False)
-        train(cfg)
+        summary = train(cfg)
         barrier(info)  # rank 0 has written the run's metrics
-        return [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+        curve = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+        if summary.get("diverged_at") is not None:
+            # the loop stops at a non-finite gradient too, after logging that step's finite loss:
+            # end the curve with a non-finite point there, or the stopped run reads as healthy
+            curve.append((summary["diverged_at"], float("nan")))
+        return curve
 
     from .analysis.ablation import ablation_configs
 

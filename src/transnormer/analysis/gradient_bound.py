@@ -106,8 +106,10 @@ def unified_sweep(scales: Sequence[float] = DEFAULT_SCALES, n_values: Sequence[i
 
 
 def norm_attention_grad(n: int = 16, d: int = 16, eps: float = 1e-6, score_scale: float = 1.0,
-                        kernel: str = "1+elu", seed: int = 0) -> dict:
-    """One measurement of max|∂L/∂s_ij| for O = RMSNorm_ε(S V) against 3 c₁ c₂ d / (2√ε).
+                        kernel: str = "1+elu", seed: int = 0, eps_inside_sqrt: bool = True) -> dict:
+    """One measurement of max|∂L/∂s_ij| for O = RMSNorm_ε(S V) against its bound: 3 c₁ c₂ d / (2√ε)
+    for ε inside the root (the paper's form), 2 c₁ c₂ d / ε for ε added to the root (the library's
+    default SimpleRMSNorm, spec §5: a Jacobian bound of 2/ε in place of 3/(2√ε)).
 
     Q, K, V, G ~ N(0, 1) of shape [n, d]; S = φ(Q)φ(K)ᵀ rescaled so that max|s_ij| = score_scale.
     SimpleRMSNorm reduces in float32 internally; the margin to the bound is orders of magnitude,
@@ -123,17 +125,19 @@ def norm_attention_grad(n: int = 16, d: int = 16, eps: float = 1e-6, score_scale
     phi = kernels[kernel]
     S = phi(Q) @ phi(K).T
     S = (S * (score_scale / S.abs().max())).requires_grad_()
-    norm = SimpleRMSNorm(d, eps=eps, eps_inside_sqrt=True)
+    norm = SimpleRMSNorm(d, eps=eps, eps_inside_sqrt=eps_inside_sqrt)
     O = norm(S @ V)
     (O * G).sum().backward()
     c1 = float(G.norm(dim=-1).max())
     c2 = float(V.norm(dim=-1).max())
-    return {"measured": float(S.grad.abs().max()), "bound": 3 * c1 * c2 * d / (2 * math.sqrt(eps)),
-            "c1": c1, "c2": c2, "d": d, "eps": eps, "score_scale": score_scale}
+    bound = 3 * c1 * c2 * d / (2 * math.sqrt(eps)) if eps_inside_sqrt else 2 * c1 * c2 * d / eps
+    return {"measured": float(S.grad.abs().max()), "bound": bound, "c1": c1, "c2": c2, "d": d, "eps": eps,
+            "score_scale": score_scale, "eps_inside_sqrt": eps_inside_sqrt}
 
 
 def norm_attention_sweep(eps_values: Sequence[float] = DEFAULT_EPS, scales: Sequence[float] = DEFAULT_SCALES,
-                         n: int = 16, d: int = 16, kernel: str = "1+elu", seed: int = 0) -> dict:
+                         n: int = 16, d: int = 16, kernel: str = "1+elu", seed: int = 0,
+                         eps_inside_sqrt: bool = True) -> dict:
     """{"eps": {str(ε): {"measured": [S], "bound": float, "max_measured", "ratio"}}, "scales": [S]}.
 
     The same Q, K, V, G (one seed) for every ε and scale, so only ε and the magnitude change;
@@ -141,9 +145,9 @@ def norm_attention_sweep(eps_values: Sequence[float] = DEFAULT_EPS, scales: Sequ
     """
     _check_positive("eps_values", eps_values)
     _check_positive("scales", scales)
-    out = {"scales": list(scales), "n": n, "d": d, "kernel": kernel, "eps": {}}
+    out = {"scales": list(scales), "n": n, "d": d, "kernel": kernel, "eps_inside_sqrt": eps_inside_sqrt, "eps": {}}
     for eps in eps_values:
-        runs = [norm_attention_grad(n, d, eps, s, kernel, seed) for s in scales]
+        runs = [norm_attention_grad(n, d, eps, s, kernel, seed, eps_inside_sqrt) for s in scales]
         bound = runs[0]["bound"]  # c₁, c₂ do not depend on the score scale
         measured = [r["measured"] for r in runs]
         out["eps"][repr(eps)] = {"measured": measured, "bound": bound, "max_measured": max(measured),
@@ -152,8 +156,12 @@ def norm_attention_sweep(eps_values: Sequence[float] = DEFAULT_EPS, scales: Sequ
 
 
 def plot_gradient_bound(results: dict, path) -> Path:
-    """Left: unified attention max|∂p/∂s| vs s with 1/4 and 1/(4s). Right: NormAttention measured vs bound."""
-    fig, axes = new_figure(ncols=2)
+    """Left: unified attention max|∂p/∂s| vs s with 1/4 and 1/(4s). Then NormAttention measured vs
+    its bound, ε inside the root (the paper's form) and, if measured, ε outside (the library's default)."""
+    forms = [("norm_attention", "ε inside √ (paper)", "3c₁c₂d/(2√ε)"),
+             ("norm_attention_outside", "ε outside √ (default)", "2c₁c₂d/ε")]
+    forms = [f for f in forms if f[0] in results]
+    fig, axes = new_figure(ncols=1 + len(forms))
     ax = axes[0, 0]
     uni = results["unified"]
     s = uni["scales"]
@@ -166,17 +174,18 @@ def plot_gradient_bound(results: dict, path) -> Path:
     ax.set_title("Proposition 3.1: unified attention", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    ax = axes[0, 1]
-    na = results["norm_attention"]
-    for i, (eps, r) in enumerate(na["eps"].items()):
-        color = f"C{i}"
-        ax.loglog(na["scales"], r["measured"], "o-", ms=3, color=color, label=f"measured ε={eps}")
-        ax.loglog(na["scales"], [r["bound"]] * len(na["scales"]), "--", lw=1, color=color)
-    ax.set_xlabel("score magnitude max|s_ij|")
-    ax.set_ylabel("max |∂L/∂s_ij|")
-    ax.set_title("NormAttention: measured (solid) vs 3c₁c₂d/(2√ε) (dashed)", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    for col, (key, form, bound) in enumerate(forms, start=1):
+        ax = axes[0, col]
+        na = results[key]
+        for i, (eps, r) in enumerate(na["eps"].items()):
+            color = f"C{i}"
+            ax.loglog(na["scales"], r["measured"], "o-", ms=3, color=color, label=f"measured ε={eps}")
+            ax.loglog(na["scales"], [r["bound"]] * len(na["scales"]), "--", lw=1, color=color)
+        ax.set_xlabel("score magnitude max|s_ij|")
+        ax.set_ylabel("max |∂L/∂s_ij|")
+        ax.set_title(f"NormAttention, {form}: measured (solid) vs {bound} (dashed)", fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
     return save_figure(fig, path)
 
 
@@ -190,18 +199,22 @@ def gradient_bound_summary(results: dict) -> dict:
         "softmax_within_quarter": max(uni["softmax"]["max"]) <= 0.25 + 1e-9,
         "linear_at_min_score": {"s": s[i_min], "max": uni["linear"]["max"][i_min], "1/(4s)": 0.25 / s[i_min]},
         "linear_max_times_s": max(uni["linear"]["max_times_s"]),
-        "norm_attention": {eps: {"max_measured": r["max_measured"], "bound": r["bound"], "ratio": r["ratio"]}
-                           for eps, r in results["norm_attention"]["eps"].items()},
-        "norm_attention_within_bound": all(r["ratio"] <= 1 for r in results["norm_attention"]["eps"].values()),
+        **{key: {eps: {"max_measured": r["max_measured"], "bound": r["bound"], "ratio": r["ratio"]}
+                 for eps, r in results[key]["eps"].items()}
+           for key in ("norm_attention", "norm_attention_outside") if key in results},
+        "norm_attention_within_bound": all(r["ratio"] <= 1 for key in ("norm_attention", "norm_attention_outside")
+                                           if key in results for r in results[key]["eps"].values()),
     }
 
 
 def run_gradient_bound(out_dir="analysis_out/gradient_bound", *, scales: Sequence[float] = DEFAULT_SCALES,
                        eps_values: Sequence[float] = DEFAULT_EPS, seed: int = 0, plot: bool = True) -> dict:
-    """Both parts; writes gradient_bound.json (+ .png) in out_dir and returns
-    {"unified", "norm_attention", "summary", "files"}."""
+    """Both parts; writes gradient_bound.json (+ .png) in out_dir and returns {"unified",
+    "norm_attention" (ε inside the root, the paper's bound), "norm_attention_outside" (the library's
+    default norm, its own bound), "summary", "files"}."""
     results = {"unified": unified_sweep(scales, seed=seed),
-               "norm_attention": norm_attention_sweep(eps_values, scales, seed=seed)}
+               "norm_attention": norm_attention_sweep(eps_values, scales, seed=seed),
+               "norm_attention_outside": norm_attention_sweep(eps_values, scales, seed=seed, eps_inside_sqrt=False)}
     results["summary"] = gradient_bound_summary(results)
     out = Path(out_dir)
     files = [save_json(results, out / "gradient_bound.json")]
