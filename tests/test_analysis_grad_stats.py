@@ -92,8 +92,10 @@ def test_rsd_from_metrics_jsonl(tmp_path):
 def test_ablation_configs_differ_only_in_mixers():
     cfgs = ablation_configs("t2-lm-tiny")
     dicts = {k: v.to_dict() for k, v in cfgs.items()}
-    strip = [{k: v for k, v in d.items() if k not in ("layer_types", "layer_options")} for d in dicts.values()]
+    strip = [{k: v for k, v in d.items() if k not in ("layer_types", "layer_options", "lrpe")}
+             for d in dicts.values()]
     assert all(s == strip[0] for s in strip)
+    assert cfgs["norm"].lrpe == "none"  # linear_elu has no positional encoding inside: only the norm differs
     assert dicts["linear_elu_no_denom"]["layer_options"]["linear_elu"] == {"denominator": False}
     assert set(cfgs["norm"].layer_types) == {"norm"}
 

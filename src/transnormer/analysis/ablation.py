@@ -4,7 +4,8 @@ Three models equal in everything but the token mixer, every layer of the same ty
     "linear_elu"            1+elu linear attention with the denominator (scaling) — the baseline
     "linear_elu_no_denom"   the same without the denominator and with no norm — unbounded outputs,
                             expected to diverge / train badly (paper: ppl 797 vs 4.98)
-    "norm"                  NormAttention: no denominator, an RMSNorm on the output instead
+    "norm"                  NormAttention: no denominator, an RMSNorm on the output instead (without
+                            LRPE, which 1+elu does not have either: only the norm differs)
 
 The training itself belongs to the caller (the training engine): ``train_fn(config, budget)``
 returns [(step, loss), ...]. This module builds the configs, runs them, judges divergence and
@@ -32,7 +33,8 @@ def linear_elu_registered() -> bool:
 
 
 def ablation_configs(base: str = "t2-lm-tiny", **overrides) -> dict:
-    """The three TransNormerConfigs from preset ``base`` (+ overrides), differing only in the mixers."""
+    """The three TransNormerConfigs from preset ``base`` (+ overrides), differing only in the mixers
+    (NormAttention without its LRPE: the linear_elu layers have no positional encoding inside)."""
     from ..models.presets import get_config
 
     ref = get_config(base, **overrides)
@@ -41,7 +43,7 @@ def ablation_configs(base: str = "t2-lm-tiny", **overrides) -> dict:
     return {
         "linear_elu": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=opts),
         "linear_elu_no_denom": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=no_denom),
-        "norm": get_config(base, **overrides, layer_types=["norm"] * L, layer_options=opts),
+        "norm": get_config(base, **{**overrides, "lrpe": "none"}, layer_types=["norm"] * L, layer_options=opts),
     }
 
 
