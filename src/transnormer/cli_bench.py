@@ -41,7 +41,7 @@ def cmd_bench(args) -> int:
         elif w == "long":
             res = suite.bench_long(out)
         else:
-            res = suite.bench_peers(out, vocab_size=args.vocab_size, dtypes=args.dtypes)
+            res = suite.bench_peers(out, vocab_size=args.vocab_size, dtypes=args.dtypes, rounds=args.rounds)
         _print(res)
         all_verdicts += res["verdicts"]
     if len(what) > 1:
@@ -63,7 +63,7 @@ def register(sub) -> None:
                    help="(long: 8,192, what fits at T = 65,536 in 24 GB)")
     p.add_argument("--threads", type=positive_int)
     p.add_argument("--rounds", type=positive_int, default=1,
-                   help="ops, train, infer: measure the configurations in turn this many times; each keeps its "
+                   help="ops, train, infer, peers: measure the configurations in turn this many times; each keeps its "
                         "median round")
     p.add_argument("--tokens-per-step", type=positive_int, default=16384,
                    help="train/infer: tokens in each step (batch = this // T, at least 1)")
