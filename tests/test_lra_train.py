@@ -277,6 +277,26 @@ def test_cli_train_writes_provenance(listops_root, tmp_path, capsys):
     assert "synthetic-fixture" in table and "LRA average" not in table
 
 
+def test_cli_train_of_a_diverged_run_writes_no_result(listops_root, tmp_path, capsys, monkeypatch):
+    """A run the loop stopped (non-finite loss or gradient) must not be scored from an earlier
+    checkpoint and written up as a result under its step count."""
+    import transnormer.train.loop as loop
+
+    real = loop.train
+
+    def diverging(cfg):
+        summary = real(cfg)  # trains and saves a model, as a run with --save-every would have
+        return {**summary, "diverged_at": 2}
+
+    monkeypatch.setattr(loop, "train", diverging)
+    run = tmp_path / "run"
+    assert main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
+                 "--max-steps", "2", "--batch-size", "8", "--out", str(run), "--no-progress",
+                 "--eval-batches", "1"]) == 1
+    assert "the run diverged at step 2" in capsys.readouterr().err
+    assert not (run / "lra_result.json").exists()
+
+
 def test_cli_train_epochs_count_optimizer_steps_of_the_global_batch(listops_root, tmp_path):
     """--epochs 1 with --grad-accum 2: each step takes 2 x 8 of the 96 training examples, so 6 steps
     (12 had read the data twice)."""
@@ -356,6 +376,25 @@ def test_results_table_naming_rule():
     mixed = five[:4] + [rec("pathfinder", "regenerated", 0.5)]
     assert "LRA average" not in results_table(mixed)
     assert "avg" not in results_table(five[:1])
+    # Path-X is reported beside the five, not averaged in (it had hidden the official average)
+    with_pathx = results_table(five + [rec("pathx", "official", 0.9)])
+    assert "t2: LRA average (five tasks, official data): 50.00" in with_pathx and "| Path-X |" in with_pathx
+
+
+def test_report_averages_each_model_alone_and_prefers_official_data():
+    from transnormer.cli_lra import results_table
+
+    def rec(task, prov, val, test, preset=None):
+        return {"task": task, "preset": preset or f"t2-lra-{task.split('-')[0]}", "data_provenance": prov,
+                "dataset_id": task, "val": {"accuracy": val}, "test": {"accuracy": test}}
+
+    five = [rec(t, "official", 0.5, 0.5) for t in ("listops", "text", "retrieval", "image", "pathfinder")]
+    # FMNIST (~90%) beat CIFAR (~50%) on validation and replaced it in the official mean
+    table = results_table(five + [rec("image-fmnist32", "stand-in", 0.9, 0.9)])
+    assert "t2: LRA average (five tasks, official data): 50.00" in table
+    # a vanilla ListOps run with a better validation was averaged with T2's other four tasks
+    table = results_table(five + [rec("listops", "official", 0.9, 0.9, preset="vanilla-lra-listops")])
+    assert "t2: LRA average (five tasks, official data): 50.00" in table and "vanilla: avg" not in table
 
 
 def test_text_and_retrieval_truncation_is_counted(tmp_path, capsys):
