@@ -222,3 +222,21 @@ def test_regenerating_into_the_same_folder_leaves_no_stale_batches(tmp_path):
     (base / "metadata" / "7.npy").write_text("")  # a batch the sidecar does not list
     with pytest.raises(ValueError, match="not in its generation.json"):
         load_lra("pathfinder32", tmp_path, "train")
+
+
+def test_only_the_official_parameters_are_labelled_regenerated(tmp_path):
+    """Changed generator parameters (or our 64-pixel interpolation) were labelled "regenerated"
+    under the official set's id; ListOps already called such data a fixture."""
+    from transnormer.data.lra import load_lra
+
+    assert pf.official_parameters(pf.PathfinderConfig(n_images=20, batch_size=10))  # counts aside
+    assert pf.official_parameters(pf.pathfinder_config(128, "easy"))
+    assert not pf.official_parameters(pf.pathfinder_config(64))
+    changed = pf.PathfinderConfig(n_images=10, batch_size=10, contour_length=3, n_distractors=0)
+    assert not pf.official_parameters(changed)
+    pf.write_pathfinder(tmp_path / "changed", seed=0, config=changed)
+    ds = load_lra("pathfinder32", tmp_path / "changed", "train")
+    assert ds.provenance == "synthetic-fixture" and "-fixture(" in ds.dataset_id
+    pf.write_pathfinder(tmp_path / "official", seed=0, config=pf.PathfinderConfig(n_images=10, batch_size=10))
+    ds = load_lra("pathfinder32", tmp_path / "official", "train")
+    assert ds.provenance == "regenerated" and "-regen(" in ds.dataset_id

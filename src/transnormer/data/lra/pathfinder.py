@@ -33,7 +33,7 @@ import hashlib
 import io
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -704,12 +704,31 @@ def dataset_dir(root: str | os.PathLike, cfg: PathfinderConfig) -> Path:
     return Path(root) / f"pathfinder{cfg.resolution}" / cfg.difficulty
 
 
+# What may differ from a preset without changing the images' distribution: counts and batching.
+_COUNT_FIELDS = ("n_images", "batch_size", "max_restarts")
+
+
+def official_parameters(cfg: PathfinderConfig | dict) -> bool:
+    """Whether ``cfg`` (or a sidecar's ``config`` dict) draws from the official generator's
+    distribution: the spec's Pathfinder-32 or Path-X preset of its difficulty, counts aside. The
+    64-pixel preset is our interpolation, so it is not."""
+    if isinstance(cfg, dict):
+        cfg = PathfinderConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
+    if cfg.resolution not in (32, 128) or cfg.difficulty not in CONTOUR_LENGTHS:
+        return False
+    ref = pathfinder_config(cfg.resolution, cfg.difficulty)
+    return all(getattr(cfg, f.name) == getattr(ref, f.name) for f in fields(PathfinderConfig)
+               if f.name not in _COUNT_FIELDS)
+
+
 def pathfinder_dataset_id(seed: int, cfg: PathfinderConfig) -> str:
-    """e.g. ``pathfinder32-hard-regen(gen=v1, seed=0)``; Path-X is ``pathx128-…``."""
+    """e.g. ``pathfinder32-hard-regen(gen=v1, seed=0)``; Path-X is ``pathx128-…``; other
+    parameters than the official ones (:func:`official_parameters`) make it ``…-fixture(…)``."""
     level = {v: k for k, v in DIFFICULTIES.items()}.get(cfg.difficulty, cfg.difficulty)
     name = "pathx128" if cfg.resolution == 128 else f"pathfinder{cfg.resolution}"
     extra = "" if cfg.n_images == 200_000 else f", n={cfg.n_images}"
-    return f"{name}-{level}-regen(gen={GENERATOR_VERSION}, seed={seed}{extra})"
+    kind = "regen" if official_parameters(cfg) else "fixture"
+    return f"{name}-{level}-{kind}(gen={GENERATOR_VERSION}, seed={seed}{extra})"
 
 
 def write_pathfinder(
@@ -759,6 +778,7 @@ def write_pathfinder(
         },
         "sha256_rule": "png_batches: sha256 over the concatenated sha256 digests of the batch's PNGs in index order",
         "dataset_id": pathfinder_dataset_id(seed, cfg),
+        "official_parameters": official_parameters(cfg),
     }
     write_json(dest / SIDECAR_NAME, meta)
     return meta

@@ -319,7 +319,10 @@ def load_lra(
             raise ValueError(f"{info['dir']}: metadata files {sorted(found - set(listed))[:5]} are not in its "
                              f"{SIDECAR_NAME}; they come from another generation. Regenerate into an empty folder")
         _verify_sidecar(Path(info["dir"]), meta, listed)
-        prov, did = "regenerated", meta.get("dataset_id", f"pathfinder{res}-regen")
+        # regenerated only from the official generator's parameters (ListOps likewise); our 64-pixel
+        # interpolation or changed parameters are a fixture of their own
+        official = _pf.official_parameters(meta["config"]) if isinstance(meta.get("config"), dict) else False
+        prov, did = ("regenerated" if official else "synthetic-fixture"), meta.get("dataset_id", f"pathfinder{res}-regen")
     else:
         prov, did = "official", f"{'pathx128' if res == 128 else f'pathfinder{res}'}-{difficulty} (official LRA files)"
     _check_override(provenance, meta, t)
@@ -459,6 +462,6 @@ def prepare(
         "status": "generated",
         "path": str(_pf.dataset_dir(out, cfg)),
         "dataset_id": meta["dataset_id"],
-        "provenance": "regenerated",
+        "provenance": "regenerated" if meta["official_parameters"] else "synthetic-fixture",
         "sidecar": meta,
     }
