@@ -144,6 +144,9 @@ def test_retrieval_pairs_and_text_via_api(tmp_path):
             (d / "0_1.txt").write_text(f"{part} {cls} review")
     text = load_lra("text", tmp_path, "val", provenance="stand-in", name="tiny")
     assert text.dataset_id == "text-tiny (stand-in)" and len(text) == 2 and text.vocab_size == 257
+    # a name without a provenance was dropped and the data labelled official
+    with pytest.raises(ValueError, match="name 'bbc' labels data that is not the official set"):
+        load_lra("text", tmp_path, "val", name="bbc")
 
 
 def test_collate_validation():

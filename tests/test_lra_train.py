@@ -326,6 +326,8 @@ def test_cli_train_under_torchrun_scores_the_splits_once_over_the_ranks(listops_
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     rec = json.loads((run / "lra_result.json").read_text())
     assert rec["val"]["n"] == 24 and rec["test"]["n"] == 24
+    # --batch-size is the total (as the authors' batches are): each of the 2 processes takes 2
+    assert rec["training"]["batch_size"] == 4 and json.loads((run / "train_config.json").read_text())["batch_size"] == 2
 
 
 @pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--seq-len", "0"], ["--epochs", "-5"],
@@ -355,6 +357,10 @@ def test_lra_eval_and_report_refuse_what_they_cannot_score(listops_root, tmp_pat
     build_model("t2-lra-listops-tiny", num_labels=2).save_pretrained(other)
     assert main(["lra", "eval", "listops", "--model", str(other), "--root", str(listops_root)]) == 2
     assert "a model trained on another task" in capsys.readouterr().err
+    text = tmp_path / "text"  # 2 classes, bytes: a single tower would score each pair's first document alone
+    build_model("t2-lra-text-tiny").save_pretrained(text)
+    assert main(["lra", "eval", "retrieval", "--model", str(text), "--root", str(listops_root)]) == 2
+    assert "is a single-tower classifier; retrieval needs a two-tower one" in capsys.readouterr().err
     assert main(["lra", "eval", "listops", "--model", str(other), "--out", str(tmp_path / "e.md")]) == 2
     assert "give the JSON file's name" in capsys.readouterr().err
     (tmp_path / "ev.json").write_text(json.dumps({"kind": "lra-eval", "task": "listops"}))

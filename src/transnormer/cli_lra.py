@@ -239,7 +239,11 @@ def run_train(args) -> dict:
     info_t = task_info(task)
     defaults = training_defaults(task)
     preset = args.preset or preset_for(task)
-    batch = args.batch_size if args.batch_size is not None else defaults["batch_size"]
+    batch = args.batch_size if args.batch_size is not None else defaults["batch_size"]  # total over processes
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if batch % world:
+        raise ValueError(f"--batch-size {batch} is the total over the {world} processes and must divide among them")
+    rank_batch = batch // world
     lr = args.lr if args.lr is not None else defaults["lr"]
     seq_len = args.seq_len if args.seq_len is not None else info_t.length
     opts = _load_options(args)
@@ -248,8 +252,8 @@ def run_train(args) -> dict:
         epochs = args.epochs if args.epochs is not None else defaults["epochs"]
         if epochs is None:
             raise ValueError(f"{task}: the authors give no epoch count; pass --max-steps, --budget or --epochs")
-        # an optimizer step takes batch x grad_accum examples on each of WORLD_SIZE processes
-        per_step = batch * args.grad_accum * int(os.environ.get("WORLD_SIZE", "1"))
+        # an optimizer step takes batch x grad_accum examples over all WORLD_SIZE processes
+        per_step = batch * args.grad_accum
         n_train = len(load_split(task, args.root, "train", seq_len, opts))
         max_steps = max(1, int(epochs * (n_train // per_step)))
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
@@ -261,7 +265,7 @@ def run_train(args) -> dict:
     seed = args.seed if args.seed is not None else defaults["seed"]
     cfg = TrainConfig(
         task="cls", preset=preset, overrides=parse_overrides(args.set), data=_spec(task, args.root),
-        cls_read_kwargs=opts, seq_len=seq_len, batch_size=batch, grad_accum=args.grad_accum,
+        cls_read_kwargs=opts, seq_len=seq_len, batch_size=rank_batch, grad_accum=args.grad_accum,
         max_steps=max_steps, budget=budget, lr=lr, min_lr_ratio=defaults["min_lr_ratio"], warmup=warmup,
         schedule=defaults["schedule"], weight_decay=defaults["weight_decay"], betas=tuple(defaults["betas"]),
         clip=defaults["clip"] if args.clip is None else args.clip, dtype=args.dtype, device=args.device, seed=seed,
@@ -281,9 +285,9 @@ def run_train(args) -> dict:
         return {"diverged_at": summary["diverged_at"], "run_dir": str(out)}
     model, model_path = main_first(info, lambda: load_model_dir(out))  # rank 0 may repair a folder
     # The reported numbers cover whole splits: the loop's periodic validation reads --eval-batches only.
-    val, _ = evaluate_model(task, model, root=args.root, split="val", seq_len=seq_len, batch_size=batch,
+    val, _ = evaluate_model(task, model, root=args.root, split="val", seq_len=seq_len, batch_size=rank_batch,
                             max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
-    test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=batch,
+    test, prov = evaluate_model(task, model, root=args.root, split="test", seq_len=seq_len, batch_size=rank_batch,
                                 max_batches=args.test_batches, dtype=args.dtype, load_options=opts, info=info)
     cleanup(info)
     base = preset.split("-lra-", 1)[1].removesuffix("-tiny") if "-lra-" in preset else None
@@ -355,6 +359,12 @@ def _check_classifier_for(task: str, model, path) -> None:
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ValueError(f"--model {path} is a {', '.join(archs) or 'model'} checkpoint, not a sequence classifier "
                          f"trained on an LRA task")
+    from .train.lra_tasks import is_pair_task
+
+    two_towers = any(a.startswith("TransNormerDualEncoder") for a in archs)
+    if two_towers != is_pair_task(task):  # a single tower would score the first document of each pair alone
+        raise ValueError(f"--model {path} is a {'two' if two_towers else 'single'}-tower classifier; {task} needs "
+                         f"a {'two' if is_pair_task(task) else 'single'}-tower one")
     if model.config.num_labels != info.num_classes or model.config.vocab_size < info.vocab_size:
         raise ValueError(f"--model {path} has {model.config.num_labels} classes and a vocabulary of "
                          f"{model.config.vocab_size}; {task} has {info.num_classes} classes and {info.vocab_size} "
@@ -482,7 +492,8 @@ def register(sub) -> None:
     q.add_argument("--max-steps", type=positive_int)
     q.add_argument("--budget", help="tokens ('2M') or time ('10min'); default: the authors' epochs")
     q.add_argument("--epochs", type=positive_float, help="default: the authors' epoch count")
-    q.add_argument("--batch-size", type=positive_int, help="default: the authors' total batch")
+    q.add_argument("--batch-size", type=positive_int,
+                   help="total over the torchrun processes, each taking its share (default: the authors' total)")
     q.add_argument("--grad-accum", type=positive_int, default=1)
     q.add_argument("--lr", type=float)
     q.add_argument("--warmup", type=int, help="default: the authors' warmup (capped at half of --max-steps)")

@@ -224,6 +224,10 @@ def load_lra(
     max_len = check_optional_max_len(max_len)
     if provenance is not None:
         check_provenance(provenance)
+    if name is not None and provenance in (None, "official"):
+        # the name labels other data; without a provenance it was dropped and the data called official
+        raise ValueError(f"name {name!r} labels data that is not the official set: give it with provenance "
+                         "('stand-in', 'synthetic-fixture' or 'regenerated')")
     if root is None and t != "image-fmnist32":
         raise ValueError(f"root is required for task {t!r} (the folder with its data files)")
 
