@@ -130,3 +130,21 @@ def test_line_end_ids_of_a_byte_level_bpe():
     marks = [i for i, t in enumerate(ids) if ends[t]]
     # sentence ends fall right after each newline: the prefix up to each mark decodes to whole lines
     assert [tok.decode(ids[:i + 1]).endswith("\n") for i in marks] == [True] * len(marks) and len(marks) == 2
+
+
+def test_the_two_mlm_packings_refuse_each_others_resume_state():
+    """An MLM checkpoint of contiguous windows must not resume on whole-sentence blocks (or back):
+    the check compared only the keys both states had."""
+    from transnormer.data.lm import LMBatchIterator
+
+    tokens = stream(np.random.default_rng(4).integers(1, 12, 300).tolist())
+    windows, blocks = LMBatchIterator(tokens, 8, 4), _iterator(tokens)
+    with pytest.raises(ValueError, match="packing: saved 'contiguous', now 'complete'"):
+        blocks.load_state_dict(windows.state_dict())
+    with pytest.raises(ValueError, match="packing: saved 'complete', now 'contiguous'"):
+        windows.load_state_dict(blocks.state_dict())
+    old = windows.state_dict()
+    del old["packing"]  # a state saved before the field: contiguous windows
+    windows.load_state_dict(old)
+    with pytest.raises(ValueError, match="packing: saved 'contiguous'"):
+        blocks.load_state_dict(old)

@@ -156,3 +156,18 @@ def test_concurrent_builders_take_turns(corpus, tok, tmp_path):
     child.join(timeout=60)
     arrays = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])  # the child's, committed
     assert queue.get(timeout=5) == ("ok", len(arrays["train"]))
+
+
+def test_a_built_cache_is_read_without_taking_the_lock(corpus, tok, tmp_path, monkeypatch):
+    """Users who may only read a shared cache could not open the lock file for writing: the lock
+    is taken only to build."""
+    from transnormer.data import token_cache
+
+    first = build_token_cache(corpus, tok, cache_dir=tmp_path)
+
+    def no_write(path):
+        raise PermissionError(f"[Errno 13] Permission denied: {path}")
+
+    monkeypatch.setattr(token_cache, "file_lock", no_write)
+    again = build_token_cache(corpus, tok, cache_dir=tmp_path)
+    assert all(np.array_equal(first[s], again[s]) for s in first)

@@ -401,6 +401,10 @@ def test_report_averages_each_model_alone_and_prefers_official_data():
     # a vanilla ListOps run with a better validation was averaged with T2's other four tasks
     table = results_table(five + [rec("listops", "official", 0.9, 0.9, preset="vanilla-lra-listops")])
     assert "t2: LRA average (five tasks, official data): 50.00" in table and "vanilla: avg" not in table
+    # the same preset with other --set overrides is another model (an ablation variant)
+    variant = {**rec("listops", "official", 0.9, 0.9), "overrides": {"norm_type": "simple_rms"}}
+    table = results_table(five + [variant])
+    assert "t2: LRA average (five tasks, official data): 50.00" in table
 
 
 def test_text_and_retrieval_truncation_is_counted(tmp_path, capsys):

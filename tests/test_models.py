@@ -519,3 +519,15 @@ def test_generate_refuses_a_cache_without_use_cache():
     prefix = model(ids[:, :4], use_cache=True).cache
     with pytest.raises(ValueError, match="generate\\(\\) with a cache needs use_cache=True"):
         model.generate(ids, cache=prefix, use_cache=False, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("option", [{"normalizer": "seq_len"}, {"rel_bias": "toeplitz_moving"}])
+def test_use_cache_default_skips_models_that_cannot_decode(option):
+    """A GAU whose options need the whole sequence cannot decode: eval-mode model(ids) must run
+    without a cache, not raise (the use_cache=None default had turned the cache on)."""
+    model = build_model("flash-quad-lm-tiny", vocab_size=97, layer_options={"gau": option}).eval()
+    ids = torch.randint(3, 97, (1, 12))
+    out = model(ids)
+    assert out.cache is None and out.logits.shape == (1, 12, 97)
+    with pytest.raises(ValueError, match="decod"):
+        model(ids, use_cache=True)

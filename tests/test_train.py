@@ -891,3 +891,14 @@ def _tiny_mlm(tok):
 
     return build_model("t2-roberta-tiny", task="mlm", vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2,
                        num_attention_heads=2, block_size=8, chunk_size=8)
+
+
+def test_resume_takes_mlm_packing_none_as_complete():
+    # a run started without --mlm-packing (None) resumed with --mlm-packing complete was refused;
+    # a real change is refused by the data iterator's state check (test_data_mlm_blocks.py)
+    from dataclasses import asdict
+
+    from transnormer.train.loop import config_changes
+
+    cfg = TrainConfig(task="mlm", max_steps=1, mlm_packing="complete")
+    assert config_changes({**asdict(cfg), "mlm_packing": None}, cfg) == []

@@ -138,7 +138,10 @@ def results_table(records: list[dict], split: str = "test") -> str:
         slot = TASK_SLOT.get(rec["task"], rec["task"])  # the FMNIST stand-in fills Image's slot, not a sixth one
         if acc is None or slot not in LRA_FIVE:  # Path-X and the 64-pixel Pathfinder: in the table, not the mean
             continue
-        mine = best.setdefault(model_family(rec["preset"]), {})
+        # runs with other --set overrides (e.g. norm_type=simple_rms) are another model
+        overrides = rec.get("overrides") or {}
+        model = model_family(rec["preset"]) + (f" {json.dumps(overrides, sort_keys=True)}" if overrides else "")
+        mine = best.setdefault(model, {})
         if slot not in mine or rank(rec) < rank(mine[slot]):
             mine[slot] = rec
     for family, chosen in best.items():
@@ -300,6 +303,7 @@ def run_train(args) -> dict:
                      "betas": list(cfg.betas), "seed": seed, "max_steps": max_steps, "budget": budget,
                      "authors_settings": defaults, "model_row": LRA_MODELS[base].__dict__ if base in LRA_MODELS
                      else None},
+        "overrides": cfg.overrides,
         "val": val, "test": test, "final_train_loss": summary["final_train_loss"],
         "comparable_to_published": test["data_provenance"] == "official",
     }

@@ -133,6 +133,7 @@ class StepBatches:
         """
         if not isinstance(state, dict) or "step" not in state:
             raise TypeError(f"state must be a dict from {type(self).__name__}.state_dict()")
+        state = {"packing": "contiguous", **state}  # states saved before the field were all contiguous windows
         mine = self.state_dict()
         diffs = [
             f"{k}: saved {state[k]!r}, now {mine[k]!r}"
@@ -243,6 +244,7 @@ class LMBatchIterator(StepBatches):
             "global_batch_size": self.global_batch_size,
             "num_tokens": len(self.tokens),
             "random_offset": self.random_offset,
+            "packing": "contiguous",  # (BlockBatchIterator: "complete"): an MLM run cannot resume on the other
         }
 
 

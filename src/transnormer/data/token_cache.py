@@ -142,9 +142,12 @@ def build_token_cache(
     for split in wanted:
         # One builder at a time per split: a second process building the same entry would otherwise
         # delete the sidecar the first has just committed (below) and make the first fail its read-back.
-        with file_lock(directory / f"{split}.lock"):
-            out[split] = _open_or_build(corpus, tokenizer, directory, split, expect, dtype,
-                                        rebuild=rebuild, batch_docs=batch_docs, show_progress=show_progress)
+        arr = None if rebuild else open_token_split(directory, split, expect=expect)
+        if arr is None:  # the lock only to build: a cache others made stays readable without write access
+            with file_lock(directory / f"{split}.lock"):
+                arr = _open_or_build(corpus, tokenizer, directory, split, expect, dtype,
+                                     rebuild=rebuild, batch_docs=batch_docs, show_progress=show_progress)
+        out[split] = arr
     return out
 
 

@@ -55,6 +55,12 @@ def reads_given_cache(forward: Callable) -> Callable:
 class TokenMixer(nn.Module):
     replaces_ffn: bool = False
 
+    @property
+    def decodes(self) -> bool:
+        """Whether ``use_cache=True`` works: a causal mixer whose options do not need the whole
+        sequence (the model's ``use_cache=None`` default asks this)."""
+        return bool(getattr(self, "causal", False))
+
     def forward(
         self,
         x: torch.Tensor,

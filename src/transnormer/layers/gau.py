@@ -224,6 +224,10 @@ class GAU(_GatedUnit):
     O(T²) time and memory (FLASH-Quad is quadratic by design).
     """
 
+    @property
+    def decodes(self) -> bool:  # the refusals of the cached path in forward()
+        return self.causal and self.normalizer != "seq_len" and self.rel_bias.kind != "toeplitz_moving"
+
     def __init__(self, hidden_size: int, *, causal: bool, normalizer: str = "seq_len", fixed_len: int = 512, **kw):
         super().__init__(hidden_size, causal=causal, **kw)
         check_normalizer(normalizer, QUAD_NORMALIZERS, "normalizer")

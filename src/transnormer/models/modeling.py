@@ -261,7 +261,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if use_cache is None:
             # As HF models: config.use_cache. Not in training mode (a training step never decodes and
             # would only pay for the states), but always when a cache is given to continue.
-            use_cache = cache is not None or (self.config.use_cache and self.config.causal and not self.training)
+            use_cache = cache is not None or (self.config.use_cache and self.config.causal and not self.training
+                                              and all(layer.mixer.decodes for layer in self.layers))
         use_cache = bool(use_cache)
         if use_cache and not self.config.causal:
             raise ValueError("use_cache=True needs a causal model (config.causal=True)")

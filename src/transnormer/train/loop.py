@@ -168,7 +168,10 @@ MLM_PACKINGS = ("complete", "contiguous")
 # batch, which the data iterators check.
 RESUMABLE_CHANGES = ("out_dir", "resume", "eval_every", "eval_every_s", "eval_batches", "eval_stride", "save_every",
                      "keep_last", "log_every", "grad_stats", "stop_after", "progress", "device", "compile",
-                     "cache_dir", "batch_size")
+                     "cache_dir", "batch_size",
+                     # None and "complete" are one packing; a real change is refused by the data
+                     # iterator's resume check, which names it
+                     "mlm_packing")
 
 
 # What --set may change in a model loaded with init_from: its weights fix every other field.
