@@ -377,3 +377,17 @@ def test_uniform_reference_follows_the_real_lengths_of_padded_samples():
         dilution_curves(model, ids, torch.zeros_like(mask))
     with pytest.raises(ValueError, match="rs must hold"):
         dilution_curves(model, ids, rs=[])
+
+
+def test_a_layer_map_with_rows_above_one_is_normalised():
+    """A non-negative map from a layer's attention_weights was used as it came: rows summing to 3
+    weighed in as three distributions (its curve then differed with how the samples were chunked)."""
+
+    class _Heavy(_Uniform):
+        def attention_weights(self, x, attention_mask, positions):
+            B, T, _ = x.shape
+            return torch.full((B, 2, T, T), 3.0 / T)
+
+    amap = attention_map(_Heavy(), torch.randn(1, 4, 8))
+    assert amap.kind == "layer_normalized" and torch.allclose(amap.weights.sum(-1), torch.ones(1, 2, 4, dtype=amap.weights.dtype))
+    assert attention_map(_Uniform(), torch.randn(1, 4, 8)).kind == "layer"

@@ -209,6 +209,9 @@ def _attention_map(layer, x, attention_mask, positions) -> AttentionMap:
         out = out.double()
         if bool((out < 0).any()):  # a signed map from a layer: same treatment as linear scores
             return linear_attention_map(out)
+        if bool((out.sum(-1) > 1 + 1e-6).any()):  # rows over 1 would weigh in more than a distribution
+            return AttentionMap(row_normalize(out), kind="layer_normalized",
+                                note="the layer's weights had rows summing above 1; rows were normalised")
         return AttentionMap(out, kind="layer")
     raise NoAttentionMap(
         f"{type(layer).__name__} exposes no attention matrix: register one with "

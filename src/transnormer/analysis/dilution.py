@@ -204,7 +204,10 @@ def dilution_curves(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         num_rows = rows.shape[0]
         curve = rows.mean(0)
         worst = max(maps, key=lambda m: m[0].negative_fraction)[0]
-        layers.append({**info, "kind": maps[0][0].kind, "flagged": any(m.flagged for m, _ in maps),
+        # the samples' maps come in chunks; one flagged chunk (|s|, which equals s where no score is
+        # negative) names the layer's kind, not whichever chunk came first
+        kind = next((m.kind for m, _ in maps if m.flagged), maps[0][0].kind)
+        layers.append({**info, "kind": kind, "flagged": any(m.flagged for m, _ in maps),
                        "note": worst.note or next((m.note for m, _ in maps if m.note), ""),
                        "negative_fraction": sum(m.negative_fraction * n for m, n in maps) / B,
                        "curve": curve.tolist(), "auc": curve_auc(rs, curve)})
