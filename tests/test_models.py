@@ -486,6 +486,8 @@ def test_mean_pooling_does_not_overflow_in_half():
 
     h = torch.full((1, 4096, 4), 20.0)
     assert torch.equal(pool(h.half(), None, "mean"), torch.full((1, 4), 20.0).half())
+    h64 = torch.randn(2, 7, 4, dtype=torch.float64)  # and fp64 stays exact (it is not summed in fp32)
+    torch.testing.assert_close(pool(h64, None, "mean"), h64.mean(1), rtol=1e-15, atol=1e-15)
 
 
 def test_use_cache_defaults_as_in_hf_models():

@@ -546,8 +546,9 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str) -
     mask = (torch.ones(B, T, dtype=torch.bool, device=hidden.device) if attention_mask is None
             else padding_mask(attention_mask))
     if mode == "mean":
-        # summed in fp32: an fp16 sum over T = 4096 overflows once the mean passes 16
-        summed = (hidden * mask[:, :, None].to(hidden.dtype)).sum(1, dtype=torch.float32)
+        # summed in fp32 at least: an fp16 sum over T = 4096 overflows once the mean passes 16 (fp64 stays fp64)
+        summed = (hidden * mask[:, :, None].to(hidden.dtype)).sum(1, dtype=torch.promote_types(hidden.dtype,
+                                                                                              torch.float32))
         return (summed / mask.sum(1, keepdim=True).clamp_min(1)).to(hidden.dtype)
     idx = torch.arange(T, device=hidden.device).expand(B, T)
     if mode == "first":
