@@ -239,14 +239,12 @@ class GradientRecorder:
 
 def plot_grad_norms(steps: Sequence[int], values: Sequence[float], path, *, title: str = "",
                     per_layer: dict[str, Sequence[float]] | None = None,
-                    window: tuple[int | None, int | None] | None = None) -> Path:
-    """``window``: the (start, end) steps an RSD in the title covers, shaded (None: open-ended)."""
+                    window: tuple[int, int] | None = None) -> Path:
+    """``window``: the (first, last) step an RSD in the title covers, shaded."""
     fig, axes = new_figure(size=(6.0, 4.0))
     ax = axes[0, 0]
-    if window is not None and steps and (window[0] is not None or window[1] is not None):
-        lo = min(steps) if window[0] is None else window[0]
-        hi = max(steps) if window[1] is None else window[1]
-        ax.axvspan(lo, hi, color="C0", alpha=0.1, label="RSD window")
+    if window is not None:
+        ax.axvspan(*window, color="C0", alpha=0.1, label="RSD window")
     clean = [float("nan") if v is None else v for v in values]
     ax.plot(steps, clean, lw=1.2, color="k", label="total")
     for g, vals in (per_layer or {}).items():
@@ -302,11 +300,11 @@ def run_grad_stats(metrics_jsonl, out_dir="analysis_out/grad_stats", *, key: str
     out = Path(out_dir)
     summary = rsd_from_jsonl(metrics_jsonl, key, start=start, end=end, param_set=param_set)
     recs = [r for r in read_jsonl(metrics_jsonl) if key in r and "step" in r and r.get("kind", "train") == "train"]
+    # with --start/--end the plot still shows every step: shade and name the steps the RSD covers
+    window = summary["step_range"] if (start is not None or end is not None) and summary["step_range"] else None
+    where = f", steps {window[0]}-{window[1]}" if window else ""
     files = [save_json(summary, out / "grad_rsd.json"),
              plot_grad_norms([r["step"] for r in recs], [r[key] for r in recs], out / "grad_norms.png",
-                             title=f"{key}: RSD={summary['rsd']} ({summary['param_set']}"
-                             + (f", steps {start or min(r['step'] for r in recs)}-{end or max(r['step'] for r in recs)})"
-                                if start is not None or end is not None else ")"),
-                             window=(start, end))]
+                             title=f"{key}: RSD={summary['rsd']} ({summary['param_set']}{where})", window=window)]
     summary["files"] = [str(f) for f in files]
     return summary
