@@ -86,9 +86,9 @@ def _rows(tokens: np.ndarray, blocks: np.ndarray, seq_len: int, bos_id: int | No
     ids = torch.full((len(blocks), seq_len), pad_id, dtype=torch.long)
     mask = torch.zeros((len(blocks), seq_len), dtype=torch.long)
     first = 0 if bos_id is None else 1
+    if bos_id is not None:
+        ids[:, 0] = bos_id
     for r, (a, b) in enumerate(blocks.tolist()):
-        if bos_id is not None:
-            ids[r, 0] = bos_id
         ids[r, first:first + b - a] = torch.from_numpy(np.asarray(tokens[a:b], dtype=np.int64))
         mask[r, :first + b - a] = 1
     return {"input_ids": ids, "attention_mask": mask}

@@ -307,14 +307,14 @@ def init_config(init: Path, cfg: TrainConfig, vocab_size: int, num_labels: int |
     before any weight loads."""
     import transformers
 
-    saved = transformers.AutoConfig.from_pretrained(init)
-    archs = saved.architectures or []
-    if num_labels and num_labels != saved.num_labels and any("SequenceClassification" in a for a in archs):
-        raise ValueError(f"init_from: {init} is a classifier of {saved.num_labels} labels and the data has "
+    config = transformers.AutoConfig.from_pretrained(init)
+    archs = config.architectures or []
+    if num_labels and num_labels != config.num_labels and any("SequenceClassification" in a for a in archs):
+        raise ValueError(f"init_from: {init} is a classifier of {config.num_labels} labels and the data has "
                          f"{num_labels}; start from its encoder instead: AutoModel.from_pretrained(it).save_pretrained(dir) "
                          "saves it without the head, and init_from=dir gives the run a new one")
-    extra = {"num_labels": num_labels} if num_labels else {}
-    config = transformers.AutoConfig.from_pretrained(init, **extra, **cfg.overrides)
+    for k, v in {**({"num_labels": num_labels} if num_labels else {}), **cfg.overrides}.items():
+        setattr(config, k, v)
     check_model_fits(config, cfg, vocab_size)
     return config
 

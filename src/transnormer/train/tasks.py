@@ -224,44 +224,42 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         return build_lra_task_data(cfg, info, autocast)
     if cfg.task in ("clm", "mlm"):
         corpus, tok, tokens = _token_splits(cfg, info)
-        packing = "complete" if cfg.task == "mlm" and cfg.mlm_packing in (None, "complete") else "contiguous"
-        if packing == "contiguous":
-            windows = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                      world_size=info.world_size)
         if cfg.task == "clm":
-            train = windows
+            train = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                    world_size=info.world_size)
 
             def evaluate(model, split="valid", max_batches=None):
                 return _eval_lm(model, eval_batches(tokens[split], cfg.seq_len, cfg.batch_size,
                                                     stride=cfg.eval_stride, rank=info.rank,
                                                     world_size=info.world_size),
                                 info, max_batches, autocast, shift=True)
-        elif packing == "complete":
-            # whole sentences, <s> first (fairseq's --sample-break-mode complete: spec §8)
-            if tok.pad_id is None:
-                raise ValueError(f"mlm_packing 'complete' pads blocks and the tokenizer {tok.name!r} has no pad "
-                                 "token; use mlm_packing 'contiguous' or a tokenizer with one")
-            is_end = line_end_ids(tok)
-            blocks = BlockBatchIterator(tokens["train"], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
-                                        pad_id=tok.pad_id, seed=cfg.seed, rank=info.rank, world_size=info.world_size)
-            train = MLMBatches(blocks, tok, cfg.seed, info.rank)
-            masker = MLMBatches(blocks, tok, cfg.seed + 1_000_003, info.rank)
-
-            def evaluate(model, split="valid", max_batches=None):
-                batches = eval_block_batches(tokens[split], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
-                                             pad_id=tok.pad_id, rank=info.rank, world_size=info.world_size)
-                # each block masked by its index in the split: the same masks on any number of ranks
-                masked = (masker.masked(b, 0, rows=b.pop("window").tolist()) for b in batches)
-                return _eval_lm(model, masked, info, max_batches, autocast, shift=False)
         else:
-            train = MLMBatches(windows, tok, cfg.seed, info.rank)
-            masker = MLMBatches(windows, tok, cfg.seed + 1_000_003, info.rank)
+            if cfg.mlm_packing in (None, "complete"):
+                # whole sentences, <s> first (fairseq's --sample-break-mode complete: spec §8)
+                if tok.pad_id is None:
+                    raise ValueError(f"mlm_packing 'complete' pads blocks and the tokenizer {tok.name!r} has no pad "
+                                     "token; use mlm_packing 'contiguous' or a tokenizer with one")
+                is_end = line_end_ids(tok)
+                source = BlockBatchIterator(tokens["train"], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
+                                            pad_id=tok.pad_id, seed=cfg.seed, rank=info.rank,
+                                            world_size=info.world_size)
+
+                def split_rows(split):
+                    return eval_block_batches(tokens[split], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
+                                              pad_id=tok.pad_id, rank=info.rank, world_size=info.world_size)
+            else:
+                source = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                         world_size=info.world_size)
+
+                def split_rows(split):
+                    return eval_batches(tokens[split], cfg.seq_len, cfg.batch_size, rank=info.rank,
+                                        world_size=info.world_size, with_index=True)
+            train = MLMBatches(source, tok, cfg.seed, info.rank)
+            masker = MLMBatches(source, tok, cfg.seed + 1_000_003, info.rank)
 
             def evaluate(model, split="valid", max_batches=None):
-                windows = eval_batches(tokens[split], cfg.seq_len, cfg.batch_size, rank=info.rank,
-                                       world_size=info.world_size, with_index=True)
-                # each window masked by its index in the split: the same masks on any number of ranks
-                masked = (masker.masked(b, 0, rows=b.pop("window").tolist()) for b in windows)
+                # each row masked by its index in the split: the same masks on any number of ranks
+                masked = (masker.masked(b, 0, rows=b.pop("window").tolist()) for b in split_rows(split))
                 return _eval_lm(model, masked, info, max_batches, autocast, shift=False)
         return TaskData(tok, train, evaluate, cfg.batch_size * cfg.seq_len,
                         extra={"corpus": corpus.name, "train_tokens": int(len(tokens["train"]))})
