@@ -357,14 +357,13 @@ def _check_classifier_for(task: str, model, path) -> None:
     loads with a fresh random head), or one with another number of classes or a smaller
     vocabulary than the task's."""
     from .data.lra import task_info
+    from .train.lra_tasks import is_pair_task
 
     info = task_info(task)
     archs = getattr(model.config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ValueError(f"--model {path} is a {', '.join(archs) or 'model'} checkpoint, not a sequence classifier "
                          f"trained on an LRA task")
-    from .train.lra_tasks import is_pair_task
-
     two_towers = any(a.startswith("TransNormerDualEncoder") for a in archs)
     if two_towers != is_pair_task(task):  # a single tower would score the first document of each pair alone
         raise ValueError(f"--model {path} is a {'two' if two_towers else 'single'}-tower classifier; {task} needs "
