@@ -156,3 +156,38 @@ def test_load_tokenizer_generic_json_and_errors(tmp_path):
         TextTokenizer(t, special_tokens={"pad": "<nope>"})
     with pytest.raises(ValueError, match="unknown role"):
         TextTokenizer(t, special_tokens={"sep": "[SEP]"})
+
+
+def _slow_bert(tmp_path, name: str, **kwargs):
+    """A Python ("slow") transformers tokenizer saved to ``tmp_path/name`` (no tokenizer.json)."""
+    legacy = pytest.importorskip("transformers.models.bert.tokenization_bert_legacy")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "Hello", "World"]) + "\n")
+    out = tmp_path / name
+    legacy.BertTokenizerLegacy(str(vocab), **kwargs).save_pretrained(str(out))
+    assert not (out / "tokenizer.json").exists()
+    return out
+
+
+def test_slow_tokenizer_fingerprint_covers_options_and_not_location(tmp_path):
+    # Fingerprinted by the vocabulary alone, do_lower_case True and False shared one token cache.
+    lower, cased = (load_tokenizer(_slow_bert(tmp_path, n, do_lower_case=lc)) for n, lc in (("l", True), ("c", False)))
+    assert lower._backend is None and cased._backend is None
+    assert lower.encode("Hello World") != cased.encode("Hello World")
+    assert lower.fingerprint != cased.fingerprint
+    import pickle
+    import shutil
+
+    shutil.copytree(tmp_path / "l", tmp_path / "elsewhere")
+    assert load_tokenizer(tmp_path / "elsewhere").fingerprint == lower.fingerprint
+    assert pickle.loads(pickle.dumps(lower)).fingerprint == lower.fingerprint
+
+
+def test_slow_tokenizer_refuses_special_token_text(tmp_path):
+    slow = load_tokenizer(_slow_bert(tmp_path, "s", do_lower_case=True))
+    assert slow.encode("hello world") == [5, 6]
+    assert slow.encode("hello qqq world") == [5, slow.unk_id, 6]  # <unk> is what it is for
+    with pytest.raises(ValueError, match=r"'\[SEP\]'.*control token"):
+        slow.encode("hello [SEP] world")
+    with pytest.raises(ValueError, match="MASK"):
+        slow.encode_batch(["hello", "world [MASK]"])

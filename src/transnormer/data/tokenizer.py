@@ -11,11 +11,14 @@
 
 The trained BPE has special tokens ``<pad>=0, <s>=1, </s>=2, <unk>=3, <mask>=4``. ``encode`` treats text
 that happens to spell a special token (``"<s>"`` inside a docstring) as ordinary text, so raw data can
-never inject control tokens; only the code that builds sequences inserts specials, by id.
+never inject control tokens; only the code that builds sequences inserts specials, by id. (A Python
+"slow" transformers tokenizer, one without a ``tokenizer.json``, cannot do that: ``encode`` refuses
+such text with a ValueError instead of returning the control token.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -75,6 +78,7 @@ class TextTokenizer:
         self.name = name
         self._hf = hf
         self._hf_vocab: dict[str, int] | None = None
+        self._hf_fingerprint: str | None = None
         if backend is not None:
             # Private copy with encode_special_tokens=True: literal "<s>" in data text stays text. The flag is
             # not serialised, so saved files and to_hf() behave like any normal tokenizer.
@@ -110,6 +114,7 @@ class TextTokenizer:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_hf_fingerprint", None)  # pickled before the attribute existed
         if self._json is not None:
             self._backend = tokenizers.Tokenizer.from_str(self._json)
             self._backend.encode_special_tokens = True
@@ -170,12 +175,19 @@ class TextTokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the tokenizer's JSON (vocabulary, merges, pipeline) and its special-token roles."""
+        """sha256 of the tokenizer's JSON (vocabulary, merges, pipeline) and its special-token roles.
+
+        A tokenizer without a Rust backend (a Python "slow" transformers tokenizer) is fingerprinted by
+        the files its ``save_pretrained`` writes: its vocabulary alone would leave out merges and
+        options such as ``do_lower_case``, and two tokenizers that encode differently would share a
+        token cache.
+        """
         roles = json.dumps(self._special, sort_keys=True)
         if self._json is not None:
             return sha256_text(self._json, roles)
-        vocab = json.dumps(sorted(self._hf.get_vocab().items()))
-        return sha256_text(type(self._hf).__name__, vocab, roles)
+        if self._hf_fingerprint is None:
+            self._hf_fingerprint = sha256_text(type(self._hf).__name__, *_saved_files(self._hf), roles)
+        return self._hf_fingerprint
 
     # ---------------------------------------------------------------------------------------- encoding
     def encode(self, text: str) -> list[int]:
@@ -184,7 +196,24 @@ class TextTokenizer:
             raise TypeError(f"text must be str, got {type(text).__name__}")
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
-        return list(self._hf.encode(text, add_special_tokens=False))
+        ids = list(self._hf.encode(text, add_special_tokens=False))
+        self._refuse_injected(ids, text)
+        return ids
+
+    def _refuse_injected(self, ids: list[int], text: str) -> None:
+        # A slow tokenizer matches special tokens' text before it tokenizes, and (unlike the Rust
+        # backend) has no switch to stop it; encode adds no special token itself, so any special id
+        # but <unk> in its output came from the text.
+        injected = self.special_ids - {self.unk_id}
+        bad = next((i for i in ids if i in injected), None)
+        if bad is not None:
+            token = self._hf.convert_ids_to_tokens(bad)
+            raise ValueError(
+                f"text contains {token!r}, the text of a special token, which {self.name or 'this tokenizer'!r} "
+                f"({type(self._hf).__name__}, a Python tokenizer) cannot encode as ordinary text: it would "
+                f"become the control token (id {bad}). Use a tokenizer with a tokenizer.json (a fast "
+                f"tokenizer), or remove that text; text seen: {text[:80]!r}"
+            )
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, in parallel in the Rust backend."""
@@ -246,6 +275,26 @@ class TextTokenizer:
             # save_pretrained re-serialises the tokenizer; write our exact JSON so fingerprints survive.
             atomic_write_text(directory / "tokenizer.json", self._json)
         return directory
+
+
+def _saved_files(hf) -> list[str]:
+    """``name\0content`` of every file ``hf.save_pretrained`` writes, in name order; paths left out."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        parts = []
+        for f in sorted(Path(tmp).rglob("*")):
+            if not f.is_file():
+                continue
+            data = f.read_bytes()
+            if f.name == "tokenizer_config.json":
+                config = json.loads(data)
+                for key in ("name_or_path", "tokenizer_file"):  # where it was loaded from, not what it does
+                    config.pop(key, None)
+                data = json.dumps(config, sort_keys=True).encode()
+            parts.append(f"{f.relative_to(tmp).as_posix()}\0{hashlib.sha256(data).hexdigest()}")
+    return parts
 
 
 # ---------------------------------------------------------------------------------------------- training
