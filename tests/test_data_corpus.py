@@ -126,6 +126,33 @@ def test_split_documents_deterministic_exact_and_disjoint():
         split_documents(docs, valid_fraction=1.5)
 
 
+def test_split_documents_keeps_copies_together_and_splits_stable():
+    licence = "This file is licensed under the MIT licence."
+    docs = [f"paragraph {i} of the corpus." for i in range(200)]
+    for i in range(0, 200, 10):
+        docs[i] = licence  # 20 copies: keyed by index, some went to train and some to valid/test
+    for seed in range(8):
+        out = split_documents(docs, seed=seed, valid_fraction=0.05, test_fraction=0.05)
+        homes = [s for s in ("train", "valid", "test") if licence in out[s]]
+        assert len(homes) == 1 and out[homes[0]].count(licence) == 20
+        assert len(out["valid"]) >= 10 and len(out["test"]) >= 10
+        assert sum(len(v) for v in out.values()) == 200
+    # A document keeps its split when another is added (index keys renumbered them).
+    base = [f"doc {i}" for i in range(300)]
+    a = split_documents(base, seed=1, valid_fraction=0.05, test_fraction=0.05)
+    b = split_documents(["a new first document"] + base, seed=1, valid_fraction=0.05, test_fraction=0.05)
+    assert len(set(a["valid"]) - set(b["valid"])) <= 1  # at most one pushed out by the newcomer
+    with pytest.raises(ValueError, match="distinct"):
+        split_documents(["same"] * 5 + ["other"])
+
+
+def test_split_files_sharing_documents_with_train_warn(tmp_path):
+    (tmp_path / "train.txt").write_text(_paragraphs("tr", 20), encoding="utf-8")
+    (tmp_path / "valid.txt").write_text("tr paragraph 3 has some words.\n\nnew text.\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="1 of 2 valid document"):
+        load_corpus(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------- path corpora
 
 

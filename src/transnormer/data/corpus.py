@@ -222,11 +222,15 @@ def split_documents(
     """Deterministic document-level train/valid/test split.
 
     Each document gets the score ``stable_unit_hash(seed, key)`` (sha256-based, independent of
-    ``PYTHONHASHSEED`` and of the platform), where ``key`` is its index unless ``keys`` are given. Documents
-    are ranked by score; the lowest ``max(1, round(valid_fraction * n))`` go to ``valid``, the next
-    ``max(1, round(test_fraction * n))`` to ``test`` (0 when the fraction is 0), the rest to ``train``.
-    Exact counts (rather than thresholding each score) keep small corpora from ending with an empty split.
-    Each split keeps the original document order.
+    ``PYTHONHASHSEED`` and of the platform), where ``key`` is its text unless ``keys`` are given: a
+    document keeps its split when others are added or removed (an index key renumbered them, and most
+    of the old validation set moved into train). Identical documents form one group, scored by its
+    first member, and go to one split, so a repeated paragraph (a licence, a boilerplate notice) cannot
+    sit in train and in valid. Groups are taken in score order: ``valid`` until it holds
+    ``max(1, round(valid_fraction * n))`` documents, then ``test`` until ``max(1, round(test_fraction * n))``
+    (0 when the fraction is 0), the rest ``train``; a group of copies can overshoot by its size. Counts
+    (rather than thresholding each score) keep small corpora from ending with an empty split. Each split
+    keeps the original document order.
 
     Returns:
         ``{"train": [...], "valid": [...], "test": [...]}`` (a split with fraction 0 is omitted).
@@ -238,20 +242,32 @@ def split_documents(
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     n = len(docs)
     if keys is None:
-        keys = range(n)
+        keys = docs
     elif len(keys) != n:
         raise ValueError(f"keys has {len(keys)} entries but docs has {n}")
     n_valid = max(1, round(valid_fraction * n)) if valid_fraction > 0 else 0
     n_test = max(1, round(test_fraction * n)) if test_fraction > 0 else 0
-    if n < n_valid + n_test + 1:
+    groups: dict[str, list[int]] = {}  # text → indices of its copies, first seen first
+    for i, doc in enumerate(docs):
+        groups.setdefault(doc, []).append(i)
+    if len(groups) < (n_valid > 0) + (n_test > 0) + 1 or n < n_valid + n_test + 1:
         raise ValueError(
-            f"cannot split {n} document(s) into train/valid/test: need at least {n_valid + n_test + 1}; "
-            "provide more documents (separate them by blank lines) or explicit split files"
+            f"cannot split {n} document(s) ({len(groups)} distinct) into train/valid/test: need at least "
+            f"{n_valid + n_test + 1} distinct; provide more documents (separate them by blank lines) or "
+            "explicit split files"
         )
-    order = sorted(range(n), key=lambda i: (stable_unit_hash(seed, keys[i]), i))
-    assign = {}
-    for rank, i in enumerate(order):
-        assign[i] = "valid" if rank < n_valid else "test" if rank < n_valid + n_test else "train"
+    order = sorted(groups.values(), key=lambda g: (stable_unit_hash(seed, keys[g[0]]), g[0]))
+    assign, taken = {}, {"valid": 0, "test": 0}
+    for members in order:
+        split = ("valid" if taken["valid"] < n_valid else "test" if taken["test"] < n_test else "train")
+        if split != "train":
+            taken[split] += len(members)
+        assign.update(dict.fromkeys(members, split))
+    if all(s != "train" for s in assign.values()):
+        raise ValueError(
+            f"cannot split {n} document(s) into train/valid/test: the copies of repeated documents leave "
+            "no document for train; provide more documents or explicit split files"
+        )
     out: dict[str, list[str]] = {"train": []}
     if n_valid:
         out["valid"] = []
@@ -358,6 +374,19 @@ def _carve_missing(
     return {s: carved[s] if s == "train" or s not in splits else splits[s] for s in SPLITS}
 
 
+def _warn_shared_documents(path: Path, splits: dict[str, list[str]]) -> None:
+    """Warn when split files given by name share documents with the training file (leakage)."""
+    train = set(splits["train"])
+    for s in ("valid", "test"):
+        shared = sum(d in train for d in splits.get(s, ()))
+        if shared:
+            warnings.warn(
+                f"{str(path)!r}: {shared} of {len(splits[s])} {s} document(s) also occur in the training "
+                "files; their scores will read better than on unseen text",
+                stacklevel=4,
+            )
+
+
 def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fraction: float) -> Corpus:
     if not path.exists():
         raise FileNotFoundError(f"--data path {str(path)!r} does not exist (nor is it 'stdlib' or 'hf:NAME')")
@@ -377,6 +406,7 @@ def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fractio
         for s, docs in splits.items():
             if not docs:
                 raise ValueError(f"{str(path)!r}: split {s!r} has no documents")
+        _warn_shared_documents(path, splits)
         splits = _carve_missing(splits, seed, valid_fraction, test_fraction)
         sources = {s: [str(f) for f in by_split.get(s, by_split["train"])] for s in SPLITS}
     else:

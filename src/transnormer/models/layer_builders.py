@@ -83,7 +83,8 @@ def build_linear_attention(config, layer_idx: int) -> LinearAttention:
 @register_layer_type("performer")
 def build_performer(config, layer_idx: int) -> Performer:
     """Options: ``num_features`` (⌊d_h ln d_h⌋), ``orthogonal`` (True), ``redraw_interval`` (1000),
-    ``seed`` (0; layer i draws from seed·1000 + i), ``eps`` (1e-6)."""
+    ``seed`` (0; layer i draws from seed·1000 + i), ``eps`` (0.0: the exact ratio; FAVOR+ key features
+    are small enough that 1e-6 would bias it)."""
     opts = {"chunk_size": config.chunk_size, **config.options_for("performer")}
     opts["feature_seed"] = int(opts.pop("seed", 0)) * 1000 + layer_idx
     return _build("performer", Performer, config.hidden_size, config.num_attention_heads,
