@@ -134,7 +134,8 @@ def test_label_set_order_save_load(tmp_path):
     assert ints.names == ["-1", "2", "10"] and ints.index("10") == 2
     # "1.0" in a text cell is the class of "1", as the number 1.0 is (a CSV mixing them had 3 classes)
     mixed = LabelSet.from_examples(read_classification_file(_write(tmp_path / "m.csv",
-                                                                   "sentence,label\na,1.0\nb,1\nc,0\nd,1.\n")))
+                                                                   "sentence,label\na,1.0\nb,1\nc,0\nd,1.\n"
+                                                                   "e,01\nf,+1\ng,-0\n")))
     assert mixed.names == ["0", "1"]
     strs = LabelSet(["neutral", "entailment"])
     strs.save(tmp_path / "labels.json")
@@ -256,3 +257,12 @@ def test_a_row_with_extra_fields_is_a_bad_row(tmp_path):
     assert [e.label for e in read_classification_file(f, skip_bad_rows=True)] == ["1", "0"]
     trailing = _write(tmp_path / "trailing.tsv", "sentence\tlabel\nhello world\t1\t\n")  # an empty extra cell
     assert [e.label for e in read_classification_file(trailing)] == ["1"]
+
+
+def test_headerless_first_row_with_a_known_name_is_data(tmp_path):
+    # "text<TAB>1": "text" names a known column, but a row holding a number is data, not a header
+    rows = read_classification_file(_write(tmp_path / "h.tsv", "text\t1\nanother one\t0\n"),
+                                    text_column=0, label_column=1)
+    assert [(r.text, r.label) for r in rows] == [("text", "1"), ("another one", "0")]
+    named = read_classification_file(_write(tmp_path / "n.tsv", "text\tlabel\nan example\t1\n"))
+    assert [(r.text, r.label) for r in named] == [("an example", "1")]

@@ -87,9 +87,10 @@ def _label_key(value, where: str) -> str:
             return str(int(value))
         return repr(value)
     if isinstance(value, str):
-        # a text cell "1.0" is the class of "1", as the number 1.0 is (a file mixing them had 3 classes)
+        # a text cell "1.0" (or "01", "+1") is the class of "1", as the number 1.0 is (a file mixing
+        # them had a class per spelling)
         value = value.strip()
-        integral = re.fullmatch(r"([-+]?\d+)\.0*", value)
+        integral = re.fullmatch(r"([-+]?\d+)(?:\.0*)?", value)
         return str(int(integral.group(1))) if integral else value
     raise ValueError(f"{where}: label {value!r} must be a string or a number")
 
@@ -341,7 +342,9 @@ def read_classification_file(
             wanted = {
                 str(c).strip().lower() for c in (text_column, text_pair_column, label_column) if isinstance(c, str)
             }
-            has_header = any(c.lower() in _KNOWN_COLUMNS or c.lower() in wanted for c in first)
+            # a row with a number in it is data ("text<TAB>1" in a file without a header), not names
+            has_header = (any(c.lower() in _KNOWN_COLUMNS or c.lower() in wanted for c in first)
+                          and not any(re.fullmatch(r"[-+]?\d+(?:\.\d*)?", c) for c in first))
         if has_header:
             columns, body = first, delimited[1:]
         elif width == 4 and text_column is None and label_column is None:

@@ -6,7 +6,12 @@ token with probability ``random_fraction`` (0.1), and is left unchanged otherwis
 the original id at selected positions and ``-100`` elsewhere, so the loss covers selected positions only.
 
 All randomness comes from one seeded ``torch.Generator`` owned by the collator, so a run is reproducible;
-``state_dict()`` / ``load_state_dict()`` carry that generator across a resume.
+``state_dict()`` / ``load_state_dict()`` carry that generator across a resume in the calling process.
+In ``DataLoader`` workers (``num_workers > 0``) each worker re-seeds its own copy (see
+:class:`MLMCollator`): the masks are reproducible from the loader's seed, but the main process's
+``state_dict()`` does not hold the workers' generators, so a resume there does not continue them.
+The training loop does not use this class: its MLM batches (``train/tasks.py``) draw each row's mask
+from (seed, step, row) and resume exactly with or without workers.
 """
 
 from __future__ import annotations
@@ -128,7 +133,8 @@ class MLMCollator:
     when the input had one or padding was added).
 
     Inside ``DataLoader`` workers each worker re-seeds its generator from ``seed`` and the worker's seed
-    (which the loader derives from the main process's RNG), so workers do not repeat each other's masks.
+    (which the loader derives from the main process's RNG, or from its ``generator``), so workers do not
+    repeat each other's masks. ``state_dict()`` then does not describe them (module docstring).
     """
 
     def __init__(
