@@ -454,9 +454,19 @@ def test_overwriting_a_checkpoint_survives_a_kill(tmp_path):
 
     model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
     root = tmp_path / "checkpoints"
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # the pid of a process that has exited
     ckpt = save_checkpoint(root, 4, model, {"step": 4})
-    (root / ".tmp-step-00000004-999").mkdir()  # a write killed earlier
-    ckpt.rename(root / ".old-step-00000004-999")  # killed between the two renames of an overwrite
+    # a writer that is alive is between its two renames: a reader must not put its old copy back
+    # (its second rename would then fail and the new checkpoint be lost)
+    ckpt.rename(root / f".old-step-00000004-{os.getppid()}")
+    assert list_checkpoints(root) == []
+    (root / f".old-step-00000004-{os.getppid()}").rename(ckpt)
+    (root / f".tmp-step-00000004-{dead}").mkdir()  # a write killed earlier
+    ckpt.rename(root / f".old-step-00000004-{dead}")  # killed between the two renames of an overwrite
     assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]
     verify_checkpoint(root / "step-00000004")
     save_checkpoint(root, 4, model, {"step": 4})

@@ -115,10 +115,27 @@ def _verifies(path: Path) -> bool:
         return False
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def _restore_moved_aside(root: Path) -> None:
-    """A kill between moving an old step-N aside and renaming the new one in: put the old back."""
+    """A kill between moving an old step-N aside and renaming the new one in: put the old back.
+
+    Only for a writer that is gone: a live one is between its two renames, and putting its old
+    folder back (from an ``eval`` or ``generate`` reading the run meanwhile) made its second rename
+    fail and lost the new checkpoint."""
     for aside in root.glob(".old-step-*"):
-        final = root / aside.name[len(".old-"):].rsplit("-", 1)[0]
+        name, _, pid = aside.name[len(".old-"):].rpartition("-")
+        final = root / name
+        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue
         if final.exists():
             shutil.rmtree(aside, ignore_errors=True)
         else:
