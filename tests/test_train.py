@@ -419,6 +419,24 @@ def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, match)
         TrainConfig(**{"max_steps": 2, "out_dir": str(tmp_path / "run"), field: value}).check()
 
 
+@pytest.mark.parametrize("field,value,err,match", [
+    ("max_steps", 2.5, TypeError, "max_steps must be an int"),  # had trained 3 steps
+    ("max_steps", True, TypeError, "max_steps must be an int"),  # had trained 1
+    ("save_every", 1.5, TypeError, "save_every must be an int"),
+    ("grad_accum", 2.0, TypeError, "grad_accum must be an int"),  # had failed after the data and model
+    ("seq_len", "32", TypeError, "seq_len must be an int"),
+    ("lr", "1e-3", TypeError, "lr must be a number"),
+    ("seed", -1, ValueError, r"seed must be in \[0, 2\*\*32\)"),  # had failed inside numpy
+    ("warmup_init_lr", 1.0, ValueError, "warmup_init_lr must be <= lr"),
+    ("adam_eps", 0.0, ValueError, "adam_eps must be > 0"),
+    ("betas", (0.9, 1.5), ValueError, "betas must be two numbers"),
+    ("betas", (0.9,), ValueError, "betas must be two numbers"),
+])
+def test_wrongly_typed_settings_are_refused_before_any_work(tmp_path, field, value, err, match):
+    with pytest.raises(err, match=match):
+        TrainConfig(**{"max_steps": 2, "out_dir": str(tmp_path / "run"), field: value}).check()
+
+
 def test_unusable_out_dir_is_refused_before_training(corpus_dir, tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ValueError, match="cannot hold checkpoints"):

@@ -112,6 +112,22 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        # ints by type: 2.5 steps had trained 3, True 1; grad_accum=2.0 failed after the data and model
+        # were built, and seq_len="32" in a comparison that did not name it
+        for name in ("seq_len", "batch_size", "grad_accum", "log_every", "warmup", "eval_every", "save_every",
+                     "keep_last", "seed", "data_seed", "vocab_size", "max_steps", "eval_batches", "stop_after"):
+            value = getattr(self, name)
+            if value is None and name in ("max_steps", "eval_batches", "stop_after"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        for name in ("seed", "data_seed"):  # numpy's seeds are 32-bit
+            if not 0 <= getattr(self, name) < 2**32:
+                raise ValueError(f"{name} must be in [0, 2**32), got {getattr(self, name)}")
+        for name in ("lr", "min_lr_ratio", "warmup_init_lr", "weight_decay", "adam_eps", "clip", "eval_every_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
         for name in ("seq_len", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -121,6 +137,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be > 0 and finite, got {self.lr}")
+        if self.warmup_init_lr > self.lr:  # the warm-up would start above the peak and fall to it
+            raise ValueError(f"warmup_init_lr must be <= lr = {self.lr}, got {self.warmup_init_lr}")
+        if not 0 < self.adam_eps < math.inf:  # 0: an id never seen has m = v = 0, and 0/0 made its row NaN
+            raise ValueError(f"adam_eps must be > 0 and finite, got {self.adam_eps}")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(
+                not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if not self.min_lr_ratio <= 1:  # a fraction of lr: above 1 the "decay" would raise the rate
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_steps is not None and self.max_steps < 1:
