@@ -254,9 +254,37 @@ def test_compare_and_generate_refuse_bad_input_up_front(run_dir, tmp_path, capsy
     assert main(["compare", "--presets", "t2-lm-tiny,t2-roberta-tiny", "--max-steps", "1", *common]) == 2
     assert "'t2-roberta-tiny' is bidirectional" in capsys.readouterr().err
     assert not (tmp_path / "cmp" / "t2-lm-tiny").exists()  # refused before any training
+    # mlm with a causal preset: the first preset had trained before the second failed
+    assert main(["compare", "--presets", "t2-roberta-tiny,t2-lm-tiny", "--task", "mlm", "--max-steps", "1",
+                 *common]) == 2
+    assert "'t2-lm-tiny' is causal" in capsys.readouterr().err
+    assert not (tmp_path / "cmp" / "t2-roberta-tiny").exists()
     from transnormer.data import train_bpe
 
     big = train_bpe([(root / "train.txt").read_text()], vocab_size=600)
     big.save(tmp_path / "big")
     assert main(["generate", "--model", str(out), "--tokenizer", str(tmp_path / "big"), "--prompt", "x"]) == 2
     assert "more than the model's vocab_size" in capsys.readouterr().err
+
+
+def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, capsys, monkeypatch):
+    """A run that diverged had its last interval evaluation tabulated as its result, with rc 0."""
+    import transnormer.train.compare as compare_mod
+
+    root, _ = run_dir
+
+    def fake(cfg):
+        bad = cfg.preset == "vanilla-lm-tiny"
+        return {"name": cfg.preset, "params": 1e6, "steps": 6 if bad else 16, "tokens": 100, "tokens_per_s": 10.0,
+                "peak_mem_mb": 1.0, "eval": None if bad else {"loss": 5.0, "ppl": 148.4},
+                "diverged_at": 6 if bad else None}
+
+    monkeypatch.setattr(compare_mod, "_train_isolated", fake)
+    argv = ["compare", "--presets", "t2-lm-tiny,vanilla-lm-tiny", "--data", str(root), "--max-steps", "16",
+            "--out", str(tmp_path / "cmp")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "diverged" in err and "vanilla-lm-tiny at step 6" in err
+    table = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| vanilla-lm-tiny | 1.00M | 6 |" in table and "diverged at step 6" in table
+    assert "| 5.0000 | 148.40 |" in table

@@ -175,13 +175,19 @@ def cmd_compare(args) -> int:
     args.preset = presets[0]
     cfg = _train_config(args)
     result = compare(presets, cfg)
+    diverged = [f"{s['name']} at step {s['diverged_at']}" for s in result["summaries"]
+                if s.get("diverged_at") is not None]
     if result["plot"] is None:  # a rank other than 0 under torchrun: rank 0 reports
-        return 0
+        return 1 if diverged else 0
     if args.sample:
         first = Path(cfg.out_dir) / presets[0]
         print(f"\nsample from {presets[0]} (greedy, checkpoint {resolve_model_dir(first)}):")
         generate_text(first, args.sample_prompt, max_new_tokens=40, temperature=0.0, top_p=1.0, stream=True)
     print(f"\nwrote {Path(cfg.out_dir) / 'comparison.md'} and {result['plot']}")
+    if diverged:  # the table says so too; scripts must not take the comparison for a finished one
+        print(f"transnormer compare: error: run(s) diverged (non-finite loss or gradient): {', '.join(diverged)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,6 +33,8 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
         config = get_config(p)  # fail fast on an unknown name, before any training
         if base.task == "clm" and not config.causal:  # found only after the earlier presets trained
             raise ValueError(f"presets: {p!r} is bidirectional; task 'clm' needs causal (-lm) presets")
+        if base.task == "mlm" and config.causal:  # a masked LM must see both sides of a mask
+            raise ValueError(f"presets: {p!r} is causal; task 'mlm' needs bidirectional (-roberta) presets")
     # Under torchrun every rank runs this and rank 0 writes; one process group for all the runs.
     # (No cleanup on an error: its barrier would wait for ranks stuck in a collective.)
     info = setup_distributed(base.device)
@@ -92,7 +94,10 @@ def comparison_table(summaries: list[dict], base: TrainConfig) -> str:
     ]
     for s in summaries:
         ev = s.get("eval") or {}
+        if s.get("diverged_at") is not None:
+            valid = f"diverged at step {s['diverged_at']} | — |"
+        else:
+            valid = f"{ev.get('loss', float('nan')):.4f} | {ev.get('ppl', float('nan')):.2f} |"
         rows.append(f"| {s['name']} | {s['params'] / 1e6:.2f}M | {s['steps']} | {s['tokens']:,} | "
-                    f"{s['tokens_per_s']:,.0f} | {s['peak_mem_mb']:,.0f} | {ev.get('loss', float('nan')):.4f} | "
-                    f"{ev.get('ppl', float('nan')):.2f} |")
+                    f"{s['tokens_per_s']:,.0f} | {s['peak_mem_mb']:,.0f} | {valid}")
     return "\n".join(rows)

@@ -628,8 +628,10 @@ def train(cfg: TrainConfig) -> dict:
 
     if diverged_at is not None:
         # No final checkpoint: its non-finite weights would be what --resume and --model find, and
-        # keep_last would prune a good checkpoint for them. Nor an evaluation of them.
+        # keep_last would prune a good checkpoint for them. Nor an evaluation of them, and none of an
+        # earlier step is reported as the run's (compare had tabulated one as if the run had finished).
         records = read_metrics(out / "metrics.jsonl") if info.is_main else []
+        last_eval = None
     elif step == start_step and step > 0:  # resumed a finished run: its final checkpoint exists
         log(f"resume: the run already reached step {step}; nothing to train")
         records = read_metrics(out / "metrics.jsonl") if info.is_main else []

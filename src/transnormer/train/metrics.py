@@ -98,7 +98,8 @@ def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, 
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3, which="both" if logx or logy else "major")
-    ax.legend()
+    if ax.lines:  # a run with no finite point (diverged before its first evaluation) draws none
+        ax.legend()
     fig.tight_layout()
     path = atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
