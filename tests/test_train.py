@@ -1,6 +1,7 @@
 """Training engine: DDP parity, exact resume, checkpoint integrity, clear data errors."""
 
 import contextlib
+import json
 import os
 import random
 import subprocess
@@ -472,9 +473,6 @@ def test_overwriting_a_checkpoint_survives_a_kill(tmp_path):
 
     model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
     root = tmp_path / "checkpoints"
-    import subprocess
-    import sys
-
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()  # the pid of a process that has exited
     ckpt = save_checkpoint(root, 4, model, {"step": 4})
@@ -582,7 +580,18 @@ def test_a_fresh_run_in_a_used_out_dir_starts_its_own_metrics_and_checkpoints(co
     root = out / "checkpoints"
     assert latest_valid_checkpoint(root, log=lambda *a: None).name == "step-00000002"
     (aside,) = root.glob("earlier-run-*")
-    assert sorted(p.name for p in aside.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    # its files go with its checkpoints: a new run without --grad-stats had kept the earlier grad_rsd.json
+    assert sorted(p.name for p in aside.iterdir() if p.name != "tensorboard") == [
+        "latest", "loss.png", "metrics.jsonl", "step-00000002", "step-00000004", "summary.json", "train_config.json"]
+    assert json.loads((aside / "summary.json").read_text())["steps"] == 4
+
+
+def test_the_last_step_is_logged_whatever_log_every(corpus_dir, tmp_path):
+    every = train(cfg_for(corpus_dir, tmp_path / "a", max_steps=7))
+    sparse = train(cfg_for(corpus_dir, tmp_path / "b", max_steps=7, log_every=5))
+    steps = [r["step"] for r in read_metrics(Path(tmp_path / "b" / "run") / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 5, 7]  # step 7 had not been logged, and final_train_loss had been step 5's
+    assert sparse["final_train_loss"] == every["final_train_loss"] == train_losses(tmp_path / "a" / "run")[-1]
 
 
 def test_compare_refuses_a_repeated_preset(tmp_path):

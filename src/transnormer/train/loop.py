@@ -371,21 +371,27 @@ def micro_weights(micro_batches: list[dict], task: str, info: DistInfo) -> list[
     return [c * info.world_size / total if total else 0.0 for c in counts]
 
 
+# What a run leaves in its out_dir besides checkpoints/ (train_config.json is rewritten at the start)
+RUN_FILES = ("metrics.jsonl", "grad_norms.jsonl", "summary.json", "train_config.json", "loss.png",
+             "grad_rsd.json", "grad_norms.png", "tensorboard")
+
+
 def start_fresh(out: Path, log=print) -> None:
-    """A run that does not resume owns ``out`` from step 0: an earlier run's checkpoints are moved
-    into ``checkpoints/earlier-run-*/`` (kept, but out of reach of resume and pruning, where
-    their higher steps would shadow this run's) and its metrics and gradient-norm files are started
-    anew (their curves would mix with this run's)."""
+    """A run that does not resume owns ``out`` from step 0: an earlier run's checkpoints and its
+    files (metrics, summary, plots, gradient statistics) are moved into
+    ``checkpoints/earlier-run-*/``: kept, but out of reach of resume and pruning, where their higher
+    steps would shadow this run's, and of this run's curves, which they would mix with. (Its
+    gradient statistics and plots had stayed beside a new run that recorded none.)"""
     root = out / "checkpoints"
-    old = list_checkpoints(root)
-    if old:
-        aside = root / f"earlier-run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        aside.mkdir()
-        for p in old + ([root / "latest"] if (root / "latest").exists() else []):
-            os.replace(p, aside / p.name)
-        log(f"{out} held checkpoints of an earlier run: moved to {aside} (--resume continues a run)")
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    (out / "grad_norms.jsonl").unlink(missing_ok=True)
+    old = list_checkpoints(root) + ([root / "latest"] if (root / "latest").exists() else [])
+    files = [out / name for name in RUN_FILES if (out / name).exists()]
+    if not (old or files):
+        return
+    aside = root / f"earlier-run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside.mkdir(parents=True)
+    for p in old + files:
+        os.replace(p, aside / p.name)
+    log(f"{out} held an earlier run: moved its checkpoints and files to {aside} (--resume continues a run)")
 
 
 def param_groups(model, weight_decay: float, *, decay_all: bool = False):
@@ -552,6 +558,7 @@ def train(cfg: TrainConfig) -> dict:
     # a time budget's schedule is fitted once (a resumed run restores a fit made before it)
     fit_pending = total_steps is None and budget_kind == "seconds" and sched["total_steps"] == _UNFITTED
     diverged_at = None
+    record = None  # the last step's train record when log_every skipped it
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
     while True:
         if total_steps is not None and step >= total_steps:
@@ -596,10 +603,12 @@ def train(cfg: TrainConfig) -> dict:
             if bar is not None:  # now the bar can show an ETA
                 bar.total = total_steps_est
                 bar.refresh()
+        record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt, "elapsed": elapsed,
+                  "peak_mem_mb": peak_memory_mb(info)}
         if step % cfg.log_every == 0 or step == 1:
-            metrics.log({"kind": "train", "step": step, "loss": loss_val, "lr": lr,
-                         "grad_norm": float(grad_norm), "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt,
-                         "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)})
+            metrics.log(record)
+            record = None
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
@@ -625,6 +634,8 @@ def train(cfg: TrainConfig) -> dict:
             return {"stopped_at": step}
     if bar is not None:
         bar.close()
+    if record is not None:  # the last step is always logged: final_train_loss had been an earlier step's
+        metrics.log(record)
 
     if diverged_at is not None:
         # No final checkpoint: its non-finite weights would be what --resume and --model find, and
