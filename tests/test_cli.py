@@ -142,6 +142,9 @@ def _exit_code(argv) -> int:
     (["--stride", "64"], "eval_stride must be an int in [1, seq_len = 32]"),
     (["--task", "mlm", "--stride", "8"], "--stride applies to --task clm only"),
     (["--text-column", "0"], "apply to --task cls only"),
+    # an LM scored as a classifier had loaded a fresh random head and printed its accuracy, rc 0
+    (["--task", "cls"], "is a TransNormerForCausalLM (trained with --task clm); --task cls needs a "
+                        "*ForSequenceClassification model"),
 ])
 def test_eval_refuses_flags_that_would_change_nothing(run_dir, capsys, flags, match):
     root, out = run_dir

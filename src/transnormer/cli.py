@@ -251,6 +251,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+_HEADS = {"clm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification"}
+
+
+def _check_head_for(task: str, model_dir: Path) -> None:
+    """Refuse a model trained with another head: a language model evaluated with --task cls loaded
+    with a fresh random classifier, and its scores were printed with rc 0."""
+    archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    if archs and not any(a.endswith(_HEADS[task]) for a in archs):
+        trained = next((t for t, h in _HEADS.items() if any(a.endswith(h) for a in archs)), None)
+        raise ValueError(f"--model {model_dir} is a {', '.join(archs)}"
+                         + (f" (trained with --task {trained})" if trained else "")
+                         + f"; --task {task} needs a *{_HEADS[task]} model")
+
+
 def cmd_eval(args) -> int:
     from .train.distributed import cleanup, setup_distributed
     from .train.loop import TrainConfig, autocast_factory, build_model_for, special_token_ids
@@ -260,6 +274,7 @@ def cmd_eval(args) -> int:
         raise ValueError(f"--stride applies to --task clm only, not --task {args.task}")
     read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
+    _check_head_for(args.task, model_dir)
     # no --tokenizer: the model's own, in <model>/tokenizer or beside its weights (tasks.get_tokenizer)
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
                       seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
