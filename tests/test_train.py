@@ -64,6 +64,20 @@ def test_kill_and_resume_is_exact(corpus_dir, tmp_path, task):
     assert got == pytest.approx(ref, rel=0, abs=1e-6)
 
 
+def test_a_fine_tune_resumes_after_its_init_from_run_moved(corpus_dir, tmp_path):
+    """Resuming rebuilt the model and tokenizer from init_from, which the checkpoint already holds:
+    with the pretrained run moved away the resume failed."""
+    train(cfg_for(corpus_dir, tmp_path, out_dir=str(tmp_path / "pre"), max_steps=2))
+    kw = {"init_from": str(tmp_path / "pre"), "overrides": {}, "max_steps": 4}
+    full = cfg_for(corpus_dir, tmp_path, out_dir=str(tmp_path / "full"), **kw)
+    train(full)
+    part = cfg_for(corpus_dir, tmp_path, out_dir=str(tmp_path / "part"), save_every=2, stop_after=2, **kw)
+    assert train(part) == {"stopped_at": 2}
+    (tmp_path / "pre").rename(tmp_path / "pre-moved")
+    assert train(replace(part, stop_after=None, resume=True))["steps"] == 4
+    assert train_losses(part.out_dir) == pytest.approx(train_losses(full.out_dir), rel=0, abs=1e-6)
+
+
 def test_param_groups_decay_matrices_or_everything():
     from transnormer.presets import build_model
     from transnormer.train.loop import param_groups

@@ -436,10 +436,20 @@ def train(cfg: TrainConfig) -> dict:
     np.random.seed(cfg.seed)
 
     autocast = autocast_factory(info.device, cfg.dtype)
+    ckpt = None
+    if cfg.resume:
+        # rank 0 first: finding the checkpoint may repair a save a kill interrupted (renames), which
+        # two ranks must not do at once; the others then find the repaired folder
+        ckpt = main_first(info, lambda: latest_valid_checkpoint(ckpt_root, log=log))
+        if ckpt is None:
+            log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
     # data → model → optimizer
     # A run directory given as init_from is resolved (and its newest checkpoint verified) once, here,
-    # for both the tokenizer and the weights; the saved config keeps what the user gave.
-    build_cfg = replace(cfg, init_from=str(resolve_model_dir(cfg.init_from, what="init_from"))) if cfg.init_from else cfg
+    # for both the tokenizer and the weights; the saved config keeps what the user gave. A resumed
+    # fine-tune builds from its own checkpoint, which holds the config, weights and tokenizer: the
+    # model it started from may have moved since (resuming had failed then).
+    init = (ckpt if ckpt is not None else resolve_model_dir(cfg.init_from, what="init_from")) if cfg.init_from else None
+    build_cfg = replace(cfg, init_from=str(init)) if init is not None else cfg
     data = build_task_data(build_cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
     model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
@@ -460,31 +470,25 @@ def train(cfg: TrainConfig) -> dict:
     # resume (the optimizer's and scheduler's states once they exist, after wrap_model below)
     step, tokens_seen, elapsed = 0, 0, 0.0
     resumed, state = False, None
-    if cfg.resume:
-        # rank 0 first: finding the checkpoint may repair a save a kill interrupted (renames), which
-        # two ranks must not do at once; the others then find the repaired folder
-        ckpt = main_first(info, lambda: latest_valid_checkpoint(ckpt_root, log=log))
-        if ckpt is None:
-            log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
-        else:
-            state = load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint just verified it
-            changed = config_changes(state.get("config", {}), cfg)
-            if changed:
-                raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
-                                 "resume with the original settings, or start a new run (--init-from for weights)")
-            load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
-            sched.update(state["sched"])
-            data.train.load_state_dict(state["data"])
-            per_rank = state.get("rng_per_rank")
-            # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's
-            set_rng_state(per_rank[info.rank] if per_rank and len(per_rank) == info.world_size else state["rng"])
-            step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
-            total_steps = state["total_steps"]
-            if info.is_main:
-                truncate_metrics(out / "metrics.jsonl", step)
-                truncate_metrics(out / "grad_norms.jsonl", step)
-            log(f"resumed from {ckpt} at step {step}")
-            resumed = True
+    if ckpt is not None:
+        state = load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint just verified it
+        changed = config_changes(state.get("config", {}), cfg)
+        if changed:
+            raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
+                             "resume with the original settings, or start a new run (--init-from for weights)")
+        load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
+        sched.update(state["sched"])
+        data.train.load_state_dict(state["data"])
+        per_rank = state.get("rng_per_rank")
+        # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's
+        set_rng_state(per_rank[info.rank] if per_rank and len(per_rank) == info.world_size else state["rng"])
+        step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
+        total_steps = state["total_steps"]
+        if info.is_main:
+            truncate_metrics(out / "metrics.jsonl", step)
+            truncate_metrics(out / "grad_norms.jsonl", step)
+        log(f"resumed from {ckpt} at step {step}")
+        resumed = True
     if info.is_main and not resumed:
         start_fresh(out, log)
 
