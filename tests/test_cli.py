@@ -196,7 +196,10 @@ def test_column_indices_of_a_headerless_cls_file(tmp_path, capsys):
                  "300", "--seq-len", "16", "--batch-size", "4", "--max-steps", "1", "--out", str(out),
                  "--no-progress", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
                  "--label-column", "1"]) == 0
-    assert json.loads((out / "summary.json").read_text())["eval"]["n"] == 9  # every dev row, the first too
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval"]["n"] == 9  # every dev row, the first too
+    # tokens counts 4 x 16 positions; the 4 examples hold fewer (they had been counted as tokens/s too)
+    assert summary["tokens"] == 64 and 4 * 6 <= summary["real_tokens"] < 64
     # evaluating needs no train split of one batch: a batch of 30 over the 9 dev rows, 24 train rows
     capsys.readouterr()
     assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(tmp_path), "--seq-len", "16",

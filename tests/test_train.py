@@ -606,6 +606,7 @@ def test_the_last_step_is_logged_whatever_log_every(corpus_dir, tmp_path):
     steps = [r["step"] for r in read_metrics(Path(tmp_path / "b" / "run") / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == [1, 5, 7]  # step 7 had not been logged, and final_train_loss had been step 5's
     assert sparse["final_train_loss"] == every["final_train_loss"] == train_losses(tmp_path / "a" / "run")[-1]
+    assert every["real_tokens"] == every["tokens"] == 7 * 4 * 32  # no padding in LM windows
 
 
 def test_compare_refuses_a_repeated_preset(tmp_path):

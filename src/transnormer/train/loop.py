@@ -376,6 +376,16 @@ RUN_FILES = ("metrics.jsonl", "grad_norms.jsonl", "summary.json", "train_config.
              "grad_rsd.json", "grad_norms.png", "tensorboard")
 
 
+def real_tokens(batch: dict) -> int:
+    """The tokens a batch holds: its attention masks' ones (padding is no token), else every id.
+    ``tokens`` counts batch x seq_len positions a step (what budgets count), which for classification
+    batches (padded to their longest example) and whole-sentence MLM blocks is more than there are."""
+    masks = [v for k, v in batch.items() if k.startswith("attention_mask")]
+    if masks:
+        return sum(int(m.sum()) for m in masks)
+    return sum(v.numel() for k, v in batch.items() if k.startswith("input_ids"))
+
+
 def start_fresh(out: Path, log=print) -> None:
     """A run that does not resume owns ``out`` from step 0: an earlier run's checkpoints and its
     files (metrics, summary, plots, gradient statistics) are moved into
@@ -468,7 +478,7 @@ def train(cfg: TrainConfig) -> dict:
              "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
 
     # resume (the optimizer's and scheduler's states once they exist, after wrap_model below)
-    step, tokens_seen, elapsed = 0, 0, 0.0
+    step, tokens_seen, real_seen, elapsed = 0, 0, 0, 0.0
     resumed, state = False, None
     if ckpt is not None:
         state = load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint just verified it
@@ -483,6 +493,7 @@ def train(cfg: TrainConfig) -> dict:
         # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's
         set_rng_state(per_rank[info.rank] if per_rank and len(per_rank) == info.world_size else state["rng"])
         step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
+        real_seen = state.get("real_tokens")  # None: a checkpoint from before the count
         total_steps = state["total_steps"]
         if info.is_main:
             truncate_metrics(out / "metrics.jsonl", step)
@@ -528,7 +539,8 @@ def train(cfg: TrainConfig) -> dict:
         saved_step = step
         # FSDP: the whole model and optimizer state gathered to rank 0 (every rank takes part)
         weights, optimizer_state = full_state(model, optimizer, info, cfg.strategy)
-        state = {"step": step, "tokens": tokens_seen, "elapsed": elapsed, "optimizer": optimizer_state,
+        state = {"step": step, "tokens": tokens_seen, "real_tokens": real_seen, "elapsed": elapsed,
+                 "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
@@ -572,6 +584,7 @@ def train(cfg: TrainConfig) -> dict:
         t0 = time.perf_counter()
         loss_sum = 0.0
         micro_batches = [next(data.train) for _ in range(cfg.grad_accum)]
+        real = sum(real_tokens(b) for b in micro_batches)
         weights = micro_weights(micro_batches, cfg.task, info)
         for micro, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             batch = {k: v.to(info.device) for k, v in batch.items()}
@@ -595,8 +608,9 @@ def train(cfg: TrainConfig) -> dict:
         tokens_seen += tokens_per_step
         # One all-reduce: the loss over ranks, and one clock for all of them (the mean step time), so
         # that time budgets, timed evaluations and the schedule fitted to a budget agree across ranks.
-        loss_val, dt = all_reduce_sum([loss_sum, time.perf_counter() - t0], info)
-        loss_val, dt = loss_val / info.world_size, dt / info.world_size
+        loss_val, dt, real = all_reduce_sum([loss_sum, time.perf_counter() - t0, float(real)], info)
+        loss_val, dt, real = loss_val / info.world_size, dt / info.world_size, int(real)
+        real_seen = None if real_seen is None else real_seen + real
         elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
         first_dt = dt if first_dt is None else first_dt
         if fit_pending and step >= SCHEDULE_FIT_STEP and step - start_step >= 2:
@@ -608,8 +622,8 @@ def train(cfg: TrainConfig) -> dict:
                 bar.total = total_steps_est
                 bar.refresh()
         record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
-                  "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt, "elapsed": elapsed,
-                  "peak_mem_mb": peak_memory_mb(info)}
+                  "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt, "real_tokens": real_seen,
+                  "real_tokens_per_s": real / dt, "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)}
         if step % cfg.log_every == 0 or step == 1:
             metrics.log(record)
             record = None
@@ -667,10 +681,15 @@ def train(cfg: TrainConfig) -> dict:
         records = read_metrics(out / "metrics.jsonl") if info.is_main else []
     train_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and r["step"] > 2]
+    real_speeds = [r["real_tokens_per_s"] for r in records
+                   if r.get("kind") == "train" and r["step"] > 2 and "real_tokens_per_s" in r]
     summary = {
         "name": run_name(cfg), "task": cfg.task, "params": n_params,
         "steps": step, "tokens": tokens_seen, "elapsed_s": elapsed,
         "tokens_per_s": float(np.median(speeds)) if speeds else tokens_seen / max(elapsed, 1e-9),
+        "real_tokens": real_seen,  # the non-padding tokens trained on (None after an older checkpoint)
+        "real_tokens_per_s": (float(np.median(real_speeds)) if real_speeds
+                              else None if real_seen is None else real_seen / max(elapsed, 1e-9)),
         "peak_mem_mb": peak_memory_mb(info), "final_train_loss": train_pts[-1][1] if train_pts else None,
         "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
         "diverged_at": diverged_at,  # the step whose loss or gradient was not finite, else None
