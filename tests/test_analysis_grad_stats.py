@@ -92,7 +92,7 @@ def test_rsd_from_metrics_jsonl(tmp_path):
 def test_ablation_configs_differ_only_in_mixers():
     cfgs = ablation_configs("t2-lm-tiny")
     dicts = {k: v.to_dict() for k, v in cfgs.items()}
-    strip = [{k: v for k, v in d.items() if k not in ("layer_types", "layer_options", "lrpe")}
+    strip = [{k: v for k, v in d.items() if k not in ("mixer_types", "layer_options", "lrpe")}
              for d in dicts.values()]
     assert all(s == strip[0] for s in strip)
     assert cfgs["norm"].lrpe == "none"  # linear_elu has no positional encoding inside: only the norm differs

@@ -97,6 +97,24 @@ def test_auto_classes(tmp_path):
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), TransNormerForCausalLM)
 
 
+def test_config_json_loads_as_a_generic_hf_config(tmp_path):
+    """HF's generic PreTrainedConfig (Trainer's resume, AutoTokenizer in a process that has not
+    imported transnormer) refused ``layer_types`` holding our mixer names: it is saved as mixer_types."""
+    import json
+
+    from transformers import PretrainedConfig
+
+    config = small(layer_types=["diag", "norm"], num_hidden_layers=2)
+    TransNormerForCausalLM(config).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "layer_types" not in saved and saved["mixer_types"] == ["diag", "norm"]
+    assert PretrainedConfig.from_pretrained(tmp_path).mixer_types == ["diag", "norm"]
+    assert TransNormerConfig.from_pretrained(tmp_path).layer_types == ["diag", "norm"]
+    saved["layer_types"] = saved.pop("mixer_types")  # a checkpoint saved before the rename
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert TransNormerConfig.from_pretrained(tmp_path).layer_types == ["diag", "norm"]
+
+
 def test_tied_embeddings():
     m = TransNormerForCausalLM(small())
     assert m.lm_head.weight is m.model.embed_tokens.weight

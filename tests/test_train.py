@@ -695,7 +695,7 @@ def test_clm_needs_a_causal_model(corpus_dir, tmp_path, mlm_run, capsys):
 
     assert main(["eval", "--model", str(mlm_run), "--task", "clm", "--data", str(corpus_dir), "--seq-len", "32",
                  "--cache-dir", str(tmp_path.parent / "cache"), "--max-batches", "1"]) == 2
-    assert "task 'clm' needs a causal model" in capsys.readouterr().err
+    assert "is a TransNormerForMaskedLM (trained with --task mlm); --task clm needs" in capsys.readouterr().err
 
 
 def test_init_from_applies_a_dropout_override(corpus_dir, tmp_path, mlm_run):

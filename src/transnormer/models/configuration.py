@@ -17,6 +17,9 @@ POOLING_TYPES = ("mean", "first", "last")
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 
 
+SAVED_LAYER_TYPES = "mixer_types"  # the key layer_types is saved under (TransNormerConfig.to_dict)
+
+
 def default_layer_types(num_layers: int) -> list[str]:
     """First ⌊L/2⌋ layers Diag, the rest Norm (spec §6)."""
     return ["diag"] * (num_layers // 2) + ["norm"] * (num_layers - num_layers // 2)
@@ -115,6 +118,9 @@ class TransNormerConfig(PretrainedConfig):
         self.classifier_dropout = classifier_dropout
         # deep: a preset's nested option dicts must not be shared with (and edited through) a config
         self.layer_options = copy.deepcopy(dict(layer_options or {}))
+        mixer_types = kwargs.pop(SAVED_LAYER_TYPES, None)  # config.json's name for layer_types (to_dict)
+        if layer_types is None:
+            layer_types = mixer_types
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
@@ -125,6 +131,15 @@ class TransNormerConfig(PretrainedConfig):
         # Set after the base __init__: HF's validator only accepts its own attention names in
         # `layer_types`; ours are checked by validate_layer_type / check() below.
         self.layer_types = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
+
+    def to_dict(self) -> dict:
+        """HF's dict, with ``layer_types`` saved as ``mixer_types``: HF reserves ``layer_types`` for its
+        own attention names, and its generic ``PreTrainedConfig`` (Trainer's resume, AutoTokenizer in a
+        process that has not imported transnormer) refused a config.json holding ours."""
+        out = super().to_dict()
+        if "layer_types" in out:
+            out[SAVED_LAYER_TYPES] = out.pop("layer_types")
+        return out
 
     # Resolved T1/T2 choices -------------------------------------------------------------
     def resolved(self, key: str):

@@ -222,11 +222,13 @@ def check_overrides(overrides: dict) -> None:
     import typing
 
     from ..models import TransNormerConfig
+    from ..models.configuration import SAVED_LAYER_TYPES
 
     if not overrides:
         return
     hints = typing.get_type_hints(TransNormerConfig.__init__)
     known = set(hints) | set(TransNormerConfig().to_dict()) | {"num_labels"}  # ours and PretrainedConfig's
+    known.discard(SAVED_LAYER_TYPES)  # config.json's name for layer_types, which a preset's own would win over
     for key, value in overrides.items():
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
