@@ -97,6 +97,53 @@ def test_auto_classes(tmp_path):
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), TransNormerForCausalLM)
 
 
+@pytest.mark.parametrize("task", ["clm", "mlm", "cls"])
+@pytest.mark.parametrize("return_logits", [True, False])
+def test_num_items_in_batch_weighs_every_target_alike(task, return_logits):
+    """HF Trainer's gradient accumulation passes num_items_in_batch: two micro-batches must give the
+    gradient of one batch of both, also when they hold different numbers of targets (a per-batch
+    mean had weighed a micro-batch of 2 targets as much as one of 12)."""
+    if task == "cls" and not return_logits:
+        pytest.skip("the classifier has no fused path")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert "TransNormerForCausalLM" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()  # Trainer's label shift
+    torch.manual_seed(0)
+    kw = {"causal": task == "clm", **({"num_labels": 3} if task == "cls" else {})}
+    head = {"clm": TransNormerForCausalLM, "mlm": TransNormerForMaskedLM,
+            "cls": TransNormerForSequenceClassification}[task]
+    m = head(small(num_hidden_layers=2, attention_dropout=0.0, **kw)).double()
+    ids = torch.randint(5, 97, (4, 12))
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[:2, 3:] = 0
+    if task == "clm":
+        labels = ids.masked_fill(mask == 0, -100)
+        items = int((labels[:, 1:] != -100).sum())
+    elif task == "mlm":
+        labels = torch.full_like(ids, -100)
+        labels[0, 1], labels[1, 0] = ids[0, 1], ids[1, 0]
+        labels[2:, ::2] = ids[2:, ::2]
+        items = int((labels != -100).sum())
+    else:
+        labels, items = torch.tensor([0, 2, 1, 1]), 4
+    extra = {} if task == "cls" else {"return_logits": return_logits}
+
+    def grads(*batches):
+        m.zero_grad()
+        for sl, n in batches:
+            m(ids[sl], attention_mask=mask[sl], labels=labels[sl], num_items_in_batch=n, **extra).loss.backward()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    whole = grads((slice(0, 4), None))
+    for a, b in zip(whole, grads((slice(0, 2), items), (slice(2, 4), items)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    if task != "cls":  # a micro-batch with no target adds 0, not NaN
+        out = m(ids[:2], attention_mask=mask[:2], labels=torch.full_like(labels[:2], -100), num_items_in_batch=5,
+                **extra).loss
+        out.backward()
+        assert out.item() == 0.0 and all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
 def test_config_json_loads_as_a_generic_hf_config(tmp_path):
     """HF's generic PreTrainedConfig (Trainer's resume, AutoTokenizer in a process that has not
     imported transnormer) refused ``layer_types`` holding our mixer names: it is saved as mixer_types."""
