@@ -396,7 +396,7 @@ def test_hf_output_controls_are_honoured():
     model.config.return_dict, model.config.output_hidden_states = True, False
     with pytest.raises(ValueError, match="output_attentions"):
         model(input_ids=ids, output_attentions=True)
-    assert model.accepts_loss_kwargs is False  # HF Trainer averages over accumulation steps itself
+    assert model.accepts_loss_kwargs is True  # HF Trainer passes num_items_in_batch (test_num_items_in_batch_...)
     mlm = build_model("t2-roberta-tiny", vocab_size=64).eval()
     loss, logits = mlm(input_ids=ids, labels=ids, return_dict=False)
     assert logits.shape == (2, 9, 64)
