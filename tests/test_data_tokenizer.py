@@ -191,3 +191,17 @@ def test_slow_tokenizer_refuses_special_token_text(tmp_path):
         slow.encode("hello [SEP] world")
     with pytest.raises(ValueError, match="MASK"):
         slow.encode_batch(["hello", "world [MASK]"])
+
+
+def test_causal_save_frames_text_after_eos_and_keeps_the_fingerprint(bpe, tmp_path):
+    """HF-side calls (pipeline("text-generation")) applied <s> A </s>: every prompt ended with an end
+    of document. A causal LM's tokenizer is saved framing text as its training stream does: </s> A."""
+    from transformers import AutoTokenizer
+
+    text = "Return the value of the key."
+    bpe.save(tmp_path / "mlm")
+    bpe.save(tmp_path / "clm", causal=True)
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "mlm"))(text)["input_ids"] == [1, *bpe.encode(text), 2]
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "clm"))(text)["input_ids"] == [2, *bpe.encode(text)]
+    fingerprints = {load_tokenizer(tmp_path / d).fingerprint for d in ("mlm", "clm")}
+    assert fingerprints == {bpe.fingerprint}  # encode is the same: one token cache

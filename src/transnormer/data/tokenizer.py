@@ -177,6 +177,9 @@ class TextTokenizer:
     def fingerprint(self) -> str:
         """sha256 of the tokenizer's JSON (vocabulary, merges, pipeline) and its special-token roles.
 
+        The post-processor is left out: :meth:`encode` never applies it, and a causal LM's saved
+        tokenizer frames text differently (:meth:`save`) from the same tokenizer's under an MLM.
+
         A tokenizer without a Rust backend (a Python "slow" transformers tokenizer) is fingerprinted by
         the files its ``save_pretrained`` writes: its vocabulary alone would leave out merges and
         options such as ``do_lower_case``, and two tokenizers that encode differently would share a
@@ -184,7 +187,8 @@ class TextTokenizer:
         """
         roles = json.dumps(self._special, sort_keys=True)
         if self._json is not None:
-            return sha256_text(self._json, roles)
+            encoding = {k: v for k, v in json.loads(self._json).items() if k != "post_processor"}
+            return sha256_text(json.dumps(encoding, sort_keys=True, ensure_ascii=False), roles)
         if self._hf_fingerprint is None:
             self._hf_fingerprint = sha256_text(type(self._hf).__name__, *_saved_files(self._hf), roles)
         return self._hf_fingerprint
@@ -258,22 +262,38 @@ class TextTokenizer:
         """
         if self._hf is not None:
             return self._hf
+        return self._hf_of(self._json)
+
+    def _hf_of(self, tokenizer_json: str):
         from transformers import PreTrainedTokenizerFast  # heavy import, only when asked for
 
         kwargs = {f"{role}_token": tok for role, tok in self._special.items() if tok is not None}
-        return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(self._json), **kwargs)
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer_json), **kwargs)
 
-    def save(self, directory: str | os.PathLike) -> Path:
+    def _causal_json(self) -> str:
+        """The JSON with a causal LM's framing: ``</s> A`` (text follows an end of document, as in
+        the training stream, where documents each end with EOS and ``<s>`` never occurs)."""
+        tok = tokenizers.Tokenizer.from_str(self._json)
+        eos = self._special.get("eos")
+        tok.post_processor = None if eos is None else processors.TemplateProcessing(
+            single=f"{eos} $A", pair=f"{eos} $A {eos} $B:1", special_tokens=[(eos, self.eos_id)])
+        return tok.to_str()
+
+    def save(self, directory: str | os.PathLike, *, causal: bool = False) -> Path:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (created).
 
         The directory loads with :func:`load_tokenizer` and with ``transformers.AutoTokenizer``.
+        ``causal``: frame HF-side ``tokenizer(text)`` calls as a causal LM reads text, ``</s> A``,
+        instead of ``<s> A </s>``: with that framing ``pipeline("text-generation")`` ended every
+        prompt with an end of document. :meth:`encode` and the fingerprint are the same either way.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.to_hf().save_pretrained(str(directory))
-        if self._json is not None:
-            # save_pretrained re-serialises the tokenizer; write our exact JSON so fingerprints survive.
-            atomic_write_text(directory / "tokenizer.json", self._json)
+        js = self._causal_json() if causal and self._json is not None else self._json
+        (self._hf_of(js) if js is not None else self.to_hf()).save_pretrained(str(directory))
+        if js is not None:
+            # save_pretrained re-serialises the tokenizer; write the exact JSON so fingerprints survive.
+            atomic_write_text(directory / "tokenizer.json", js)
         return directory
 
 

@@ -74,7 +74,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         hf_logging.disable_progress_bar()  # one line per checkpoint is enough
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
-            tokenizer.save(tmp / "tokenizer")
+            # a causal LM's tokenizer frames HF-side calls (pipelines) as its training text: </s> A
+            tokenizer.save(tmp / "tokenizer", causal=type(model).__name__.endswith("ForCausalLM"))
         torch.save(trainer_state, tmp / STATE)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
