@@ -311,6 +311,48 @@ def test_fsdp_two_processes_train_as_one_and_resume_exactly(corpus_dir, tmp_path
 
 
 @pytest.mark.slow
+def test_fsdp_evaluation_with_uneven_shards_neither_hangs_nor_crashes(tmp_path):
+    """An FSDP model all-gathers its weights in every forward: a rank with fewer evaluation batches
+    had gone on to the results' all-reduce while the other was still in a forward (a gloo size
+    mismatch for classification, a hang for the LM). Each kind of evaluation, 3 batches against 2."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import contextlib, torch\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from transnormer.presets import build_model\n"
+        "from transnormer.train.distributed import setup_distributed, cleanup\n"
+        "from transnormer.train.tasks import _eval_lm, _eval_cls\n"
+        "from transnormer.train.lra_tasks import evaluate_lra\n"
+        "info = setup_distributed('cpu')\n"
+        "torch.manual_seed(0)\n"
+        "kw = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, block_size=4,\n"
+        "          chunk_size=4)\n"
+        "lm, cls = build_model('t2-lm-tiny', **kw), build_model('t2-roberta-tiny', task='cls', num_labels=2, **kw)\n"
+        "for m in (lm, cls):\n"
+        "    for block in m.model.layers:\n"
+        "        fully_shard(block)\n"
+        "    fully_shard(m)\n"
+        "ids = torch.randint(1, 40, (2, 8))\n"
+        "batches = [{'input_ids': ids, 'labels': ids}] * (3 - info.rank)\n"
+        "res = _eval_lm(lm, iter(batches), info, None, contextlib.nullcontext, shift=True)\n"
+        "assert res['eval_tokens'] == 5 * 2 * 7, res\n"
+        "items = [{'input_ids': torch.randint(1, 40, (6,)), 'label': i % 2} for i in range(9)]\n"
+        "def collate(rows):\n"
+        "    return {'input_ids': torch.stack([r['input_ids'] for r in rows]),\n"
+        "            'attention_mask': torch.ones(len(rows), 6, dtype=torch.long),\n"
+        "            'labels': torch.tensor([r['label'] for r in rows])}\n"
+        "assert _eval_cls(cls, items, collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
+        "class Split(list):\n"
+        "    num_classes = 2\n"
+        "assert evaluate_lra(cls, Split(items), collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
+        "cleanup(info)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script)], check=True, env=env, timeout=120)
+
+
+@pytest.mark.slow
 def test_ddp_time_budget_stops_all_ranks_together(corpus_dir, tmp_path):
     """Each rank had decided a time budget, timed evaluations and the budget-fitted schedule from
     its own clock: one rank went into an evaluation's all-reduce while the other trained (a hang,

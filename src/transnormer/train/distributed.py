@@ -121,6 +121,20 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Mo
     return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
 
 
+def forwards_to_match(model: nn.Module, n_local: int, info: DistInfo) -> int:
+    """The forwards this rank must add to its ``n_local`` for every rank to run as many. An
+    FSDP-sharded model all-gathers its weights in each forward, a collective every rank must join: a
+    rank with fewer evaluation batches had gone on to the next collective and hung or crashed the
+    others. 0 for a model whose forward is local (single process, DDP's unwrapped module)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not info.enabled or not isinstance(model, FSDPModule):
+        return 0
+    t = torch.tensor([n_local], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item()) - n_local
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .distributed import DistInfo, all_reduce_sum
+from .distributed import DistInfo, all_reduce_sum, forwards_to_match
 from .tasks import ClsBatches, TaskData
 
 DEFAULT_ROOT = "data/lra"
@@ -235,9 +235,16 @@ def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batche
     if max_batches is not None and max_batches * batch_size * info.world_size < len(ds):
         order = np.random.default_rng(0).permutation(len(ds))
     idx = order[info.rank::info.world_size].tolist()
-    for b, start in enumerate(range(0, len(idx), batch_size)):
-        if max_batches is not None and b >= max_batches:
-            break
+    starts = list(range(0, len(idx), batch_size))[:max_batches]
+    extra = forwards_to_match(model, len(starts), info)
+    if extra:  # an FSDP rank in step with the others (results unused): its first batch, or the split's
+        filler = {k: v.to(info.device) for k, v in collate([ds[i] for i in (idx or order.tolist())[:1]]).items()
+                  if k != "labels"}
+    for start in starts + [None] * extra:
+        if start is None:
+            with autocast():
+                model(**filler, return_dict=True)
+            continue
         batch = collate([ds[i] for i in idx[start:start + batch_size]])
         batch = {k: v.to(info.device) for k, v in batch.items()}
         labels = batch.pop("labels")

@@ -10,6 +10,7 @@ pure function of (seed, k), so a resumed run sees exactly the batches it would h
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..data.mlm_blocks import BlockBatchIterator, eval_block_batches, line_end_i
 from ..data.sampler import StepBatchSampler
 from ..data.token_cache import build_token_cache
 from ..data.tokenizer import build_tokenizer, load_tokenizer
-from .distributed import DistInfo, all_reduce_sum, main_first
+from .distributed import DistInfo, all_reduce_sum, forwards_to_match, main_first
 
 CLS_SPLIT_NAMES = {"train": ("train",), "valid": ("dev", "valid", "validation", "val", "dev_matched"),
                    "test": ("test", "test_matched")}
@@ -145,13 +146,16 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
     """
     model.eval()
     total, count = 0.0, 0
-    for i, batch in enumerate(batches):
-        if max_batches is not None and i >= max_batches:
-            break
-        batch = {k: v.to(info.device) for k, v in batch.items()}
+    batches = list(itertools.islice(batches, max_batches))  # counted first: forwards_to_match
+    extra = forwards_to_match(model, len(batches), info)
+    for batch in batches + [None] * extra:
+        filler = batch is None  # an FSDP rank in step with the others: its result is not used
+        batch = {k: v.to(info.device) for k, v in (_filler(batches) if filler else batch).items()}
         with autocast():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False,
                            return_dict=True).logits
+        if filler:
+            continue
         labels = batch["labels"]
         if shift:
             logits, labels = logits[:, :-1], labels[:, 1:]
@@ -163,6 +167,14 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
     total, count = all_reduce_sum([total, count], info)
     loss = total / count if count else float("nan")  # nothing scored: no loss (0 would read as perfect)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+
+
+def _filler(batches: list[dict]) -> dict:
+    """The inputs of a forward whose result is not used (:func:`forwards_to_match`): the rank's
+    first batch, or one token when it has none."""
+    if batches:
+        return {k: v for k, v in batches[0].items() if k in ("input_ids", "attention_mask")}
+    return {"input_ids": torch.zeros((1, 1), dtype=torch.long)}
 
 
 def _find_cls_files(spec: str) -> dict[str, Path]:
@@ -191,9 +203,15 @@ def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batc
     preds, golds, loss_sum = [], [], 0.0
     n = len(dataset)
     idx = list(range(info.rank, n, info.world_size))
-    for b, start in enumerate(range(0, len(idx), batch_size)):
-        if max_batches is not None and b >= max_batches:
-            break
+    starts = list(range(0, len(idx), batch_size))[:max_batches]
+    extra = forwards_to_match(model, len(starts), info)
+    if extra:  # an FSDP rank in step with the others (results unused): its first example, or the split's
+        filler = {k: v.to(info.device) for k, v in collate([dataset[(idx or [0])[0]]]).items()}
+    for start in starts + [None] * extra:
+        if start is None:
+            with autocast():
+                model(input_ids=filler["input_ids"], attention_mask=filler["attention_mask"], return_dict=True)
+            continue
         batch = collate([dataset[i] for i in idx[start:start + batch_size]])
         batch = {k: v.to(info.device) for k, v in batch.items()}
         with autocast():
