@@ -295,6 +295,12 @@ def test_fsdp_two_processes_train_as_one_and_resume_exactly(corpus_dir, tmp_path
                    timeout=300)
     subprocess.run([*torchrun, args(2, "part", strategy="fsdp", save_every=1, resume=True)], check=True, env=env,
                    timeout=300)
+    # a one-process checkpoint (optimizer state numbered, not named) resumed sharded on two: KeyError
+    subprocess.run([sys.executable, str(script), args(4, "mixed", strategy="fsdp", save_every=1, stop_after=3)],
+                   check=True, env=env, timeout=300)
+    subprocess.run([*torchrun, args(2, "mixed", strategy="fsdp", save_every=1, resume=True)], check=True, env=env,
+                   timeout=300)
+    assert train_losses(tmp_path / "mixed") == pytest.approx(train_losses(tmp_path / "single"), rel=0, abs=1e-5)
     one, two, resumed = (train_losses(tmp_path / d) for d in ("single", "fsdp", "part"))
     assert len(one) == len(two) == len(resumed) == 5
     assert one[-1] < one[0] - 0.05  # it learns

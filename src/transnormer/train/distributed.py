@@ -92,8 +92,25 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict, info: DistInf
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=_keyed_by_name(model, optimizer, state),
                              options=StateDictOptions(full_state_dict=True))
+
+
+def _keyed_by_name(model: nn.Module, optimizer, state: dict) -> dict:
+    """An optimizer state keyed by parameter name, as set_optimizer_state_dict reads it. A
+    checkpoint of an unsharded run (one process, or DDP) numbers the parameters in the optimizer's
+    order instead, which is the same here (the same model and groups): resuming it sharded, with
+    the same global batch, had failed with KeyError 'state.0.step'."""
+    ids = [i for group in state["param_groups"] for i in group["params"]]
+    if not all(isinstance(i, int) for i in ids):
+        return state
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(ordered) != len(ids):
+        raise ValueError(f"the checkpoint's optimizer state has {len(ids)} parameters, this model {len(ordered)}")
+    name_of = dict(zip(sorted(ids), ordered, strict=True))
+    return {"state": {name_of[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def global_value(x: torch.Tensor) -> torch.Tensor:
