@@ -75,7 +75,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             # a causal LM's tokenizer frames HF-side calls (pipelines) as its training text: </s> A
-            tokenizer.save(tmp / "tokenizer", causal=type(model).__name__.endswith("ForCausalLM"))
+            causal = {"causal": True} if type(model).__name__.endswith("ForCausalLM") else {}
+            tokenizer.save(tmp / "tokenizer", **causal)  # (other tokenizers, e.g. LRA's vocabularies, take no flag)
         torch.save(trainer_state, tmp / STATE)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
