@@ -294,3 +294,33 @@ def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, caps
     table = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| vanilla-lm-tiny | 1.00M | 6 |" in table and "diverged at step 6" in table
     assert "| 5.0000 | 148.40 |" in table
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--weight-decay", "inf"], "weight_decay must be finite"),  # had saved NaN weights with rc 0
+    (["--clip", "inf"], "clip must be finite, got inf (0 turns clipping off)"),
+    (["--set", "hidden_size"], "transnormer train: error: --set expects KEY=VALUE"),  # had exited 1, no prefix
+    (["--config", "/nonexistent/config.json"], "is not a readable JSON config"),
+    (["--set", "hidden_size=33"], "hidden_size (33) must be divisible by the number of heads"),
+])
+def test_train_refuses_bad_settings_before_any_data_work(tmp_path, capsys, flags, match):
+    """Each had been found after the corpus and tokenizer were built (or not at all)."""
+    cache = tmp_path / "cache"
+    assert _exit_code(["train", "--data", "stdlib", "--max-steps", "1", "--out", str(tmp_path / "run"),
+                       "--cache-dir", str(cache), *flags]) == 2
+    assert match in capsys.readouterr().err
+    assert not cache.exists()
+
+
+def test_outputs_are_checked_before_any_work(run_dir, tmp_path, capsys):
+    root, out = run_dir
+    (tmp_path / "afile").write_text("")
+    argv = ["eval", "--model", str(out), "--data", str(root), "--seq-len", "32", "--max-batches", "1"]
+    assert _exit_code([*argv, "--out", str(tmp_path / "afile" / "r.json")]) == 2  # had evaluated first
+    assert "--out" in (err := capsys.readouterr().err) and "is a file, not a folder" in err
+    assert _exit_code([*argv, "--out", str(tmp_path)]) == 2
+    assert "is a folder; give a file name" in capsys.readouterr().err
+    assert _exit_code(["analyze", "gradient-bound", "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert _exit_code(["generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "-1"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err

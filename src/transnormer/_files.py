@@ -14,7 +14,28 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "file_lock"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "check_output", "file_lock"]
+
+
+def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
+    """Refuse, before any work, an output that cannot be written: a file where a folder is wanted
+    (or the reverse), a folder above it that is a file, or one that is not writable. Creates
+    nothing. Commands had measured or evaluated for minutes and then failed naming a temporary file.
+
+    ``flag`` names the option in the message (e.g. ``"--out"``); ``directory``: ``path`` is a folder."""
+    p = Path(path)
+    if directory and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {str(p)!r} is a file; give a folder")
+    if not directory and p.is_dir():
+        raise ValueError(f"{flag} {str(p)!r} is a folder; give a file name")
+    for parent in (p, *p.parents) if directory else p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is not writable")
+            break
+    return p
 
 
 @contextlib.contextmanager

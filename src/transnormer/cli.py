@@ -134,10 +134,7 @@ def parse_overrides(items: list[str]) -> dict:
 def _train_config(args) -> object:
     from .train.loop import TrainConfig
 
-    try:
-        overrides = parse_overrides(args.set)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    overrides = parse_overrides(args.set)  # a ValueError: exit status 2 with the command's prefix
     read = _cls_read_kwargs(args)
     if args.vocab_size is not None and (args.tokenizer or getattr(args, "init_from", None)):
         raise ValueError("--vocab-size sizes the BPE trained on the data; with --tokenizer or --init-from the "
@@ -334,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream text from a causal LM (recurrent decoding)")
     p.add_argument("--model", required=True, help="model dir, checkpoint dir or run dir")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=positive_int, default=50)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--tokenizer")
@@ -353,6 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Commands whose --out names a file (the others' --out is a folder).
+_FILE_OUTPUTS = {("eval", None), ("lra", "eval"), ("lra", "report")}
+
+
+def _check_outputs(args) -> None:
+    """--out and --cache-dir checked before any work: a file where a folder belongs had failed
+    only after minutes of data, training or measuring, naming a temporary file."""
+    from ._files import check_output
+
+    out = getattr(args, "out", None) or getattr(args, "out_dir", None)
+    if out:
+        sub = getattr(args, "lra_command", None)
+        check_output(out, "--out", directory=(args.command, sub) not in _FILE_OUTPUTS)
+    if getattr(args, "cache_dir", None):
+        check_output(args.cache_dir, "--cache-dir", directory=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -362,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
     try:
+        _check_outputs(args)
         return args.func(args)
     except (ValueError, TypeError, OSError, ImportError) as e:  # bad input, a path, a missing extra: one line
         if "TRANSNORMER_DEBUG" in __import__("os").environ:

@@ -135,6 +135,10 @@ class TrainConfig:
                      "min_lr_ratio", "warmup_init_lr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("clip", "weight_decay", "eval_every_s"):  # weight_decay=inf had saved NaN weights, rc 0
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}"
+                                 + (" (0 turns clipping off)" if name == "clip" else ""))
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be > 0 and finite, got {self.lr}")
         if self.warmup_init_lr > self.lr:  # the warm-up would start above the peak and fall to it
@@ -176,10 +180,25 @@ class TrainConfig:
         if self.init_from and set(self.overrides) - set(INIT_FROM_OVERRIDES):
             raise ValueError(f"overrides (--set): with init_from only {', '.join(INIT_FROM_OVERRIDES)} can change "
                              f"(the pretrained weights fix the rest), got {sorted(self.overrides)}")
+        # The model's config checked with the overrides before any data work (an unknown preset, an
+        # unreadable --config, or --set hidden_size=33 had failed after the corpus and tokenizer).
+        config = None
         if self.preset and not (self.config_file or self.init_from):
             from ..presets import get_config
 
-            get_config(self.preset)  # an unknown name fails here, before any data work
+            config = get_config(self.preset, **self.overrides)
+        if self.config_file:
+            from ..models import TransNormerConfig
+
+            try:
+                config = TransNormerConfig.from_json_file(self.config_file)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"config_file (--config) {self.config_file!r} is not a readable JSON config: "
+                                 f"{e}") from None
+            for k, v in self.overrides.items():
+                setattr(config, k, v)
+        if config is not None:
+            config.check()
 
 
 # MLM samples: whole sentences packed into blocks with <s> first (fairseq's --sample-break-mode
