@@ -272,9 +272,15 @@ def test_cli_train_writes_provenance(listops_root, tmp_path, capsys):
     md = (run / "lra_result.md").read_text()
     assert "synthetic-fixture" in md and rec["dataset_id"] in md and "LRA average" not in md
     capsys.readouterr()
-    assert main(["lra", "report", str(run), str(run)]) == 0
+    assert main(["lra", "report", str(run)]) == 0
     table = capsys.readouterr().out
     assert "synthetic-fixture" in table and "LRA average" not in table
+    assert main(["lra", "report", str(run), str(run / "lra_result.json")]) == 2  # its rows twice, rc 0
+    assert "is given twice" in capsys.readouterr().err
+    before = (run / "lra_result.json").read_text()
+    assert main(["lra", "eval", "listops", "--model", str(run), "--out", str(run / "lra_result.json")]) == 2
+    assert "is the result of an `lra train` run" in capsys.readouterr().err  # it had been replaced
+    assert (run / "lra_result.json").read_text() == before
 
 
 def test_cli_train_of_a_diverged_run_writes_no_result(listops_root, tmp_path, capsys, monkeypatch):
@@ -525,3 +531,26 @@ def test_prepare_and_the_loaders_look_for_fmnist_in_the_same_folder(tmp_path, mo
     monkeypatch.chdir(wd)
     assert default_fmnist_dir().resolve() == (tmp_path / "shared" / "data" / "lra" / "fashion-mnist").resolve()
     assert default_root("image-fmnist32") == str(default_fmnist_dir())
+
+
+def test_lra_cli_refuses_what_it_would_ignore_or_overwrite(listops_root, tmp_path, capsys):
+    # official-looking files (no generation.json of ours) had been replaced by a fixture, rc 0
+    official = tmp_path / "official" / "listops-1000"
+    official.mkdir(parents=True)
+    (official / "basic_train.tsv").write_text("Source\tTarget\n( MAX 1 2 )\t2\n")
+    fixture = ["--n-train", "4", "--n-val", "4", "--n-test", "4", "--min-length", "5", "--max-length", "40"]
+    assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "official"), *fixture]) == 2
+    assert "without a generation.json" in capsys.readouterr().err
+    assert (official / "basic_train.tsv").read_text().startswith("Source\tTarget\n( MAX 1 2 )")
+    assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "new"), *fixture]) == 0
+    assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "new"), *fixture[:-4], "--min-length", "6",
+                 "--max-length", "40"]) == 0  # a generation of ours is made again from its sidecar: replaced
+    capsys.readouterr()
+    assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "z"), "--n-train", "0"]) == 2
+    assert "n_train must be" in capsys.readouterr().err
+    assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "z"), "--n-images", "5"]) == 2
+    assert "--n-images does not apply to listops" in capsys.readouterr().err
+    common = ["lra", "train", "listops", "--root", str(listops_root), "--preset", "t2-lra-listops-tiny",
+              "--out", str(tmp_path / "run")]
+    assert main([*common, "--epochs", "1", "--max-steps", "1"]) == 2  # --epochs had been ignored
+    assert "give it or --max-steps / --budget, not both" in capsys.readouterr().err

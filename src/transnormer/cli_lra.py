@@ -206,12 +206,20 @@ def evaluate_model(task: str, model, *, root: str | None = None, split: str = "t
 
 # ------------------------------------------------------------------------------------------- commands
 def cmd_prepare(args) -> int:
-    from .data.lra import UserDataRequired, prepare
+    from .data.lra import UserDataRequired, prepare, task_info
 
+    name = task_info(args.task).name
+    applies = ({"listops": ("min_length", "max_length", "n_train", "n_val", "n_test"),
+                "image-fmnist32": ("data_dir",)}.get(name)
+               or (("n_images", "difficulty") if name.startswith("path") else ()))
     opts = {}
-    for k in ("min_length", "max_length", "n_images", "difficulty", "data_dir"):
+    for k in ("min_length", "max_length", "n_images", "difficulty", "data_dir", "n_train", "n_val", "n_test"):
         v = getattr(args, k, None)
-        if v is not None:
+        if v is not None and k not in applies:  # had failed inside a dataclass, naming no flag
+            raise ValueError(f"--{k.replace('_', '-')} does not apply to {name}"
+                             + (f" (it takes {', '.join('--' + a.replace('_', '-') for a in applies)})"
+                                if applies else ""))
+        if v is not None and k in ("min_length", "max_length", "n_images", "difficulty", "data_dir"):
             opts[k] = v
     try:
         out = prepare(args.task, args.out, seed=args.seed, n_train=args.n_train, n_val=args.n_val,
@@ -251,6 +259,8 @@ def run_train(args) -> dict:
     seq_len = args.seq_len if args.seq_len is not None else info_t.length
     opts = _load_options(args)
     max_steps, budget = args.max_steps, args.budget
+    if args.epochs is not None and (max_steps is not None or budget is not None):  # it had been ignored
+        raise ValueError("--epochs sets the run's length: give it or --max-steps / --budget, not both")
     if max_steps is None and budget is None:
         epochs = args.epochs if args.epochs is not None else defaults["epochs"]
         if epochs is None:
@@ -380,6 +390,8 @@ def cmd_eval(args) -> int:
     task = _canonical(args.task)
     if args.out and Path(args.out).suffix == ".md":  # the JSON goes to --out, the table beside it as .md
         raise ValueError(f"--out {args.out}: give the JSON file's name (the markdown is written beside it as .md)")
+    if args.out and _result_kind(Path(args.out)) == "lra-result":  # `lra report` reads only those
+        raise ValueError(f"--out {args.out} is the result of an `lra train` run: write the evaluation elsewhere")
     model, path = load_model_dir(Path(args.model))
     _check_classifier_for(task, model, path)
     # By default the run's own data settings (sequence length, provenance label, Text's validation
@@ -437,14 +449,29 @@ def _trained_labels(model_path: Path) -> dict:
     return {}
 
 
+def _result_kind(f: Path) -> str | None:
+    """The ``kind`` of a result JSON file; None when there is no such file or it is not one."""
+    try:
+        rec = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec.get("kind") if isinstance(rec, dict) else None
+
+
 def cmd_report(args) -> int:
-    records = []
+    records, seen = [], set()
     for d in args.runs:
         p = Path(d)
         f = p if p.is_file() else p / RESULT_JSON
         if not f.is_file():
             raise ValueError(f"report: no {RESULT_JSON} in {d}")
-        rec = json.loads(f.read_text())
+        if f.resolve() in seen:  # its rows would be listed, and averaged, twice
+            raise ValueError(f"report: {f} is given twice")
+        seen.add(f.resolve())
+        try:
+            rec = json.loads(f.read_text())
+        except ValueError as e:
+            raise ValueError(f"report: {f} is not valid JSON ({e})") from None
         kind = rec.get("kind") if isinstance(rec, dict) else type(rec).__name__
         missing = [k for k in ("task", "preset", "data_provenance", "dataset_id") if k not in rec] if kind else []
         if kind != "lra-result" or missing:  # e.g. the JSON of `lra eval --out`

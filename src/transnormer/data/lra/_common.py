@@ -25,6 +25,17 @@ def atomic_write_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
             f.write("\n")
 
 
+def refuse_foreign_data(dest: Path, present: bool, what: str) -> None:
+    """Refuse to write a dataset over files in ``dest`` that carry no ``generation.json`` of ours:
+    data we did not generate (the official files?) cannot be made again, and ``lra prepare`` had
+    replaced them with a small fixture, saying nothing. A generation of ours is replaced: its
+    sidecar records the seed and parameters that make it again."""
+    if not present or (dest / SIDECAR_NAME).is_file():
+        return
+    raise ValueError(f"{dest} already holds {what} files without a {SIDECAR_NAME} (the official ones?), "
+                     "which would be overwritten: remove them or write to another folder")
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as indented, key-sorted JSON, atomically."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

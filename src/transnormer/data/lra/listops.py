@@ -32,6 +32,7 @@ from ._common import (
     atomic_write_lines,
     check_int,
     check_seed,
+    refuse_foreign_data,
     sha256_file,
     split_name,
     write_json,
@@ -452,6 +453,7 @@ def write_listops(
     if not isinstance(out_dir, (str, os.PathLike)):
         raise TypeError(f"out_dir must be a str or os.PathLike path, got {type(out_dir).__name__}")
     out = Path(out_dir)
+    refuse_foreign_data(out, any((out / f).exists() for f in SPLIT_FILES.values()), "ListOps")
     out.mkdir(parents=True, exist_ok=True)
     gen = generate_listops(seed=seed, config=cfg, workers=workers)
     counts = _split_counts(cfg)

@@ -45,6 +45,7 @@ from ._common import (
     atomic_write_lines,
     check_int,
     check_seed,
+    refuse_foreign_data,
     sha256_file,
     split_name,
     write_json,
@@ -748,6 +749,7 @@ def write_pathfinder(
     seed = check_seed(seed)
     workers = check_int("workers", workers, minimum=1)
     dest = dataset_dir(out_root, cfg)
+    refuse_foreign_data(dest, (dest / "imgs").exists() or (dest / "metadata").exists(), f"Pathfinder{cfg.resolution}")
     dest.mkdir(parents=True, exist_ok=True)
     n_batches = math.ceil(cfg.n_images / cfg.batch_size)
     tasks = [

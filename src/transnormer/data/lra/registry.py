@@ -383,7 +383,7 @@ def prepare(
     out = Path(out_dir)
     for nm, v in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
         if v is not None:
-            check_int(nm, v, minimum=0)
+            check_int(nm, v, minimum=1)  # 0 had written an empty split, which training then read
     if t in _USER_DATA_HELP:
         raise UserDataRequired(_USER_DATA_HELP[t])
     if t == "listops":
