@@ -204,6 +204,24 @@ def test_bench_refuses_sizes_below_one(argv):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["bench", "memory", "--lengths", "8"], "--lengths applies to bench ops, train, infer, not memory"),
+    (["bench", "ops", "--presets", "t2-lm"], "--presets applies to bench train, infer, not ops"),
+    (["bench", "ops", "--max-mem-gb", "1"], "--max-mem-gb applies"),
+    (["bench", "long", "--vocab-size", "300"], "--vocab-size applies"),
+    (["bench", "train", "--dtypes", "fp32", "fp32"], "--dtypes: each once"),  # had measured it twice
+    (["bench", "train", "--presets", "t2-lm", "bogus-lm"], "bogus-lm"),  # had been found after the GEMM probe
+    (["bench", "train", "--presets", "peer:nope"], "unknown peer 'peer:nope'"),
+])
+def test_bench_refuses_options_it_would_ignore_before_measuring(argv, match, tmp_path, capsys, monkeypatch):
+    from transnormer.bench import suite
+    from transnormer.cli import main
+
+    monkeypatch.setattr(suite, "gemm_limit", lambda *a, **k: pytest.fail("measured before refusing"), raising=False)
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 2
+    assert match in capsys.readouterr().err
+
+
 def test_a_sweep_records_what_did_not_fit_and_skips_the_presets_longer_lengths(monkeypatch, tmp_path):
     """Many presets against T on one machine: a configuration out of memory or over the time limit
     ends that preset's sweep (in its dtype) with a row saying why, and the others go on."""

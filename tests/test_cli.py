@@ -108,12 +108,22 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     (["analyze", "dilution", "--models", "t2-lm-tiny", "--samples", "-1"], "--samples must be >= 1"),
     (["analyze", "grad-stats", "--metrics", "{tmp}"], "Is a directory"),
     (["analyze", "grad-stats", "--metrics", "{tmp}/empty.jsonl"], "no record has both"),
+    # each of these had been found after the corpus and tokenizer, or not at all
+    (["analyze", "dilution", "--models", "t2-lm-tiny,t2-lm-tiny"], "each model once"),
+    (["analyze", "dilution", "--models", "bogus-preset", "--cache-dir", "{tmp}/cache"], "bogus-preset"),
+    (["analyze", "dilution", "--models", "t2-lm-tiny", "--vocab-size", "0"], "--vocab-size must be >= 261"),
+    (["analyze", "grad-stats", "--metrics", "{tmp}/mixer.jsonl", "--param-set", "all"],
+     "records norms over mixer"),  # the report had named norms the file does not hold
+    (["analyze", "ablation", "--base", "t2-roberta-tiny"], "the ablation trains causal LMs"),
+    (["analyze", "ablation", "--budget", "bogus"], "budget must look like"),  # had written its configs first
 ])
 def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "mixer.jsonl").write_text('{"step": 1, "grad_norm": 1.0, "param_set": "mixer"}\n')
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # nothing left behind
 
 
 @pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "--temperature must be finite and >= 0"),

@@ -37,13 +37,21 @@ def cmd_dilution(args) -> int:
     from .cli import load_tokenizer_for, resolve_model_dir
     from .data.corpus import load_corpus
     from .data.tokenizer import build_tokenizer, load_tokenizer
+    from .presets import get_config
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     if not names:
         raise ValueError("--models: no model given (comma-separated presets or model/run directories)")
+    if len(set(names)) != len(names):  # a repeat had been analysed once, silently
+        raise ValueError(f"--models: each model once, got {names}")
     for flag, value in (("--seq-len", args.seq_len), ("--samples", args.samples)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for name in names:  # an unknown preset: said before the corpus and tokenizer are built
+        if not Path(name).exists():
+            get_config(name)
+    if not args.tokenizer and not all(Path(n).exists() for n in names) and args.vocab_size < 261:
+        raise ValueError(f"--vocab-size must be >= 261 (5 specials and 256 bytes), got {args.vocab_size}")
     models, toks = {}, {}
     for name in names:
         if Path(name).exists():
@@ -92,11 +100,19 @@ def cmd_grad_stats(args) -> int:
 
 def cmd_ablation(args) -> int:
     from .analysis.ablation import run_scaling_ablation
+    from .presets import get_config
     from .train.distributed import barrier, cleanup, setup_distributed
     from .train.loop import TrainConfig, train
     from .train.metrics import read_metrics
 
     out = Path(args.out)
+    if not get_config(args.base).causal:  # the three runs are causal LMs; a masked LM's would be refused late
+        raise ValueError(f"--base {args.base!r} is bidirectional: the ablation trains causal LMs (-lm presets)")
+    # the settings checked once, before any run writes a config or trains (each had been found by
+    # the first run, after its model_config.json was written)
+    TrainConfig(preset=args.base, data=args.data, budget=args.budget, seq_len=args.seq_len,
+                batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, clip=0.0, out_dir=str(out),
+                seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir, eval_batches=10).check()
     # under torchrun: one process group for the three runs (as compare), rank 0 writes
     info = setup_distributed()
 

@@ -15,16 +15,49 @@ def _print(res: dict) -> None:
     print("wrote", ", ".join(res["files"]))
 
 
+# Which parts read each option (besides `all`, which runs every part): given to another part, an
+# option had been ignored (bench memory --lengths 8 ran its full 4k/16k sweep).
+_APPLIES = {"presets": ("train", "infer"), "lengths": ("ops", "train", "infer"),
+            "vocab_size": ("train", "infer", "memory", "peers"), "rounds": ("ops", "train", "infer", "peers"),
+            "tokens_per_step": ("train", "infer"), "max_step_s": ("train", "infer"), "max_mem_gb": ("train", "infer")}
+
+
+def _check_flags(args) -> None:
+    """Options of other parts, repeats, and unknown presets refused before the GEMM probe."""
+    for name, parts in _APPLIES.items():
+        if getattr(args, name) is not None and args.what != "all" and args.what not in parts:
+            raise ValueError(f"--{name.replace('_', '-')} applies to bench {', '.join(parts)}, not {args.what}")
+    for name in ("presets", "lengths", "dtypes"):
+        values = getattr(args, name) or []
+        if len(set(values)) != len(values):  # each had been measured twice
+            raise ValueError(f"--{name}: each once, got {values}")
+    for preset in args.presets or []:
+        if preset.startswith("peer:"):
+            from .bench.peers import PEER_NAMES
+
+            if preset[5:] not in PEER_NAMES:
+                raise ValueError(f"--presets: unknown peer {preset!r}; known: {['peer:' + n for n in PEER_NAMES]}")
+        else:
+            from .presets import get_config
+
+            get_config(preset)
+
+
 def cmd_bench(args) -> int:
     import torch
 
     from .bench import suite
 
+    _check_flags(args)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["TRANSNORMER_THREADS"] = str(args.threads)  # every measurement runs in a spawned child
     out = Path(args.out)
     what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
+    args.presets = args.presets or ["t2-lm", "vanilla-lm"]
+    args.vocab_size = args.vocab_size or 32768
+    args.rounds = args.rounds or 1
+    args.tokens_per_step = args.tokens_per_step or 16384
     all_verdicts = []
     for w in what:
         print(f"\n## {w}", flush=True)
@@ -53,20 +86,21 @@ def cmd_bench(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("bench", help="speed/memory benchmarks against T with the performance targets")
     p.add_argument("what", choices=["ops", "train", "infer", "memory", "long", "peers", "all"])
-    p.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"],
-                   help="for train/infer (memory, long and peers use their own): the first is compared with "
-                        "the last; peers as peer:NAME")
+    p.add_argument("--presets", nargs="+",
+                   help="for train/infer (memory, long and peers use their own; default t2-lm vanilla-lm): the "
+                        "first is compared with the last; peers as peer:NAME")
     p.add_argument("--lengths", type=positive_int, nargs="+", help="ops, train, infer")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="(long: bf16 only, the target's)")
-    p.add_argument("--vocab-size", type=positive_int, default=32768,
-                   help="(long: 8,192, what fits at T = 65,536 in 24 GB)")
+    p.add_argument("--vocab-size", type=positive_int,
+                   help="train, infer, memory, peers (default 32,768; long uses 8,192, what fits at T = 65,536 in "
+                        "24 GB)")
     p.add_argument("--threads", type=positive_int)
-    p.add_argument("--rounds", type=positive_int, default=1,
+    p.add_argument("--rounds", type=positive_int,
                    help="ops, train, infer, peers: measure the configurations in turn this many times; each keeps its "
                         "median round")
-    p.add_argument("--tokens-per-step", type=positive_int, default=16384,
-                   help="train/infer: tokens in each step (batch = this // T, at least 1)")
+    p.add_argument("--tokens-per-step", type=positive_int,
+                   help="train/infer: tokens in each step (batch = this // T, at least 1; default 16,384)")
     p.add_argument("--max-step-s", type=positive_float,
                    help="train/infer: a preset whose step takes longer than this is not run at longer T")
     p.add_argument("--max-mem-gb", type=positive_float,

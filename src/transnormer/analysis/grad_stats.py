@@ -285,6 +285,8 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
     if not values:
         raise ValueError(f"{path}: no record has both {key!r} and {step_key!r} (is it a metrics or grad_norms "
                          "JSONL file, and the key right?)")
+    if param_set is not None and sets and {param_set} != sets:  # the report would name what the file does not hold
+        raise ValueError(f"param_set {param_set!r}: {path} records norms over {', '.join(sorted(sets))}")
     if param_set is None:
         # the training loop's grad_norm is over all parameters, before clipping (train/loop.py)
         default = "all" if key == "grad_norm" and kinds == {"train"} else "unknown"
