@@ -359,6 +359,38 @@ def test_fsdp_evaluation_with_uneven_shards_neither_hangs_nor_crashes(tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_ranks_draw_their_own_dropout_masks(corpus_dir, tmp_path):
+    """Every rank had seeded the same stream, so the replicas' dropout masks were the same ones: two
+    ranks of batch B were not one process of 2B. The weights still start the same on every rank."""
+    import json
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import hashlib, json, os, sys\n"
+        "import torch.nn.functional as F\n"
+        "from transnormer.train import TrainConfig, train\n"
+        "orig, seen = F.dropout, []\n"
+        "def rec(x, p=0.5, training=True, inplace=False):\n"
+        "    y = orig(x, p, training, inplace)\n"
+        "    if training and p > 0:\n"
+        "        seen.append(hashlib.sha256((y == 0).numpy().tobytes()).hexdigest())\n"
+        "    return y\n"
+        "F.dropout = rec\n"
+        "train(TrainConfig(**json.loads(sys.argv[1])))\n"
+        "out = os.path.join(os.path.dirname(sys.argv[0]), f\"masks{os.environ['RANK']}.json\")\n"
+        "open(out, 'w').write(json.dumps(seen[:3]))\n"
+    )
+    c = cfg_for(corpus_dir, tmp_path, batch_size=2, max_steps=1, out_dir=str(tmp_path / "run"))
+    c.overrides = {**c.overrides, "dropout": 0.1, "attention_dropout": 0.0}
+    args = json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script), args], check=True, env=env, timeout=300)
+    m0, m1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
+    assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
+
+
+@pytest.mark.slow
 def test_ddp_time_budget_stops_all_ranks_together(corpus_dir, tmp_path):
     """Each rank had decided a time budget, timed evaluations and the budget-fitted schedule from
     its own clock: one rank went into an evaluation's all-reduce while the other trained (a hang,
@@ -1003,3 +1035,19 @@ def test_resume_takes_mlm_packing_none_as_complete():
 
     cfg = TrainConfig(task="mlm", max_steps=1, mlm_packing="complete")
     assert config_changes({**asdict(cfg), "mlm_packing": None}, cfg) == []
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("warmup_init_lr", 1e-4, "warmup_init_lr=0.0001 needs warmup >= 1"),
+    ("overrides", {"num_labels": 7}, "num_labels applies to task 'cls' only"),
+])
+def test_settings_that_would_change_nothing_are_refused(tmp_path, field, value, match):
+    kw = {"warmup": 0} if field == "warmup_init_lr" else {}
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"max_steps": 2, "out_dir": str(tmp_path / "run"), field: value, **kw}).check()
+
+
+def test_a_refused_run_leaves_no_checkpoints_folder(corpus_dir, tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):  # refused after the out_dir check, before training
+        train(cfg_for(corpus_dir, tmp_path, overrides={"vocab_size": 10}))
+    assert not (tmp_path / "run" / "checkpoints").exists()

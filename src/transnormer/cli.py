@@ -287,7 +287,8 @@ def cmd_eval(args) -> int:
     res = data.evaluate(model, args.split, args.max_batches)
     cleanup(info)
     res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
-           "seq_len": args.seq_len, "stride": args.stride, **res}
+           "seq_len": args.seq_len, "stride": args.stride, "max_batches": args.max_batches,
+           "world_size": info.world_size, **res}
     if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it
         print(json.dumps(res, indent=1))
         if args.out:
@@ -318,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--stride", type=positive_int, help="clm sliding-window stride (default: seq-len)")
     _add_mlm_packing_arg(p)
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--max-batches", type=positive_int, help="default: the whole split")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="per process under torchrun")
+    p.add_argument("--max-batches", type=positive_int,
+                   help="per process under torchrun (the result records world_size); default: the whole split")
     p.add_argument("--tokenizer")
     p.add_argument("--cache-dir")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

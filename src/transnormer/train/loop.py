@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._files import atomic_write_text
+from .._files import atomic_write_text, check_output
 from ..runtime import build_cpu_kernels
 from .checkpoint import (
     latest_valid_checkpoint,
@@ -141,6 +141,10 @@ class TrainConfig:
                                  + (" (0 turns clipping off)" if name == "clip" else ""))
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be > 0 and finite, got {self.lr}")
+        if self.warmup_init_lr and not self.warmup:  # a rate to warm up from, and no warm-up
+            raise ValueError(f"warmup_init_lr={self.warmup_init_lr} needs warmup >= 1 (it is the warm-up's first rate)")
+        if "num_labels" in self.overrides and self.task != "cls":  # a classifier's label count, for an LM
+            raise ValueError(f"overrides (--set): num_labels applies to task 'cls' only, not {self.task!r}")
         if self.warmup_init_lr > self.lr:  # the warm-up would start above the peak and fall to it
             raise ValueError(f"warmup_init_lr must be <= lr = {self.lr}, got {self.warmup_init_lr}")
         if not 0 < self.adam_eps < math.inf:  # 0: an id never seen has m = v = 0, and 0/0 made its row NaN
@@ -458,9 +462,9 @@ def train(cfg: TrainConfig) -> dict:
     ckpt_root = out / "checkpoints"
     log = print if info.is_main else (lambda *a, **k: None)
     if info.is_main:  # before any data or model work: a run must not train only to fail at its first save
-        try:
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
+        try:  # (nothing created: a run refused later had left an empty checkpoints/ behind)
+            check_output(ckpt_root, "out_dir", directory=True)
+        except ValueError as e:
             raise ValueError(f"out_dir {str(out)!r} cannot hold checkpoints: {e}") from e
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -485,6 +489,10 @@ def train(cfg: TrainConfig) -> dict:
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
     model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
     model = model.to(info.device)
+    if info.rank:  # the same initial weights on every rank (above); from here each rank draws its own
+        # dropout masks (the same seed had given every replica the same ones). Rank 0 keeps the
+        # stream a single process has.
+        torch.manual_seed(cfg.seed + 1_000_003 * info.rank)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
