@@ -217,7 +217,11 @@ def test_bench_refuses_options_it_would_ignore_before_measuring(argv, match, tmp
     from transnormer.bench import suite
     from transnormer.cli import main
 
-    monkeypatch.setattr(suite, "gemm_limit", lambda *a, **k: pytest.fail("measured before refusing"), raising=False)
+    def measured(*a, **k):
+        pytest.fail("measured before refusing")
+
+    for name in ("gemm_gflops", "same_shape_gemm_gflops", "train_step_throughput", "op_throughput"):
+        monkeypatch.setattr(suite, name, measured)
     assert main([*argv, "--out", str(tmp_path / "b")]) == 2
     assert match in capsys.readouterr().err
 

@@ -222,11 +222,12 @@ def split_documents(
     """Deterministic document-level train/valid/test split.
 
     Each document gets the score ``stable_unit_hash(seed, key)`` (sha256-based, independent of
-    ``PYTHONHASHSEED`` and of the platform), where ``key`` is its text unless ``keys`` are given: a
-    document keeps its split when others are added or removed (an index key renumbered them, and most
-    of the old validation set moved into train). Identical documents form one group, scored by its
-    first member, and go to one split, so a repeated paragraph (a licence, a boilerplate notice) cannot
-    sit in train and in valid. Groups are taken in score order: ``valid`` until it holds
+    ``PYTHONHASHSEED`` and of the platform), where ``key`` is its index unless ``keys`` are given (the
+    stdlib corpus keys by module name, so that a module keeps its split when another is added; path
+    corpora keep index keys, which earlier runs' splits were made with). Identical documents form one
+    group, scored by its first member, and go to one split, so a repeated paragraph (a licence, a
+    boilerplate notice) cannot sit in train and in valid; a corpus without repeats splits as with
+    one document per group. Groups are taken in score order: ``valid`` until it holds
     ``max(1, round(valid_fraction * n))`` documents, then ``test`` until ``max(1, round(test_fraction * n))``
     (0 when the fraction is 0), the rest ``train``; a group of copies can overshoot by its size. Counts
     (rather than thresholding each score) keep small corpora from ending with an empty split. Each split
@@ -242,7 +243,7 @@ def split_documents(
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     n = len(docs)
     if keys is None:
-        keys = docs
+        keys = range(n)
     elif len(keys) != n:
         raise ValueError(f"keys has {len(keys)} entries but docs has {n}")
     n_valid = max(1, round(valid_fraction * n)) if valid_fraction > 0 else 0
