@@ -217,6 +217,19 @@ def test_column_indices_of_a_headerless_cls_file(tmp_path, capsys):
                  "--label-column", "1"]) == 0
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.find("{"):])["n"] == 9
+    # the checkpoint names its classes, and data whose classes differ is refused, not scored by index
+    from transnormer.cli import resolve_model_dir
+
+    assert json.loads((resolve_model_dir(out) / "config.json").read_text())["id2label"] == {"0": "0", "1": "1"}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.tsv").write_text("".join(f"{w} words\t{'neg' if i % 2 else 'pos'}\n"
+                                             for i, w in enumerate(WORDS[:10])))
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(other), "--split", "train",
+                 "--seq-len", "16", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
+                 "--label-column", "1"]) == 2
+    assert "the model's classes are ['0', '1'] (in index order) and the data's ['neg', 'pos']" in \
+        capsys.readouterr().err
 
 
 def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, capsys):

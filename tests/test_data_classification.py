@@ -135,8 +135,11 @@ def test_label_set_order_save_load(tmp_path):
     # "1.0" in a text cell is the class of "1", as the number 1.0 is (a CSV mixing them had 3 classes)
     mixed = LabelSet.from_examples(read_classification_file(_write(tmp_path / "m.csv",
                                                                    "sentence,label\na,1.0\nb,1\nc,0\nd,1.\n"
-                                                                   "e,01\nf,+1\ng,-0\n")))
+                                                                   "e,01\ng,-0\n")))
     assert mixed.names == ["0", "1"]
+    # +1 / -1 keep the order they always had: classifiers trained on them index their classes so
+    signs = LabelSet.from_examples(read_classification_file(_write(tmp_path / "s.csv", "sentence,label\na,+1\nb,-1\n")))
+    assert signs.names == ["+1", "-1"]
     strs = LabelSet(["neutral", "entailment"])
     strs.save(tmp_path / "labels.json")
     assert LabelSet.load(tmp_path / "labels.json") == strs

@@ -264,7 +264,7 @@ def _check_head_for(task: str, model_dir: Path) -> None:
 
 def cmd_eval(args) -> int:
     from .train.distributed import cleanup, setup_distributed
-    from .train.loop import TrainConfig, autocast_factory, build_model_for, special_token_ids
+    from .train.loop import TrainConfig, autocast_factory, build_model_for, name_classes, special_token_ids
     from .train.tasks import build_task_data
 
     if args.stride is not None and args.task != "clm":  # mlm and cls windows do not slide
@@ -283,6 +283,7 @@ def cmd_eval(args) -> int:
     data = build_task_data(cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)
     model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+    name_classes(model, data.extra.get("label_set"))
     model = model.to(info.device)
     res = data.evaluate(model, args.split, args.max_batches)
     cleanup(info)

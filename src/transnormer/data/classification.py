@@ -87,10 +87,11 @@ def _label_key(value, where: str) -> str:
             return str(int(value))
         return repr(value)
     if isinstance(value, str):
-        # a text cell "1.0" (or "01", "+1") is the class of "1", as the number 1.0 is (a file mixing
-        # them had a class per spelling)
+        # a text cell "1.0" (or "01") is the class of "1", as the number 1.0 is (a file mixing them
+        # had a class per spelling). "+1" stays as it is: read as "1" it would reorder a +1/-1 label
+        # set, and a classifier trained before would score with its classes swapped.
         value = value.strip()
-        integral = re.fullmatch(r"([-+]?\d+)(?:\.0*)?", value)
+        integral = re.fullmatch(r"([-+]?\d+)\.0*", value) or re.fullmatch(r"(-?\d+)", value)
         return str(int(integral.group(1))) if integral else value
     raise ValueError(f"{where}: label {value!r} must be a string or a number")
 

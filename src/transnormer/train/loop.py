@@ -368,6 +368,22 @@ def init_config(init: Path, cfg: TrainConfig, vocab_size: int, num_labels: int |
     return config
 
 
+def name_classes(model, label_set) -> None:
+    """The data's label names in the model's config (``id2label``, which checkpoints keep and
+    pipelines print); for a model that names its classes already, a check that the data's are the
+    same in the same order, since a class index means nothing else (a change in how labels are read
+    would otherwise swap a trained classifier's classes silently)."""
+    if label_set is None:
+        return
+    config, names = model.config, list(label_set.names)
+    saved = [config.id2label.get(i) for i in range(len(config.id2label or {}))]
+    if saved and saved != [f"LABEL_{i}" for i in range(len(saved))] and saved != names:
+        raise ValueError(f"the model's classes are {saved} (in index order) and the data's {names}: evaluate "
+                         "or train it on data with the same labels")
+    config.id2label = dict(enumerate(names))
+    config.label2id = {n: i for i, n in enumerate(names)}
+
+
 def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, special_ids: dict):
     """The model named by the config (preset, config file, or a pretrained directory)."""
     from ..presets import build_model
@@ -488,6 +504,7 @@ def train(cfg: TrainConfig) -> dict:
     data = build_task_data(build_cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
     model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+    name_classes(model, data.extra.get("label_set"))
     model = model.to(info.device)
     if info.rank:  # the same initial weights on every rank (above); from here each rank draws its own
         # dropout masks (the same seed had given every replica the same ones). Rank 0 keeps the
