@@ -205,3 +205,6 @@ def test_causal_save_frames_text_after_eos_and_keeps_the_fingerprint(bpe, tmp_pa
     assert AutoTokenizer.from_pretrained(str(tmp_path / "clm"))(text)["input_ids"] == [2, *bpe.encode(text)]
     fingerprints = {load_tokenizer(tmp_path / d).fingerprint for d in ("mlm", "clm")}
     assert fingerprints == {bpe.fingerprint}  # encode is the same: one token cache
+    # read back from a causal LM's checkpoint and saved for an MLM or a classifier: <s> A </s> again
+    load_tokenizer(tmp_path / "clm").save(tmp_path / "again")
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "again"))(text)["input_ids"] == [1, *bpe.encode(text), 2]

@@ -270,13 +270,24 @@ class TextTokenizer:
         kwargs = {f"{role}_token": tok for role, tok in self._special.items() if tok is not None}
         return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer_json), **kwargs)
 
-    def _causal_json(self) -> str:
-        """The JSON with a causal LM's framing: ``</s> A`` (text follows an end of document, as in
-        the training stream, where documents each end with EOS and ``<s>`` never occurs)."""
+    def _framed_json(self, causal: bool) -> str:
+        """The JSON with a causal LM's framing, ``</s> A`` (text follows an end of document, as in
+        the training stream, where documents each end with EOS and ``<s>`` never occurs); else the
+        JSON as it is, but for one read from a causal LM's checkpoint, which gets the trained BPE's
+        ``<s> A </s>`` back (an MLM or classifier saved from it had kept the causal framing)."""
+        bos, eos = self._special.get("bos"), self._special.get("eos")
+        causal_json = self._with_post_processor(None if eos is None else processors.TemplateProcessing(
+            single=f"{eos} $A", pair=f"{eos} $A {eos} $B:1", special_tokens=[(eos, self.eos_id)]))
+        if causal:
+            return causal_json
+        if json.loads(causal_json).get("post_processor") != json.loads(self._json).get("post_processor"):
+            return self._json
+        return self._with_post_processor(
+            None if bos is None or eos is None else _bpe_framing(bos, self.bos_id, eos, self.eos_id))
+
+    def _with_post_processor(self, post_processor) -> str:
         tok = tokenizers.Tokenizer.from_str(self._json)
-        eos = self._special.get("eos")
-        tok.post_processor = None if eos is None else processors.TemplateProcessing(
-            single=f"{eos} $A", pair=f"{eos} $A {eos} $B:1", special_tokens=[(eos, self.eos_id)])
+        tok.post_processor = post_processor
         return tok.to_str()
 
     def save(self, directory: str | os.PathLike, *, causal: bool = False) -> Path:
@@ -289,12 +300,18 @@ class TextTokenizer:
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        js = self._causal_json() if causal and self._json is not None else self._json
+        js = self._framed_json(causal) if self._json is not None else None
         (self._hf_of(js) if js is not None else self.to_hf()).save_pretrained(str(directory))
         if js is not None:
             # save_pretrained re-serialises the tokenizer; write the exact JSON so fingerprints survive.
             atomic_write_text(directory / "tokenizer.json", js)
         return directory
+
+
+def _bpe_framing(bos: str, bos_id: int, eos: str, eos_id: int):
+    """``<s> A </s>`` / ``<s> A </s> B </s>``: the trained BPE's framing of HF-side calls."""
+    return processors.TemplateProcessing(single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B:1 {eos}:1",
+                                         special_tokens=[(bos, bos_id), (eos, eos_id)])
 
 
 def _saved_files(hf) -> list[str]:
@@ -359,11 +376,7 @@ def train_bpe(
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     bos, eos = SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"]
     # Only used by HF-side tokenizer(text) calls (RoBERTa-like framing); our encode() adds nothing.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A {eos}",
-        pair=f"{bos} $A {eos} $B:1 {eos}:1",
-        special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))],
-    )
+    tok.post_processor = _bpe_framing(bos, tok.token_to_id(bos), eos, tok.token_to_id(eos))
     return TextTokenizer(tok, special_tokens=dict(SPECIAL_TOKENS), name="bpe")
 
 
