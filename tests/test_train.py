@@ -377,15 +377,26 @@ def test_ddp_ranks_draw_their_own_dropout_masks(corpus_dir, tmp_path):
         "    return y\n"
         "F.dropout = rec\n"
         "train(TrainConfig(**json.loads(sys.argv[1])))\n"
-        "out = os.path.join(os.path.dirname(sys.argv[0]), f\"masks{os.environ['RANK']}.json\")\n"
+        "out = os.path.join(os.path.dirname(sys.argv[0]), f\"masks{os.environ.get('RANK', 'x')}.json\")\n"
         "open(out, 'w').write(json.dumps(seen[:3]))\n"
     )
-    c = cfg_for(corpus_dir, tmp_path, batch_size=2, max_steps=1, out_dir=str(tmp_path / "run"))
-    c.overrides = {**c.overrides, "dropout": 0.1, "attention_dropout": 0.0}
-    args = json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
+
+    def args(bs, out, **kw):
+        c = cfg_for(corpus_dir, tmp_path, batch_size=bs, out_dir=str(tmp_path / out), **kw)
+        c.overrides = {**c.overrides, "dropout": 0.1, "attention_dropout": 0.0}
+        return json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                    str(script), args], check=True, env=env, timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(script)]
+    subprocess.run([*torchrun, args(2, "run", max_steps=1)], check=True, env=env, timeout=300)
+    m0, m1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
+    assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
+    # resumed on another number of processes (the same global batch): rank 0's saved state, and the
+    # other ranks still a stream of their own
+    subprocess.run([sys.executable, str(script), args(4, "one", max_steps=3, save_every=1, stop_after=1)],
+                   check=True, env=env, timeout=300)
+    subprocess.run([*torchrun, args(2, "one", max_steps=3, save_every=1, resume=True)], check=True, env=env,
+                   timeout=300)
     m0, m1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
     assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
 

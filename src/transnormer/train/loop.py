@@ -536,8 +536,14 @@ def train(cfg: TrainConfig) -> dict:
         sched.update(state["sched"])
         data.train.load_state_dict(state["data"])
         per_rank = state.get("rng_per_rank")
-        # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's
-        set_rng_state(per_rank[info.rank] if per_rank and len(per_rank) == info.world_size else state["rng"])
+        # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's,
+        # and the other ranks a stream of their own from it, as at the start (the same state on every
+        # rank would give every replica the same dropout masks again)
+        own = bool(per_rank) and len(per_rank) == info.world_size and (
+            info.world_size == 1 or not all(torch.equal(r["torch"], per_rank[0]["torch"]) for r in per_rank[1:]))
+        set_rng_state(per_rank[info.rank] if own else state["rng"])
+        if not own and info.rank:
+            torch.manual_seed(cfg.seed + 1_000_003 * info.rank + state["step"])
         step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
         real_seen = state.get("real_tokens")  # None: a checkpoint from before the count
         total_steps = state["total_steps"]
