@@ -1062,3 +1062,28 @@ def test_a_refused_run_leaves_no_checkpoints_folder(corpus_dir, tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):  # refused after the out_dir check, before training
         train(cfg_for(corpus_dir, tmp_path, overrides={"vocab_size": 10}))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_lm_evaluation_reads_its_batches_one_at_a_time():
+    """Only an FSDP model needs its evaluation batches counted up front; a whole split had been
+    held in memory before the first forward."""
+    import contextlib
+
+    from transnormer.presets import build_model
+    from transnormer.train.distributed import DistInfo
+    from transnormer.train.tasks import _eval_lm
+
+    model = build_model("t2-lm-tiny", vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    made = []
+
+    def batches():
+        for _ in range(4):
+            made.append(1)
+            ids = torch.randint(1, 40, (1, 8))
+            yield {"input_ids": ids, "labels": ids}
+
+    forward = model.forward
+    at_forward = []
+    model.forward = lambda *a, **k: (at_forward.append(len(made)), forward(*a, **k))[1]
+    assert _eval_lm(model, batches(), DistInfo(), None, contextlib.nullcontext, shift=True)["eval_tokens"] == 28
+    assert at_forward == [1, 2, 3, 4]

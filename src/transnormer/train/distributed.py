@@ -138,14 +138,20 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Mo
     return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
 
 
-def forwards_to_match(model: nn.Module, n_local: int, info: DistInfo) -> int:
-    """The forwards this rank must add to its ``n_local`` for every rank to run as many. An
-    FSDP-sharded model all-gathers its weights in each forward, a collective every rank must join: a
-    rank with fewer evaluation batches had gone on to the next collective and hung or crashed the
-    others. 0 for a model whose forward is local (single process, DDP's unwrapped module)."""
+def forwards_in_step(model: nn.Module, info: DistInfo) -> bool:
+    """Whether every rank must run as many forwards of ``model``: an FSDP-sharded model all-gathers
+    its weights in each forward, a collective every rank must join (see :func:`forwards_to_match`)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not info.enabled or not isinstance(model, FSDPModule):
+    return info.enabled and isinstance(model, FSDPModule)
+
+
+def forwards_to_match(model: nn.Module, n_local: int, info: DistInfo) -> int:
+    """The forwards this rank must add to its ``n_local`` for every rank to run as many. A rank
+    with fewer evaluation batches of an FSDP model had gone on to the next collective and hung or
+    crashed the others. 0 for a model whose forward is local (single process, DDP's unwrapped
+    module)."""
+    if not forwards_in_step(model, info):
         return 0
     t = torch.tensor([n_local], dtype=torch.int64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -25,7 +25,7 @@ from ..data.mlm_blocks import BlockBatchIterator, eval_block_batches, line_end_i
 from ..data.sampler import StepBatchSampler
 from ..data.token_cache import build_token_cache
 from ..data.tokenizer import build_tokenizer, load_tokenizer
-from .distributed import DistInfo, all_reduce_sum, forwards_to_match, main_first
+from .distributed import DistInfo, all_reduce_sum, forwards_in_step, forwards_to_match, main_first
 
 CLS_SPLIT_NAMES = {"train": ("train",), "valid": ("dev", "valid", "validation", "val", "dev_matched"),
                    "test": ("test", "test_matched")}
@@ -146,9 +146,12 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
     """
     model.eval()
     total, count = 0.0, 0
-    batches = list(itertools.islice(batches, max_batches))  # counted first: forwards_to_match
-    extra = forwards_to_match(model, len(batches), info)
-    for batch in batches + [None] * extra:
+    batches = itertools.islice(batches, max_batches)
+    extra = 0
+    if forwards_in_step(model, info):  # counted first (held in memory) for forwards_to_match
+        batches = list(batches)
+        extra = forwards_to_match(model, len(batches), info)
+    for batch in itertools.chain(batches, [None] * extra):
         filler = batch is None  # an FSDP rank in step with the others: its result is not used
         batch = {k: v.to(info.device) for k, v in (_filler(batches) if filler else batch).items()}
         with autocast():
