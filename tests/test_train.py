@@ -1087,3 +1087,16 @@ def test_lm_evaluation_reads_its_batches_one_at_a_time():
     model.forward = lambda *a, **k: (at_forward.append(len(made)), forward(*a, **k))[1]
     assert _eval_lm(model, batches(), DistInfo(), None, contextlib.nullcontext, shift=True)["eval_tokens"] == 28
     assert at_forward == [1, 2, 3, 4]
+
+
+def test_start_fresh_moves_an_lra_result_aside(tmp_path):
+    """A new `lra train` into the folder that diverges writes no result: the earlier run's stayed,
+    and `lra report` read it as the new run's."""
+    from transnormer.train.loop import start_fresh
+
+    for name in ("metrics.jsonl", "lra_result.json", "lra_result.md"):
+        (tmp_path / name).write_text("{}")
+    start_fresh(tmp_path, log=lambda *a: None)
+    (aside,) = (tmp_path / "checkpoints").glob("earlier-run-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["lra_result.json", "lra_result.md", "metrics.jsonl"]
+    assert not (tmp_path / "lra_result.json").exists()

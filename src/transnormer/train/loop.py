@@ -412,9 +412,10 @@ def micro_weights(micro_batches: list[dict], task: str, info: DistInfo) -> list[
     return [c * info.world_size / total if total else 0.0 for c in counts]
 
 
-# What a run leaves in its out_dir besides checkpoints/ (train_config.json is rewritten at the start)
+# What a run leaves in its out_dir besides checkpoints/ (train_config.json is rewritten at the start;
+# lra_result.*: `lra train`'s result, which `lra report` would read as a new run's when that diverges)
 RUN_FILES = ("metrics.jsonl", "grad_norms.jsonl", "summary.json", "train_config.json", "loss.png",
-             "grad_rsd.json", "grad_norms.png", "tensorboard")
+             "grad_rsd.json", "grad_norms.png", "tensorboard", "lra_result.json", "lra_result.md")
 
 
 def real_tokens(batch: dict) -> int:
