@@ -545,6 +545,12 @@ def test_lra_cli_refuses_what_it_would_ignore_or_overwrite(listops_root, tmp_pat
     assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "new"), *fixture]) == 0
     assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "new"), *fixture[:-4], "--min-length", "6",
                  "--max-length", "40"]) == 0  # a generation of ours is made again from its sidecar: replaced
+    new = tmp_path / "new" / "listops-1000"
+    assert not (new / ".generating").exists()
+    (new / "generation.json").unlink()  # a kill before the sidecar: the marker says the files are ours
+    (new / ".generating").write_text("")
+    assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "new"), *fixture]) == 0
+    assert (new / "generation.json").is_file() and not (new / ".generating").exists()
     capsys.readouterr()
     assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "z"), "--n-train", "0"]) == 2
     assert "n_train must be" in capsys.readouterr().err

@@ -25,15 +25,26 @@ def atomic_write_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
             f.write("\n")
 
 
+GENERATING = ".generating"  # written before a generation's first file, removed after its sidecar
+
+
 def refuse_foreign_data(dest: Path, present: bool, what: str) -> None:
     """Refuse to write a dataset over files in ``dest`` that carry no ``generation.json`` of ours:
     data we did not generate (the official files?) cannot be made again, and ``lra prepare`` had
     replaced them with a small fixture, saying nothing. A generation of ours is replaced: its
-    sidecar records the seed and parameters that make it again."""
-    if not present or (dest / SIDECAR_NAME).is_file():
+    sidecar records the seed and parameters that make it again; so is one a kill interrupted
+    (its ``.generating`` marker is there, its sidecar not yet). Call :func:`mark_generating` next."""
+    if not present or (dest / SIDECAR_NAME).is_file() or (dest / GENERATING).is_file():
         return
     raise ValueError(f"{dest} already holds {what} files without a {SIDECAR_NAME} (the official ones?), "
                      "which would be overwritten: remove them or write to another folder")
+
+
+def mark_generating(dest: Path) -> None:
+    """Mark ``dest`` as being written by our generator (:func:`refuse_foreign_data`); the sidecar's
+    writer removes the mark."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / GENERATING).write_text("")
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

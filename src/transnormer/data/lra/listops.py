@@ -26,12 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from ._common import (
+    GENERATING,
     SIDECAR_NAME,
     PackedSequences,
     as_dir,
     atomic_write_lines,
     check_int,
     check_seed,
+    mark_generating,
     refuse_foreign_data,
     sha256_file,
     split_name,
@@ -454,7 +456,7 @@ def write_listops(
         raise TypeError(f"out_dir must be a str or os.PathLike path, got {type(out_dir).__name__}")
     out = Path(out_dir)
     refuse_foreign_data(out, any((out / f).exists() for f in SPLIT_FILES.values()), "ListOps")
-    out.mkdir(parents=True, exist_ok=True)
+    mark_generating(out)
     gen = generate_listops(seed=seed, config=cfg, workers=workers)
     counts = _split_counts(cfg)
     bounds = {}
@@ -493,6 +495,7 @@ def write_listops(
         "dataset_id": listops_dataset_id(seed, cfg),
     }
     write_json(out / SIDECAR_NAME, meta)
+    (out / GENERATING).unlink(missing_ok=True)
     return meta
 
 

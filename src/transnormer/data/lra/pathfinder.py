@@ -40,11 +40,13 @@ import numpy as np
 
 from ..._files import atomic_write_bytes
 from ._common import (
+    GENERATING,
     SIDECAR_NAME,
     as_dir,
     atomic_write_lines,
     check_int,
     check_seed,
+    mark_generating,
     refuse_foreign_data,
     sha256_file,
     split_name,
@@ -750,7 +752,7 @@ def write_pathfinder(
     workers = check_int("workers", workers, minimum=1)
     dest = dataset_dir(out_root, cfg)
     refuse_foreign_data(dest, (dest / "imgs").exists() or (dest / "metadata").exists(), f"Pathfinder{cfg.resolution}")
-    dest.mkdir(parents=True, exist_ok=True)
+    mark_generating(dest)
     n_batches = math.ceil(cfg.n_images / cfg.batch_size)
     tasks = [
         (str(dest), cfg, seed, b, min(cfg.batch_size, cfg.n_images - b * cfg.batch_size)) for b in range(n_batches)
@@ -783,6 +785,7 @@ def write_pathfinder(
         "official_parameters": official_parameters(cfg),
     }
     write_json(dest / SIDECAR_NAME, meta)
+    (dest / GENERATING).unlink(missing_ok=True)
     return meta
 
 
