@@ -282,6 +282,35 @@ def test_gradient_checkpointing_has_no_second_side_effects(preset, task):
             assert torch.equal(a, b), n
 
 
+def test_checkpointed_performer_recomputes_with_the_features_each_forward_used():
+    """Two forwards into one backward (R-Drop, two views), with a redraw between them: the
+    recomputation had read the redrawn features, and the first forward's gradient was that of other
+    features (a difference as large as the gradient itself)."""
+    torch.manual_seed(0)
+    config = get_config("performer-lm-tiny", dropout=0.0, layer_options={"performer": {"redraw_interval": 1}})
+    plain, model = build_model(config).train(), build_model(config).train()
+    model.load_state_dict(plain.state_dict())
+    model.activation_checkpointing_enable()
+    a, b = torch.randint(3, config.vocab_size, (2, 2, 9))
+    grads = []
+    for m in (plain, model):
+        (m(a, labels=a).loss + m(b, labels=b).loss).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_masked_batchnorm_trains_in_half_precision(dtype):
+    """model.half() makes the running statistics half too; their update had refused the fp32 batch
+    statistics (every LRA preset, trained in pure half precision)."""
+    model = build_model("t2-lra-listops-tiny", task="cls", dropout=0.0).to(dtype).train()
+    x = torch.randint(3, model.config.vocab_size, (2, 24))
+    model(x, labels=torch.tensor([0, 1])).loss.backward()
+    norms = [m for m in model.modules() if hasattr(m, "running_mean")]
+    assert norms and all(torch.isfinite(m.running_mean).all() and m.running_mean.dtype == dtype for m in norms)
+
+
 def test_a_new_head_on_a_pretrained_body_is_initialised(tmp_path):
     """from_pretrained leaves weights the checkpoint lacks to _init_weights (the paper init included)."""
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modules.recompute import recomputing
+from ..modules.recompute import recomputing, remember, replayed
 from ..ops.linear_baselines import (
     default_num_features,
     draw_favor_projection,
@@ -104,8 +104,12 @@ class Performer(KernelLinearAttention):
                 self.redraw_features()
             self.calls_since_redraw += 1
         # a snapshot: autograd saves the projection it used, and a later redraw rewrites self.proj
-        # in place (a buffer DDP keeps by reference) while an earlier call may still await backward
-        proj = self.proj.clone()
+        # in place (a buffer DDP keeps by reference) while an earlier call may still await backward;
+        # activation checkpointing's recomputation gets the same snapshot back
+        proj = replayed(self)
+        if proj is None:
+            proj = self.proj.clone()
+            remember(self, proj)
         return (favor_features(q, proj, is_query=True),
                 favor_features(k, proj, is_query=False))
 

@@ -9,7 +9,6 @@ Positions count real tokens, so padded and unpadded inputs give the same outputs
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from ..modules.ffn import build_ffn
 from ..modules.lm_loss import linear_cross_entropy
 from ..modules.norms import build_norm
 from ..modules.positional import LearnedPositions, SinusoidalPositions
-from ..modules.recompute import recompute_scope
+from ..modules.recompute import recompute_scope, record_scope
 from ..ops.rowwise import residual_add
 from . import layer_builders  # noqa: F401  (registers the core layer types)
 from .configuration import TransNormerConfig
@@ -351,12 +350,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
     def _checkpoint(self, layer, x, mask, positions):
         from torch.utils.checkpoint import checkpoint
 
-        calls = 0
+        calls, remembered = 0, {}
 
         def run(x):
             nonlocal calls
-            calls += 1  # the second call is the backward's recomputation: no side effects again
-            with recompute_scope() if calls > 1 else contextlib.nullcontext():
+            calls += 1  # the second call is the backward's recomputation: no side effects again, and
+            # the state the first call used (modules/recompute.py)
+            with recompute_scope(remembered) if calls > 1 else record_scope(remembered):
                 return layer(x, attention_mask=mask, positions=positions)[0]
 
         return checkpoint(run, x, use_reentrant=False), None

@@ -117,8 +117,10 @@ class MaskedBatchNorm(nn.Module):
                     with torch.no_grad():
                         n = flat.shape[0]
                         unbiased = var * n / max(n - 1, 1)
-                        self.running_mean.lerp_(mean.detach(), self.momentum)
-                        self.running_var.lerp_(unbiased.detach(), self.momentum)
+                        # in the statistics' own dtype: model.half() makes them half, and lerp_
+                        # refused the fp32 batch statistics
+                        self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+                        self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
         else:
             mean, var = self.running_mean, self.running_var
         y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
