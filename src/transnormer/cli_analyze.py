@@ -132,8 +132,9 @@ def cmd_ablation(args) -> int:
         curve = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
         if summary.get("diverged_at") is not None:
             # the loop stops at a non-finite gradient too, after logging that step's finite loss:
-            # end the curve with a non-finite point there, or the stopped run reads as healthy
-            curve.append((summary["diverged_at"], float("nan")))
+            # end the curve with a non-finite point there (in place of that step's), or the stopped
+            # run reads as healthy
+            curve = [pt for pt in curve if pt[0] != summary["diverged_at"]] + [(summary["diverged_at"], float("nan"))]
         return curve
 
     from .analysis.ablation import ablation_configs

@@ -104,7 +104,7 @@ def _keyed_by_name(model: nn.Module, optimizer, state: dict) -> dict:
     ids = [i for group in state["param_groups"] for i in group["params"]]
     if not all(isinstance(i, int) for i in ids):
         return state
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in getattr(model, "_orig_mod", model).named_parameters()}  # no compile prefix
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(ordered) != len(ids):
         raise ValueError(f"the checkpoint's optimizer state has {len(ids)} parameters, this model {len(ordered)}")
@@ -143,7 +143,7 @@ def forwards_in_step(model: nn.Module, info: DistInfo) -> bool:
     its weights in each forward, a collective every rank must join (see :func:`forwards_to_match`)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return info.enabled and isinstance(model, FSDPModule)
+    return info.enabled and isinstance(getattr(model, "_orig_mod", model), FSDPModule)  # (torch.compile's wrapper)
 
 
 def forwards_to_match(model: nn.Module, n_local: int, info: DistInfo) -> int:
