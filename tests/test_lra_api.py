@@ -79,7 +79,7 @@ def test_official_listops_without_sidecar(tmp_path):
 
 def test_prepare_and_load_pathfinder(tmp_path):
     out = prepare("pathfinder", tmp_path, seed=1, n_images=20, batch_size=10)
-    assert out["dataset_id"] == "pathfinder32-hard-regen(gen=v1, seed=1, n=20)"
+    assert out["dataset_id"] == "pathfinder32-hard-regen(gen=v2, seed=1, n=20)"
     ds = load_lra("pathfinder", tmp_path, "train")
     assert len(ds) == 16 and ds.provenance == "regenerated" and ds.dataset_id == out["dataset_id"]
     assert (ds.vocab_size, ds.num_classes) == (256, 2) and lra.TASKS["pathfinder"].pooling == "last"

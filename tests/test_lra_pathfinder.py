@@ -121,7 +121,7 @@ def test_write_layout_metadata_and_byte_identical(tmp_path):
         with Image.open(base / f[0] / f[1]) as im:
             assert im.mode == "L" and im.size == (32, 32)
     assert meta["label_counts"] == [sum(1 for ln in lines if ln.split()[3] == str(k)) for k in (0, 1)]
-    assert meta["dataset_id"] == "pathfinder32-hard-regen(gen=v1, seed=5, n=24)"
+    assert meta["dataset_id"] == "pathfinder32-hard-regen(gen=v2, seed=5, n=24)"
     other = pf.write_pathfinder(tmp_path / "c", seed=6, config=cfg)
     assert other["sha256"]["png_batches"] != meta["sha256"]["png_batches"]
 
@@ -240,3 +240,19 @@ def test_only_the_official_parameters_are_labelled_regenerated(tmp_path):
     pf.write_pathfinder(tmp_path / "official", seed=0, config=pf.PathfinderConfig(n_images=10, batch_size=10))
     ds = load_lra("pathfinder32", tmp_path / "official", "train")
     assert ds.provenance == "regenerated" and "-regen(" in ds.dataset_id
+
+
+@pytest.mark.parametrize("resolution", [32, 128])
+def test_markers_are_discs_of_the_marker_radius(resolution):
+    """Spec §4.2 step 5: a filled disc of the marker radius. Drawn at r - 0.5 hi-res pixels they had
+    covered 70% of that area (effective radius 1.26 of 1.5 at 32 px)."""
+    import numpy as np
+
+    cfg = pf.pathfinder_config(resolution)
+    R = resolution
+    geom = pf.PathfinderGeometry(label=1, targets=(pf.Snake(), pf.Snake()), distractors=[], marker_snake=0,
+                                 markers=((R / 2, R / 2), (R / 4, R / 4)), margin=0, snake_contrast=1.0,
+                                 paddle_contrast=1.0)
+    img = pf.render(geom, cfg).astype(np.float64) / 255
+    area = img[: R * 3 // 8 + 4, : R * 3 // 8 + 4].sum()  # the marker at (R/4, R/4) alone
+    assert area == pytest.approx(np.pi * cfg.marker_radius ** 2, rel=0.06)

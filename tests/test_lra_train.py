@@ -233,7 +233,7 @@ def test_retrieval_trains_two_tower_model_through_the_loop(tmp_path):
                       cls_read_kwargs={"provenance": "synthetic-fixture", "name": "aan-fixture"})
     summary = train(cfg)
     assert summary["eval"]["data_provenance"] == "synthetic-fixture"
-    assert summary["eval"]["dataset_id"] == "retrieval-aan-fixture (synthetic-fixture)"
+    assert summary["eval"]["dataset_id"] == "retrieval-aan-fixture (synthetic-fixture), cut to 64"
     ckpt = tmp_path / "run" / "checkpoints"
     cfg_json = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "config.json").read_text())
     assert cfg_json["architectures"] == ["TransNormerDualEncoderForSequenceClassification"]
@@ -420,6 +420,14 @@ def test_text_and_retrieval_truncation_is_counted(tmp_path, capsys):
     assert data.extra["truncated_train"] > 0 and "truncating" in capsys.readouterr().out
     batch = next(data.train)
     assert batch["input_ids"].shape[1] <= 16
+    # the label names the length the run read (it had named the task's 4,000), and a cut run is not
+    # comparable to the published numbers even on official data
+    from transnormer.train.lra_tasks import comparable_to_published, load_split
+
+    assert load_split("retrieval", tmp_path, "test", 16).dataset_id.endswith("L=4000), cut to 16")
+    assert load_split("retrieval", tmp_path, "test", 4000).dataset_id.endswith("L=4000)")
+    assert not comparable_to_published("official", 16, "retrieval")
+    assert comparable_to_published("official", 4000, "retrieval")
 
 
 def _imdb_sorted(root, n=12):

@@ -189,13 +189,20 @@ def load_split(task: str, root: str | None, split: str, max_len: int | None, opt
         # load at the task's own length (so truncation to a shorter run length can be counted),
         # then truncate per item
         ds = load_lra(task, root, split, **opts)
-        if max_len is not None and (ds.max_len is None or ds.max_len > max_len):
-            ds.max_len = max_len
     else:
         ds = load_lra(task, root, split, max_len=max_len if max_len and max_len < info_t.length else None, **opts)
-        if max_len is not None and (ds.max_len is None or ds.max_len > max_len):
-            ds.max_len = max_len
+    if max_len is not None and (ds.max_len is None or ds.max_len > max_len):
+        ds.max_len = max_len
+    if max_len is not None and max_len < info_t.length:  # the result's label says so: it is not the task's data
+        ds.dataset_id = f"{ds.dataset_id}, cut to {max_len}"
     return ds
+
+
+def comparable_to_published(provenance: str, seq_len: int | None, task: str) -> bool:
+    """Official data at the task's full length (spec §6): a run cut shorter reads other inputs."""
+    from ..data.lra import task_info
+
+    return provenance == "official" and (seq_len is None or seq_len >= task_info(task).length)
 
 
 def count_truncated(ds, max_len: int | None) -> int:
