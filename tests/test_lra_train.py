@@ -391,6 +391,11 @@ def test_results_table_naming_rule():
     # Path-X is reported beside the five, not averaged in (it had hidden the official average)
     with_pathx = results_table(five + [rec("pathx", "official", 0.9)])
     assert "t2: LRA average (five tasks, official data): 50.00" in with_pathx and "| Path-X |" in with_pathx
+    # a run cut below the task length is not the benchmark, and a full-length one is preferred to it
+    cut = [{**r, "dataset_id": r["dataset_id"] + ", cut to 256"} for r in five]
+    assert "LRA average" not in results_table(cut)
+    better_but_cut = {**cut[0], "test": {"accuracy": 0.9}}
+    assert "LRA average (five tasks, official data): 50.00" in results_table([better_but_cut] + five)
 
 
 def test_report_averages_each_model_alone_and_prefers_official_data():
@@ -557,7 +562,12 @@ def test_lra_cli_refuses_what_it_would_ignore_or_overwrite(listops_root, tmp_pat
     assert not (new / ".generating").exists()
     (new / "generation.json").unlink()  # a kill before the sidecar: the marker says the files are ours
     (new / ".generating").write_text("")
+    from transnormer.data.lra import load_lra
+
+    with pytest.raises(ValueError, match="an interrupted generation"):  # it had loaded as the official files
+        load_lra("listops", tmp_path / "new", "train")
     assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "new"), *fixture]) == 0
+    assert len(load_lra("listops", tmp_path / "new", "train")) == 4
     assert (new / "generation.json").is_file() and not (new / ".generating").exists()
     capsys.readouterr()
     assert main(["lra", "prepare", "listops", "--out", str(tmp_path / "z"), "--n-train", "0"]) == 2

@@ -1100,3 +1100,24 @@ def test_start_fresh_moves_an_lra_result_aside(tmp_path):
     (aside,) = (tmp_path / "checkpoints").glob("earlier-run-*")
     assert sorted(p.name for p in aside.iterdir()) == ["lra_result.json", "lra_result.md", "metrics.jsonl"]
     assert not (tmp_path / "lra_result.json").exists()
+
+
+def test_a_resumed_classifier_refuses_data_whose_classes_differ(tmp_path):
+    """Rebuilt from its preset, a resumed classifier had taken any label set: data whose labels sort
+    the other way trained on with its classes swapped."""
+    rows = [("good fine great", "pos"), ("bad awful poor", "neg")] * 12
+
+    def write(labels):
+        for split in ("train", "dev"):
+            (tmp_path / "data" / f"{split}.tsv").write_text(
+                "sentence\tlabel\n" + "".join(f"{t}\t{labels.get(y, y)}\n" for t, y in rows))
+
+    (tmp_path / "data").mkdir()
+    write({})
+    cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path / "data"), vocab_size=300, seq_len=16,
+                      batch_size=4, max_steps=3, save_every=1, out_dir=str(tmp_path / "run"), progress=False,
+                      cache_dir=str(tmp_path / "cache"))
+    assert train(replace(cfg, stop_after=1)) == {"stopped_at": 1}
+    write({"neg": "x_other", "pos": "a_other"})
+    with pytest.raises(ValueError, match=r"the model's classes are \['neg', 'pos'\]"):
+        train(replace(cfg, resume=True))

@@ -122,13 +122,16 @@ def results_table(records: list[dict], split: str = "test") -> str:
     """
     from .data.lra import PROVENANCES
 
+    def _full_length(rec) -> bool:  # a run cut below the task length read other inputs
+        return ", cut to " not in str(rec.get("dataset_id", ""))
+
     lines = ["| task | data (provenance) | dataset_id | model | split | accuracy % |", "|---|---|---|---|---|---|"]
     best: dict[str, dict[str, dict]] = {}  # model -> LRA task slot -> the run that represents it in the mean
 
-    def rank(rec):  # lower is better: more official data first, then validation (test without it)
+    def rank(rec):  # lower is better: more official data first, at the task's full length, then validation
         prov = PROVENANCES.index(rec["data_provenance"]) if rec["data_provenance"] in PROVENANCES else len(PROVENANCES)
         val = (rec.get("val") or {}).get("accuracy") if split == "test" else None
-        return prov, -(val if val is not None else rec[split]["accuracy"])
+        return prov, not _full_length(rec), -(val if val is not None else rec[split]["accuracy"])
 
     for rec in records:
         r = rec.get(split) or {}
@@ -148,7 +151,8 @@ def results_table(records: list[dict], split: str = "test") -> str:
         if len(chosen) < 2:
             continue
         mean = 100 * sum(float(chosen[t][split]["accuracy"]) for t in chosen) / len(chosen)
-        official_five = set(chosen) == set(LRA_FIVE) and all(c["data_provenance"] == "official" for c in chosen.values())
+        official_five = set(chosen) == set(LRA_FIVE) and all(
+            c["data_provenance"] == "official" and _full_length(c) for c in chosen.values())
         if official_five:
             name = f"{family}: LRA average (five tasks, official data)"
         else:

@@ -143,7 +143,8 @@ def forwards_in_step(model: nn.Module, info: DistInfo) -> bool:
     its weights in each forward, a collective every rank must join (see :func:`forwards_to_match`)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return info.enabled and isinstance(getattr(model, "_orig_mod", model), FSDPModule)  # (torch.compile's wrapper)
+    # compiled before wrap_model, the compile wrapper is the FSDP module; compiled after, its _orig_mod
+    return info.enabled and (isinstance(model, FSDPModule) or isinstance(getattr(model, "_orig_mod", None), FSDPModule))
 
 
 def forwards_to_match(model: nn.Module, n_local: int, info: DistInfo) -> int:

@@ -505,6 +505,10 @@ def train(cfg: TrainConfig) -> dict:
     data = build_task_data(build_cfg, info, autocast)
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
     model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+    if ckpt is not None and data.extra.get("label_set") is not None:  # a preset's model names no classes:
+        # the checkpoint's do, and the data must have them in the same order
+        saved = json.loads((ckpt / "config.json").read_text()).get("id2label") or {}
+        model.config.id2label = {int(k): v for k, v in saved.items()} or model.config.id2label
     name_classes(model, data.extra.get("label_set"))
     model = model.to(info.device)
     if info.rank:  # the same initial weights on every rank (above); from here each rank draws its own

@@ -727,7 +727,7 @@ def official_parameters(cfg: PathfinderConfig | dict) -> bool:
 
 
 def pathfinder_dataset_id(seed: int, cfg: PathfinderConfig) -> str:
-    """e.g. ``pathfinder32-hard-regen(gen=v1, seed=0)``; Path-X is ``pathx128-…``; other
+    """e.g. ``pathfinder32-hard-regen(gen=v2, seed=0)``; Path-X is ``pathx128-…``; other
     parameters than the official ones (:func:`official_parameters`) make it ``…-fixture(…)``."""
     level = {v: k for k, v in DIFFICULTIES.items()}.get(cfg.difficulty, cfg.difficulty)
     name = "pathx128" if cfg.resolution == 128 else f"pathfinder{cfg.resolution}"

@@ -14,6 +14,7 @@ from . import pathfinder as _pf
 from . import retrieval as _retrieval
 from . import text as _text
 from ._common import (
+    GENERATING,
     SIDECAR_NAME,
     as_dir,
     check_int,
@@ -145,6 +146,9 @@ def task_info(task: str) -> TaskInfo:
 
 
 def _read_sidecar(folder: Path, generator: str) -> dict | None:
+    if (folder / GENERATING).is_file():  # without its sidecar it would read as the official files
+        raise ValueError(f"{folder}: an interrupted generation (its {GENERATING} marker is there); run "
+                         "`transnormer lra prepare` again")
     p = folder / SIDECAR_NAME
     if not p.is_file():
         return None
