@@ -483,12 +483,28 @@ def test_a_time_budgets_schedule_is_fitted_without_the_first_steps_one_off_costs
     from transnormer.train.loop import fit_total_steps
 
     dts = [13.7] + [0.12] * 4
-    got = fit_total_steps(5, sum(dts), 90.0, 5, sum(dts), dts[0])
+    got = fit_total_steps(5, sum(dts), 90.0, dts[1:])
     assert abs(got - (5 + (90.0 - sum(dts)) / 0.12)) <= 1  # ~630 steps, not 90 / (14.18 / 5) = 31
     # resumed at step 4 after 20 s: its first step (kernels built again) slow, its second not
-    got = fit_total_steps(6, 20.0 + 12.12, 90.0, 2, 12.12, 12.0)
+    got = fit_total_steps(6, 20.0 + 12.12, 90.0, [0.12])
     assert abs(got - (6 + (90.0 - 32.12) / 0.12)) <= 1
-    assert fit_total_steps(5, 100.0, 90.0, 5, 100.0, 1.0) == 6  # past the budget: at least one more
+    assert fit_total_steps(5, 100.0, 90.0, [1.0]) == 6  # past the budget: at least one more
+    # a slow spell of the shared machine in the first steps does not stand for the run (the mean of
+    # 0.12, 2.28, 0.12 had fitted 42 steps to a run that took 234)
+    dts = [1.0, 0.12, 2.28, 0.12]
+    assert abs(fit_total_steps(4, sum(dts), 40.0, dts[1:]) - (4 + (40.0 - sum(dts)) / 0.12)) <= 1
+
+
+def test_a_time_budgets_schedule_is_refitted_as_the_run_goes(corpus_dir, tmp_path, monkeypatch):
+    """Fitted once at step 5, a schedule kept whatever a slow spell there made of it."""
+    import transnormer.train.loop as loop
+
+    fits = []
+    real_fit = loop.fit_total_steps
+    monkeypatch.setattr(loop, "fit_total_steps", lambda *a: fits.append(a[0]) or real_fit(*a))
+    s = train(cfg_for(corpus_dir, tmp_path, max_steps=None, budget="6s", eval_batches=1))
+    assert fits[:3] == [5, 9, 17] and all(b == 2 * a - 1 for a, b in zip(fits, fits[1:])), fits
+    assert s["steps"] > fits[-1]
 
 
 def test_schedules_and_budgets():

@@ -307,16 +307,15 @@ SCHEDULE_FIT_STEP = 5  # a time budget's schedule is fitted to the steps it will
 _UNFITTED = 10**9  # the schedule's length until a time budget's fit sets it
 
 
-def fit_total_steps(step: int, elapsed: float, budget_s: float, run_steps: int, run_elapsed: float,
-                    first_dt: float) -> int:
+def fit_total_steps(step: int, elapsed: float, budget_s: float, step_times: list[float]) -> int:
     """The step count a time budget of ``budget_s`` seconds will reach, for the schedule: ``step``
-    steps done in ``elapsed`` seconds in all, ``run_steps`` >= 2 of them in ``run_elapsed`` seconds
-    by this process, the first of those taking ``first_dt``. The rate is read from this process's
-    steps after its first: that one carries one-off costs (building the CPU kernels at first use
-    took 13.7 s in a fresh clone, against ~0.12 s a step after it, and a schedule fitted to the
-    mean had ended its decay at step 19 of ~570). The loop fits once this process has taken two
-    steps, from step ``SCHEDULE_FIT_STEP`` on (later after a resume just before it)."""
-    per_step = (run_elapsed - first_dt) / (run_steps - 1)
+    steps done in ``elapsed`` seconds in all, this process's steps after its first taking
+    ``step_times``. Their median is the rate: the first step carries one-off costs (building the
+    CPU kernels at first use took 13.7 s in a fresh clone, against ~0.12 s a step after it), and a
+    slow spell of a shared machine must not stand for the run (one step of 2.3 s among three had
+    fitted 42 steps to a run of 234, which then spent 130 steps at the floor rate). The loop fits
+    from step ``SCHEDULE_FIT_STEP`` on, and again each time this process's steps double."""
+    per_step = float(np.median(step_times))
     left = max(0.0, budget_s - elapsed)
     return max(step + 1, step + int(left / max(per_step, 1e-6)))
 
@@ -627,9 +626,9 @@ def train(cfg: TrainConfig) -> dict:
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
     last_eval, last_eval_step = None, None
     start_step = step
-    start_elapsed, first_dt = elapsed, None  # training time before this process; its first step's
-    # a time budget's schedule is fitted once (a resumed run restores a fit made before it)
-    fit_pending = total_steps is None and budget_kind == "seconds" and sched["total_steps"] == _UNFITTED
+    first_dt, step_times = None, []  # this process's first step's time, and the others'
+    # a time budget's schedule is fitted to the steps it will get, and refitted as steps double
+    fitting, next_fit = total_steps is None and budget_kind == "seconds", 1
     diverged_at = None
     record = None  # the last step's train record when log_every skipped it
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
@@ -669,11 +668,16 @@ def train(cfg: TrainConfig) -> dict:
         loss_val, dt, real = loss_val / info.world_size, dt / info.world_size, int(real)
         real_seen = None if real_seen is None else real_seen + real
         elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
-        first_dt = dt if first_dt is None else first_dt
-        if fit_pending and step >= SCHEDULE_FIT_STEP and step - start_step >= 2:
-            fit_pending = False
-            total_steps_est = fit_total_steps(step, elapsed, budget, step - start_step, elapsed - start_elapsed,
-                                              first_dt)
+        if first_dt is None:
+            first_dt = dt
+        else:
+            step_times.append(dt)
+        if fitting and step >= SCHEDULE_FIT_STEP and len(step_times) >= next_fit:
+            next_fit = 2 * len(step_times)
+            total_steps_est = fit_total_steps(step, elapsed, budget, step_times)
+            if sched["total_steps"] == _UNFITTED and total_steps_est <= cfg.warmup:
+                log(f"the {cfg.budget} budget gives about {total_steps_est} steps, no more than warmup={cfg.warmup}: "
+                    "the learning rate will not finish warming up (give a smaller --warmup)")
             sched["total_steps"] = total_steps_est
             if bar is not None:  # now the bar can show an ETA
                 bar.total = total_steps_est
