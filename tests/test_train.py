@@ -1137,3 +1137,27 @@ def test_a_resumed_classifier_refuses_data_whose_classes_differ(tmp_path):
     write({"neg": "x_other", "pos": "a_other"})
     with pytest.raises(ValueError, match=r"the model's classes are \['neg', 'pos'\]"):
         train(replace(cfg, resume=True))
+
+
+def test_ctrl_c_saves_the_step_and_resume_continues_exactly(corpus_dir, tmp_path, monkeypatch):
+    """Without --save-every a Ctrl-C had left nothing to resume: the step in flight now finishes, is
+    saved, and the same command with --resume continues as if never stopped."""
+    import signal
+
+    full = cfg_for(corpus_dir, tmp_path / "a", out_dir=str(tmp_path / "full"))
+    train(full)
+    orig, calls = torch.optim.AdamW.step, []
+
+    def step(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # mid-step, as a user's Ctrl-C lands
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    part = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"))
+    assert train(part) == {"interrupted_at": 3}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    monkeypatch.setattr(torch.optim.AdamW, "step", orig)
+    train(replace(part, resume=True))
+    assert train_losses(part.out_dir) == pytest.approx(train_losses(full.out_dir), rel=0, abs=1e-6)

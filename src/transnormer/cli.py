@@ -152,6 +152,11 @@ def cmd_train(args) -> int:
     main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 reports (the others lack its metrics)
     if main:
         print(json.dumps(summary, indent=1, default=str))
+    if summary.get("interrupted_at") is not None:  # Ctrl-C / SIGTERM: saved, to be resumed
+        if main:
+            print(f"transnormer train: interrupted after step {summary['interrupted_at']}; the checkpoint is saved: "
+                  "run the same command with --resume to continue", file=sys.stderr)
+        return 130
     if summary.get("diverged_at") is not None:  # a failed run: scripts must not take it for a model
         if main:
             print(f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite loss "
@@ -381,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_outputs(args)
         return args.func(args)
+    except KeyboardInterrupt:  # a second Ctrl-C (training saves and stops at the first): no traceback
+        print(f"transnormer {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, OSError, ImportError) as e:  # bad input, a path, a missing extra: one line
         if "TRANSNORMER_DEBUG" in __import__("os").environ:
             raise

@@ -17,6 +17,8 @@ import math
 import os
 import random
 import re
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -445,6 +447,30 @@ def start_fresh(out: Path, log=print) -> None:
     log(f"{out} held an earlier run: moved its checkpoints and files to {aside} (--resume continues a run)")
 
 
+class _StopRequests:
+    """SIGINT (Ctrl-C) and SIGTERM (a job's time limit) during training set a flag that the loop
+    reads at the end of a step, which it then saves before it stops: without --save-every a Ctrl-C
+    had left nothing to resume. A second signal stops at once, as without this."""
+
+    def __init__(self):
+        self.requested, self._previous = False, {}
+        if threading.current_thread() is threading.main_thread():  # (signal handlers live there only)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
 def param_groups(model, weight_decay: float, *, decay_all: bool = False):
     """No weight decay on 1-D parameters (biases, norm gains, LRPE θ, scalars), the common choice;
     ``decay_all``: on every parameter, as fairseq's Adam (which the paper trained with) does."""
@@ -557,7 +583,7 @@ def train(cfg: TrainConfig) -> dict:
         log(f"resumed from {ckpt} at step {step}")
         resumed = True
     if info.is_main and not resumed:
-        start_fresh(out, log)
+        start_fresh(out, log if not cfg.resume else (lambda m: log(m.replace(" (--resume continues a run)", ""))))
 
     recorder = None
     if cfg.grad_stats:
@@ -632,85 +658,97 @@ def train(cfg: TrainConfig) -> dict:
     diverged_at = None
     record = None  # the last step's train record when log_every skipped it
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
-    while True:
-        if total_steps is not None and step >= total_steps:
-            break
-        if budget_kind == "seconds" and elapsed >= budget:
-            break
-        t0 = time.perf_counter()
-        loss_sum = 0.0
-        micro_batches = [next(data.train) for _ in range(cfg.grad_accum)]
-        real = sum(real_tokens(b) for b in micro_batches)
-        weights = micro_weights(micro_batches, cfg.task, info)
-        for micro, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
-            batch = {k: v.to(info.device) for k, v in batch.items()}
-            sync = micro == cfg.grad_accum - 1 or not info.enabled
-            ctx = contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
-            with ctx:
-                with autocast():
-                    # no logits kept: the LM heads compute the loss chunk by chunk (modules/lm_loss.py)
-                    loss = wrapped(**batch, return_logits=False, return_dict=True).loss
-                (loss * weight).backward()
-            loss_sum += float(loss.detach()) * weight if weight else 0.0  # (an MLM micro-batch may mask nothing)
-        if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)
-            recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
-        grad_norm = global_value(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                                cfg.clip if cfg.clip > 0 else float("inf")))
-        optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += tokens_per_step
-        # One all-reduce: the loss over ranks, and one clock for all of them (the mean step time), so
-        # that time budgets, timed evaluations and the schedule fitted to a budget agree across ranks.
-        loss_val, dt, real = all_reduce_sum([loss_sum, time.perf_counter() - t0, float(real)], info)
-        loss_val, dt, real = loss_val / info.world_size, dt / info.world_size, int(real)
-        real_seen = None if real_seen is None else real_seen + real
-        elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
-        if first_dt is None:
-            first_dt = dt
-        else:
-            step_times.append(dt)
-        if fitting and step >= SCHEDULE_FIT_STEP and len(step_times) >= next_fit:
-            next_fit = 2 * len(step_times)
-            total_steps_est = fit_total_steps(step, elapsed, budget, step_times)
-            if sched["total_steps"] == _UNFITTED and total_steps_est <= cfg.warmup:
-                log(f"the {cfg.budget} budget gives about {total_steps_est} steps, no more than warmup={cfg.warmup}: "
-                    "the learning rate will not finish warming up (give a smaller --warmup)")
-            sched["total_steps"] = total_steps_est
-            if bar is not None:  # now the bar can show an ETA
-                bar.total = total_steps_est
-                bar.refresh()
-        record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
-                  "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt, "real_tokens": real_seen,
-                  "real_tokens_per_s": real / dt, "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)}
-        if step % cfg.log_every == 0 or step == 1:
-            metrics.log(record)
-            record = None
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
-        # a non-finite gradient has just made the weights non-finite too (the optimizer applied it)
-        if not (math.isfinite(loss_val) and math.isfinite(float(grad_norm))):
-            log(f"step {step}: loss {loss_val}, gradient norm {float(grad_norm)}: the run diverged; stopping "
-                "without saving these weights (the checkpoints before them are kept)")
-            diverged_at = step
-            break
-        if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
-            last_eval, last_eval_step = evaluate(), step
-            if next_eval_s is not None:
-                next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s))
-        if cfg.save_every and step % cfg.save_every == 0:
-            checkpoint()
-        if cfg.stop_after is not None and step >= cfg.stop_after:
+    stop = _StopRequests()  # Ctrl-C / SIGTERM: the current step finishes, is saved, and the run stops
+    try:
+        while True:
+            if total_steps is not None and step >= total_steps:
+                break
+            if budget_kind == "seconds" and elapsed >= budget:
+                break
+            t0 = time.perf_counter()
+            loss_sum = 0.0
+            micro_batches = [next(data.train) for _ in range(cfg.grad_accum)]
+            real = sum(real_tokens(b) for b in micro_batches)
+            weights = micro_weights(micro_batches, cfg.task, info)
+            for micro, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+                batch = {k: v.to(info.device) for k, v in batch.items()}
+                sync = micro == cfg.grad_accum - 1 or not info.enabled
+                ctx = contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
+                with ctx:
+                    with autocast():
+                        # no logits kept: the LM heads compute the loss chunk by chunk (modules/lm_loss.py)
+                        loss = wrapped(**batch, return_logits=False, return_dict=True).loss
+                    (loss * weight).backward()
+                loss_sum += float(loss.detach()) * weight if weight else 0.0  # (an MLM micro-batch may mask nothing)
+            if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)
+                recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
+            grad_norm = global_value(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                    cfg.clip if cfg.clip > 0 else float("inf")))
+            optimizer.step()
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            # One all-reduce: the loss over ranks, and one clock for all of them (the mean step time), so
+            # that time budgets, timed evaluations and the schedule fitted to a budget agree across ranks.
+            loss_val, dt, real, stopping = all_reduce_sum([loss_sum, time.perf_counter() - t0, float(real),
+                                                           float(stop.requested)], info)
+            loss_val, dt, real = loss_val / info.world_size, dt / info.world_size, int(real)
+            real_seen = None if real_seen is None else real_seen + real
+            elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
+            if first_dt is None:
+                first_dt = dt
+            else:
+                step_times.append(dt)
+            if fitting and step >= SCHEDULE_FIT_STEP and len(step_times) >= next_fit:
+                next_fit = 2 * len(step_times)
+                total_steps_est = fit_total_steps(step, elapsed, budget, step_times)
+                if sched["total_steps"] == _UNFITTED and total_steps_est <= cfg.warmup:
+                    log(f"the {cfg.budget} budget gives about {total_steps_est} steps, no more than warmup={cfg.warmup}: "
+                        "the learning rate will not finish warming up (give a smaller --warmup)")
+                sched["total_steps"] = total_steps_est
+                if bar is not None:  # now the bar can show an ETA
+                    bar.total = total_steps_est
+                    bar.refresh()
+            record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
+                      "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt, "real_tokens": real_seen,
+                      "real_tokens_per_s": real / dt, "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)}
+            if step % cfg.log_every == 0 or step == 1:
+                metrics.log(record)
+                record = None
             if bar is not None:
-                bar.close()
-            if recorder is not None:
-                recorder.flush()
-            metrics.close()
-            cleanup(info)
-            return {"stopped_at": step}
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+            # a non-finite gradient has just made the weights non-finite too (the optimizer applied it)
+            if not (math.isfinite(loss_val) and math.isfinite(float(grad_norm))):
+                log(f"step {step}: loss {loss_val}, gradient norm {float(grad_norm)}: the run diverged; stopping "
+                    "without saving these weights (the checkpoints before them are kept)")
+                diverged_at = step
+                break
+            if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
+                last_eval, last_eval_step = evaluate(), step
+                if next_eval_s is not None:
+                    next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s))
+            if cfg.save_every and step % cfg.save_every == 0:
+                checkpoint()
+            if stopping and saved_step != step:  # any rank's Ctrl-C / SIGTERM: every rank saves this whole step
+                checkpoint()
+            if stopping or (cfg.stop_after is not None and step >= cfg.stop_after):
+                if bar is not None:
+                    bar.close()
+                if recorder is not None:
+                    recorder.flush()
+                if stopping and record is not None:  # (stop_after stands for a kill: no last record)
+                    metrics.log(record)
+                metrics.close()
+                cleanup(info)
+                if stopping:
+                    log(f"interrupted after step {step}, saved: the same command with --resume continues from it")
+                    return {"interrupted_at": step}
+                return {"stopped_at": step}
+    finally:
+        stop.restore()
     if bar is not None:
         bar.close()
     if record is not None:  # the last step is always logged: final_train_loss had been an earlier step's
