@@ -270,6 +270,11 @@ def test_only_rank_zero_prints_the_train_summary(run_dir, tmp_path, capsys, monk
 
 def test_compare_and_generate_refuse_bad_input_up_front(run_dir, tmp_path, capsys):
     root, out = run_dir
+    from transnormer.presets import build_model
+
+    build_model("t2-roberta-tiny", task="cls", num_labels=2).save_pretrained(tmp_path / "clsm")
+    assert main(["generate", "--model", str(tmp_path / "clsm"), "--prompt", "x"]) == 2  # had failed inside HF
+    assert "(trained with --task cls); generate needs a *ForCausalLM model" in capsys.readouterr().err
     common = ["--data", str(root), "--seq-len", "32", "--out", str(tmp_path / "cmp")]
     assert main(["compare", "--presets", ",", "--max-steps", "1", *common]) == 2
     assert "--presets: give one or more" in capsys.readouterr().err

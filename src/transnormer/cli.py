@@ -219,6 +219,7 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     from . import models  # noqa: F401  (registers the Auto classes)
 
     model_dir = resolve_model_dir(model_path)
+    _check_head_for("clm", model_dir, flag="generate needs")  # a classifier's config had failed inside HF
     tok = load_tokenizer_for(model_dir, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     if tok.vocab_size > model.config.vocab_size:  # its ids past the embedding would fail inside the model
@@ -256,15 +257,16 @@ def cmd_generate(args) -> int:
 _HEADS = {"clm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification"}
 
 
-def _check_head_for(task: str, model_dir: Path) -> None:
+def _check_head_for(task: str, model_dir: Path, flag: str | None = None) -> None:
     """Refuse a model trained with another head: a language model evaluated with --task cls loaded
-    with a fresh random classifier, and its scores were printed with rc 0."""
+    with a fresh random classifier, and its scores were printed with rc 0. ``flag``: what needs the
+    head, in the message (default ``--task TASK needs``)."""
     archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     if archs and not any(a.endswith(_HEADS[task]) for a in archs):
         trained = next((t for t, h in _HEADS.items() if any(a.endswith(h) for a in archs)), None)
         raise ValueError(f"--model {model_dir} is a {', '.join(archs)}"
                          + (f" (trained with --task {trained})" if trained else "")
-                         + f"; --task {task} needs a *{_HEADS[task]} model")
+                         + f"; {flag or f'--task {task} needs'} a *{_HEADS[task]} model")
 
 
 def cmd_eval(args) -> int:

@@ -360,9 +360,10 @@ def init_config(init: Path, cfg: TrainConfig, vocab_size: int, num_labels: int |
     config = transformers.AutoConfig.from_pretrained(init)
     archs = config.architectures or []
     if num_labels and num_labels != config.num_labels and any("SequenceClassification" in a for a in archs):
-        raise ValueError(f"init_from: {init} is a classifier of {config.num_labels} labels and the data has "
-                         f"{num_labels}; start from its encoder instead: AutoModel.from_pretrained(it).save_pretrained(dir) "
-                         "saves it without the head, and init_from=dir gives the run a new one")
+        raise ValueError(f"{init} is a classifier of {config.num_labels} labels and the data has {num_labels}: "
+                         "evaluate it on data with its classes; to fine-tune it on other classes, start from its "
+                         "encoder: AutoModel.from_pretrained(it).save_pretrained(dir) saves it without the head, and "
+                         "--init-from dir gives the run a new one")
     for k, v in {**({"num_labels": num_labels} if num_labels else {}), **cfg.overrides}.items():
         setattr(config, k, v)
     check_model_fits(config, cfg, vocab_size)
