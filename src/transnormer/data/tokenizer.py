@@ -78,7 +78,7 @@ class TextTokenizer:
         self.name = name
         self._hf = hf
         self._hf_vocab: dict[str, int] | None = None
-        self._hf_fingerprint: str | None = None
+        self._fingerprint: str | None = None
         if backend is not None:
             # Private copy with encode_special_tokens=True: literal "<s>" in data text stays text. The flag is
             # not serialised, so saved files and to_hf() behave like any normal tokenizer.
@@ -114,7 +114,7 @@ class TextTokenizer:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_hf_fingerprint", None)  # pickled before the attribute existed
+        self.__dict__.setdefault("_fingerprint", None)  # pickled before the attribute existed
         if self._json is not None:
             self._backend = tokenizers.Tokenizer.from_str(self._json)
             self._backend.encode_special_tokens = True
@@ -185,13 +185,14 @@ class TextTokenizer:
         options such as ``do_lower_case``, and two tokenizers that encode differently would share a
         token cache.
         """
-        roles = json.dumps(self._special, sort_keys=True)
-        if self._json is not None:
-            encoding = {k: v for k, v in json.loads(self._json).items() if k != "post_processor"}
-            return sha256_text(json.dumps(encoding, sort_keys=True, ensure_ascii=False), roles)
-        if self._hf_fingerprint is None:
-            self._hf_fingerprint = sha256_text(type(self._hf).__name__, *_saved_files(self._hf), roles)
-        return self._hf_fingerprint
+        if self._fingerprint is None:  # computed once: the tokenizer does not change
+            roles = json.dumps(self._special, sort_keys=True)
+            if self._json is not None:
+                encoding = {k: v for k, v in json.loads(self._json).items() if k != "post_processor"}
+                self._fingerprint = sha256_text(json.dumps(encoding, sort_keys=True, ensure_ascii=False), roles)
+            else:
+                self._fingerprint = sha256_text(type(self._hf).__name__, *_saved_files(self._hf), roles)
+        return self._fingerprint
 
     # ---------------------------------------------------------------------------------------- encoding
     def encode(self, text: str) -> list[int]:
@@ -315,7 +316,7 @@ def _bpe_framing(bos: str, bos_id: int, eos: str, eos_id: int):
 
 
 def _saved_files(hf) -> list[str]:
-    """``name\0content`` of every file ``hf.save_pretrained`` writes, in name order; paths left out."""
+    """``name\0sha256`` of every file ``hf.save_pretrained`` writes, in name order; paths left out."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
