@@ -142,6 +142,8 @@ def test_label_set_order_save_load(tmp_path):
     assert signs.names == ["+1", "-1"]
     with pytest.raises(ValueError, match="'\\+1' and '1' are one value spelled two ways"):  # not two classes
         LabelSet.from_examples(read_classification_file(_write(tmp_path / "t.csv", "sentence,label\na,+1\nb,1\n")))
+    with pytest.raises(ValueError, match="'\\+01' and '\\+1' are one value spelled two ways"):
+        LabelSet.from_examples(read_classification_file(_write(tmp_path / "u.csv", "sentence,label\na,+1\nb,+01\n")))
     strs = LabelSet(["neutral", "entailment"])
     strs.save(tmp_path / "labels.json")
     assert LabelSet.load(tmp_path / "labels.json") == strs

@@ -1156,9 +1156,36 @@ def test_ctrl_c_saves_the_step_and_resume_continues_exactly(corpus_dir, tmp_path
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     part = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"))
-    before = signal.getsignal(signal.SIGINT)  # (ignored in a background job, as CI may run)
-    assert train(part) == {"interrupted_at": 3}
-    assert signal.getsignal(signal.SIGINT) == before  # the handler is put back
+    # as in a terminal (a background job, as CI may run, ignores SIGINT, and training leaves it so)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert train(part) == {"interrupted_at": 3}
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    finally:
+        signal.signal(signal.SIGINT, before)
     monkeypatch.setattr(torch.optim.AdamW, "step", orig)
     train(replace(part, resume=True))
     assert train_losses(part.out_dir) == pytest.approx(train_losses(full.out_dir), rel=0, abs=1e-6)
+
+
+def test_commands_that_train_stop_at_an_interrupted_run(corpus_dir, tmp_path, monkeypatch, capsys):
+    """lra train had evaluated and then crashed on the interrupted run's summary, analyze ablation
+    had gone on to the next configuration and written a cut curve up, compare had started the next
+    preset: each now stops with exit status 130, writing no result."""
+    import transnormer.train.compare as compare_mod
+    import transnormer.train.loop as loop
+    from transnormer.cli import main
+    from transnormer.data.lra import prepare
+
+    monkeypatch.setattr(loop, "train", lambda cfg: {"interrupted_at": 2})
+    monkeypatch.setattr(compare_mod, "_train_isolated", lambda cfg: {"interrupted_at": 2})
+    prepare("listops", tmp_path / "lra", seed=0, n_train=8, n_val=4, n_test=4, min_length=5, max_length=40)
+    assert main(["lra", "train", "listops", "--root", str(tmp_path / "lra"), "--preset", "t2-lra-listops-tiny",
+                 "--max-steps", "4", "--out", str(tmp_path / "lrarun")]) == 130
+    assert "--resume continues" in capsys.readouterr().err and not (tmp_path / "lrarun" / "lra_result.json").exists()
+    assert main(["analyze", "ablation", "--base", "t2-lm-tiny", "--data", str(corpus_dir), "--budget", "2s",
+                 "--out", str(tmp_path / "abl")]) == 130
+    assert not (tmp_path / "abl" / "ablation.json").exists()
+    assert main(["compare", "--presets", "t2-lm-tiny,vanilla-lm-tiny", "--data", str(corpus_dir), "--max-steps", "4",
+                 "--out", str(tmp_path / "cmp")]) == 130
+    assert not (tmp_path / "cmp" / "comparison.md").exists()

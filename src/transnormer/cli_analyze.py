@@ -128,6 +128,8 @@ def cmd_ablation(args) -> int:
                           clip=0.0, out_dir=str(run), seed=args.seed, vocab_size=args.vocab_size,
                           cache_dir=args.cache_dir, eval_batches=10, progress=False)
         summary = train(cfg)
+        if summary.get("interrupted_at") is not None:  # Ctrl-C: saved; no ablation of a cut curve
+            raise KeyboardInterrupt(f"{run} interrupted after step {summary['interrupted_at']}")
         barrier(info)  # rank 0 has written the run's metrics
         curve = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
         if summary.get("diverged_at") is not None:

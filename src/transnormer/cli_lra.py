@@ -123,7 +123,11 @@ def results_table(records: list[dict], split: str = "test") -> str:
     from .data.lra import PROVENANCES
 
     def _full_length(rec) -> bool:  # a run cut below the task length read other inputs
-        return ", cut to " not in str(rec.get("dataset_id", ""))
+        from .data.lra import task_info
+
+        seq_len = rec.get("seq_len")  # (results written before the ", cut to N" label record it too)
+        short = isinstance(seq_len, int) and seq_len < task_info(rec["task"]).length
+        return ", cut to " not in str(rec.get("dataset_id", "")) and not short
 
     lines = ["| task | data (provenance) | dataset_id | model | split | accuracy % |", "|---|---|---|---|---|---|"]
     best: dict[str, dict[str, dict]] = {}  # model -> LRA task slot -> the run that represents it in the mean
@@ -295,6 +299,9 @@ def run_train(args) -> dict:
     # the process, and torchrun the others.)
     info = setup_distributed(args.device)
     summary = train(cfg)
+    if summary.get("interrupted_at") is not None:  # Ctrl-C: saved; --resume continues, then evaluates
+        cleanup(info)
+        return {"interrupted_at": summary["interrupted_at"], "run_dir": str(out)}
     if summary.get("diverged_at") is not None:
         # no result files: an earlier checkpoint would otherwise be scored and written up under this
         # run's step count, as if it had trained to the end
@@ -328,6 +335,11 @@ def run_train(args) -> dict:
 
 def cmd_train(args) -> int:
     rec = run_train(args)
+    if rec.get("interrupted_at") is not None:
+        if not int(os.environ.get("RANK", "0")):
+            print(f"transnormer lra train: interrupted after step {rec['interrupted_at']}; the checkpoint is saved: "
+                  "the same command with --resume continues (and then evaluates)", file=sys.stderr)
+        return 130
     if rec.get("diverged_at") is not None:  # a failed run: scripts must not take it for a result
         if not int(os.environ.get("RANK", "0")):
             print(f"transnormer lra train: error: the run diverged at step {rec['diverged_at']} (non-finite loss or "

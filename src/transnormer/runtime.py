@@ -70,6 +70,9 @@ def _fresh_process_main(conn, fn, args, kwargs) -> None:
         conn.close()
 
 
+_INTERRUPT_GRACE_S = 120.0  # how long an interrupted call waits for its child to save and stop
+
+
 def call_in_fresh_process(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` in a newly spawned process (with :func:`tune_allocator`), so that
     its peak memory and allocator state are its own; returns its result or raises its error
@@ -92,9 +95,15 @@ def call_in_fresh_process(fn, *args, **kwargs):
         msg = recv.recv()
     except EOFError:
         pass
+    except KeyboardInterrupt:
+        # A Ctrl-C reaches the child too (one process group): a training child saves its step and
+        # returns (train/loop.py). Terminating it here had been its second signal, and it died
+        # without saving. Wait a while for it; a second Ctrl-C here terminates it.
+        proc.join(timeout=_INTERRUPT_GRACE_S)
+        raise
     finally:
         recv.close()
-        if msg is None and proc.is_alive():  # interrupted: do not wait for the child
+        if msg is None and proc.is_alive():  # interrupted: do not wait for the child any longer
             proc.terminate()
         proc.join()  # after sending, the child exits at once
     if msg is None:

@@ -121,11 +121,14 @@ class LabelSet:
         labels = {ex.label for ex in examples if ex.label is not None}
         if not labels:
             raise ValueError("examples: no labelled example to build a label set from")
-        signed = sorted(x for x in labels if re.fullmatch(r"\+\d+", x))
-        twins = [x for x in signed if str(int(x)) in labels]
-        if twins:  # "+1" is kept as written (_label_key); beside "1" it would be a class of its own
-            raise ValueError(f"examples: labels {twins[0]!r} and {str(int(twins[0]))!r} are one value spelled two "
-                             "ways; spell them alike in the data")
+        spellings: dict[int, list[str]] = {}
+        for x in sorted(labels):
+            if re.fullmatch(r"[-+]?\d+", x):
+                spellings.setdefault(int(x), []).append(x)
+        twins = next((v for v in spellings.values() if len(v) > 1), None)
+        if twins:  # "+1" is kept as written (_label_key); beside "1" (or "+01") it would be a class of its own
+            raise ValueError(f"examples: labels {twins[0]!r} and {twins[1]!r} are one value spelled two ways; "
+                             "spell them alike in the data")
         if all(re.fullmatch(r"-?\d+", x) for x in labels):
             return cls(sorted(labels, key=int))
         return cls(sorted(labels))

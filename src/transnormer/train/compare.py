@@ -62,6 +62,8 @@ def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: Di
             cfg.eval_every = max(1, min(steps, cfg.max_steps or steps) // evals_per_run)
         print(f"\n=== {name} ===", flush=True)
         summary = _train_isolated(cfg)
+        if summary.get("interrupted_at") is not None:  # Ctrl-C: saved; the other presets do not start
+            raise KeyboardInterrupt(f"{name} interrupted after step {summary['interrupted_at']}")
         summaries.append(summary)
         if is_main:
             records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")

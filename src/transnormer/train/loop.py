@@ -457,7 +457,8 @@ class _StopRequests:
         self.requested, self._previous = False, {}
         if threading.current_thread() is threading.main_thread():  # (signal handlers live there only)
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # (a background job ignores Ctrl-C: still)
+                    self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -654,8 +655,10 @@ def train(cfg: TrainConfig) -> dict:
     last_eval, last_eval_step = None, None
     start_step = step
     first_dt, step_times = None, []  # this process's first step's time, and the others'
-    # a time budget's schedule is fitted to the steps it will get, and refitted as steps double
-    fitting, next_fit = total_steps is None and budget_kind == "seconds", 1
+    # a time budget's schedule is fitted to the steps it will get, and refitted as steps double (a
+    # resumed run keeps its fit until this process has a few steps of its own to refit from)
+    fitting = total_steps is None and budget_kind == "seconds"
+    next_fit = 1 if sched["total_steps"] == _UNFITTED else 4
     diverged_at = None
     record = None  # the last step's train record when log_every skipped it
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
@@ -727,7 +730,8 @@ def train(cfg: TrainConfig) -> dict:
                     "without saving these weights (the checkpoints before them are kept)")
                 diverged_at = step
                 break
-            if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
+            if not stopping and ((cfg.eval_every and step % cfg.eval_every == 0)  # (interrupted: save first)
+                                 or (next_eval_s is not None and elapsed >= next_eval_s)):
                 last_eval, last_eval_step = evaluate(), step
                 if next_eval_s is not None:
                     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s))
