@@ -429,7 +429,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
                 loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]),
                                        shifted.reshape(-1), ignore_index=-100)
         if loss is not None:
-            loss = over_items(loss, (shifted != -100).sum(), kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, lambda: (shifted != -100).sum(), kwargs.get("num_items_in_batch"))
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # Generation ------------------------------------------------------------------------------
@@ -534,14 +534,14 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
             picked = labels.reshape(-1) != -100
             sel = self.lm_head(h.reshape(-1, h.shape[-1])[picked])
             loss = F.cross_entropy(_fp32_unless_autocast(sel), labels.reshape(-1)[picked])
-            loss = over_items(loss, picked.sum(), kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, picked.sum, kwargs.get("num_items_in_batch"))
             return MaskedLMOutput(loss=loss, logits=None, hidden_states=out.hidden_states)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                    ignore_index=-100)
-            loss = over_items(loss, (labels != -100).sum(), kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, lambda: (labels != -100).sum(), kwargs.get("num_items_in_batch"))
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
@@ -589,17 +589,19 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
             if self.config.problem_type is None:  # kept, as HF's heads do: pipelines read it
                 self.config.problem_type = infer_problem_type(logits, labels)
             loss = classification_loss(logits, labels, self.config.problem_type)
-            loss = over_items(loss, labels.numel(), kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, labels.numel, kwargs.get("num_items_in_batch"))
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
-def over_items(mean_loss: torch.Tensor, n, num_items_in_batch) -> torch.Tensor:
-    """``mean_loss`` over ``n`` targets as their sum over ``num_items_in_batch`` (HF Trainer's count of
-    the step's targets over its accumulated micro-batches: labels other than -100, after the causal
-    shift); unchanged when that is None. Trainer's count must be of the targets the head scores: a
-    collator gives padding the label -100 (HF's do), as the heads never score a padded position."""
+def over_items(mean_loss: torch.Tensor, count, num_items_in_batch) -> torch.Tensor:
+    """``mean_loss`` over ``count()`` targets as their sum over ``num_items_in_batch`` (HF Trainer's
+    count of the step's targets over its accumulated micro-batches: labels other than -100, after the
+    causal shift); unchanged when that is None. ``count`` is called only then: a plain training step
+    does not count. Trainer's count must be of the targets the head scores: a collator gives padding
+    the label -100 (HF's do), as the heads never score a padded position."""
     if num_items_in_batch is None:
         return mean_loss
+    n = count()
     if int(n) == 0:  # the mean of nothing is NaN; the sum is 0 (and its gradient)
         return mean_loss.nan_to_num(0.0) * 0.0
     return mean_loss * n / num_items_in_batch
