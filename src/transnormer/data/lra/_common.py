@@ -28,23 +28,24 @@ def atomic_write_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
 GENERATING = ".generating"  # written before a generation's first file, removed after its sidecar
 
 
-def refuse_foreign_data(dest: Path, present: bool, what: str) -> None:
-    """Refuse to write a dataset over files in ``dest`` that carry no ``generation.json`` of ours:
-    data we did not generate (the official files?) cannot be made again, and ``lra prepare`` had
-    replaced them with a small fixture, saying nothing. A generation of ours is replaced: its
-    sidecar records the seed and parameters that make it again; so is one a kill interrupted
-    (its ``.generating`` marker is there, its sidecar not yet). Call :func:`mark_generating` next."""
-    if not present or (dest / SIDECAR_NAME).is_file() or (dest / GENERATING).is_file():
-        return
-    raise ValueError(f"{dest} already holds {what} files without a {SIDECAR_NAME} (the official ones?), "
-                     "which would be overwritten: remove them or write to another folder")
-
-
-def mark_generating(dest: Path) -> None:
-    """Mark ``dest`` as being written by our generator (:func:`refuse_foreign_data`); the sidecar's
-    writer removes the mark."""
+def begin_generation(dest: Path, present: bool, what: str) -> None:
+    """Refuse to write a dataset over files in ``dest`` that carry no ``generation.json`` of ours,
+    then mark ``dest`` as being generated. Data we did not generate (the official files?) cannot be
+    made again, and ``lra prepare`` had replaced them with a small fixture, saying nothing. A
+    generation of ours is replaced: its sidecar records the seed and parameters that make it again;
+    so is one a kill interrupted (its ``.generating`` mark is there, its sidecar not yet; the
+    loaders refuse such a folder). ``present``: whether ``dest`` holds the dataset's files."""
+    if present and not (dest / SIDECAR_NAME).is_file() and not (dest / GENERATING).is_file():
+        raise ValueError(f"{dest} already holds {what} files without a {SIDECAR_NAME} (the official ones?), "
+                         "which would be overwritten: remove them or write to another folder")
     dest.mkdir(parents=True, exist_ok=True)
     (dest / GENERATING).write_text("")
+
+
+def end_generation(dest: Path, sidecar: dict) -> None:
+    """Write the generation's sidecar, then remove the mark :func:`begin_generation` left."""
+    write_json(dest / SIDECAR_NAME, sidecar)
+    (dest / GENERATING).unlink(missing_ok=True)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -26,18 +26,15 @@ from pathlib import Path
 import numpy as np
 
 from ._common import (
-    GENERATING,
-    SIDECAR_NAME,
     PackedSequences,
     as_dir,
     atomic_write_lines,
+    begin_generation,
     check_int,
     check_seed,
-    mark_generating,
-    refuse_foreign_data,
+    end_generation,
     sha256_file,
     split_name,
-    write_json,
 )
 
 GENERATOR_VERSION = "v1"
@@ -455,8 +452,7 @@ def write_listops(
     if not isinstance(out_dir, (str, os.PathLike)):
         raise TypeError(f"out_dir must be a str or os.PathLike path, got {type(out_dir).__name__}")
     out = Path(out_dir)
-    refuse_foreign_data(out, any((out / f).exists() for f in SPLIT_FILES.values()), "ListOps")
-    mark_generating(out)
+    begin_generation(out, any((out / f).exists() for f in SPLIT_FILES.values()), "ListOps")
     gen = generate_listops(seed=seed, config=cfg, workers=workers)
     counts = _split_counts(cfg)
     bounds = {}
@@ -494,8 +490,7 @@ def write_listops(
         "sha256": files,
         "dataset_id": listops_dataset_id(seed, cfg),
     }
-    write_json(out / SIDECAR_NAME, meta)
-    (out / GENERATING).unlink(missing_ok=True)
+    end_generation(out, meta)
     return meta
 
 

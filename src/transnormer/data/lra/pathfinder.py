@@ -40,17 +40,14 @@ import numpy as np
 
 from ..._files import atomic_write_bytes
 from ._common import (
-    GENERATING,
-    SIDECAR_NAME,
     as_dir,
     atomic_write_lines,
+    begin_generation,
     check_int,
     check_seed,
-    mark_generating,
-    refuse_foreign_data,
+    end_generation,
     sha256_file,
     split_name,
-    write_json,
 )
 
 GENERATOR_VERSION = "v2"  # v2: markers drawn at the marker radius (v1: half a hi-res pixel less)
@@ -753,8 +750,7 @@ def write_pathfinder(
     seed = check_seed(seed)
     workers = check_int("workers", workers, minimum=1)
     dest = dataset_dir(out_root, cfg)
-    refuse_foreign_data(dest, (dest / "imgs").exists() or (dest / "metadata").exists(), f"Pathfinder{cfg.resolution}")
-    mark_generating(dest)
+    begin_generation(dest, (dest / "imgs").exists() or (dest / "metadata").exists(), f"Pathfinder{cfg.resolution}")
     n_batches = math.ceil(cfg.n_images / cfg.batch_size)
     tasks = [
         (str(dest), cfg, seed, b, min(cfg.batch_size, cfg.n_images - b * cfg.batch_size)) for b in range(n_batches)
@@ -786,8 +782,7 @@ def write_pathfinder(
         "dataset_id": pathfinder_dataset_id(seed, cfg),
         "official_parameters": official_parameters(cfg),
     }
-    write_json(dest / SIDECAR_NAME, meta)
-    (dest / GENERATING).unlink(missing_ok=True)
+    end_generation(dest, meta)
     return meta
 
 
