@@ -121,13 +121,13 @@ def results_table(records: list[dict], split: str = "test") -> str:
     <task (provenance)> + ..." (lra.md §6.3), and with one task none is given.
     """
     from .data.lra import PROVENANCES
+    from .train.lra_tasks import full_length
 
-    def _full_length(rec) -> bool:  # a run cut below the task length read other inputs
-        from .data.lra import task_info
-
-        seq_len = rec.get("seq_len")  # (results written before the ", cut to N" label record it too)
-        short = isinstance(seq_len, int) and seq_len < task_info(rec["task"]).length
-        return ", cut to " not in str(rec.get("dataset_id", "")) and not short
+    def _full_length(rec) -> bool:  # a run cut below the task length read other inputs (results written
+        # before the ", cut to N" label record seq_len too)
+        seq_len = rec.get("seq_len")
+        return ", cut to " not in str(rec.get("dataset_id", "")) and full_length(
+            seq_len if isinstance(seq_len, int) else None, rec["task"])
 
     lines = ["| task | data (provenance) | dataset_id | model | split | accuracy % |", "|---|---|---|---|---|---|"]
     best: dict[str, dict[str, dict]] = {}  # model -> LRA task slot -> the run that represents it in the mean

@@ -198,11 +198,16 @@ def load_split(task: str, root: str | None, split: str, max_len: int | None, opt
     return ds
 
 
-def comparable_to_published(provenance: str, seq_len: int | None, task: str) -> bool:
-    """Official data at the task's full length (spec §6): a run cut shorter reads other inputs."""
+def full_length(seq_len: int | None, task: str) -> bool:
+    """Whether a run read the task's sequences whole (``seq_len`` None: the task's own length)."""
     from ..data.lra import task_info
 
-    return provenance == "official" and (seq_len is None or seq_len >= task_info(task).length)
+    return seq_len is None or seq_len >= task_info(task).length
+
+
+def comparable_to_published(provenance: str, seq_len: int | None, task: str) -> bool:
+    """Official data at the task's full length (spec §6): a run cut shorter reads other inputs."""
+    return provenance == "official" and full_length(seq_len, task)
 
 
 def count_truncated(ds, max_len: int | None) -> int:
