@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -36,7 +37,7 @@ def cmd_dilution(args) -> int:
     from .analysis import run_dilution
     from .cli import load_tokenizer_for, resolve_model_dir
     from .data.corpus import load_corpus
-    from .data.tokenizer import build_tokenizer, load_tokenizer
+    from .data.tokenizer import MIN_VOCAB, build_tokenizer, load_tokenizer
     from .presets import get_config
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -50,8 +51,8 @@ def cmd_dilution(args) -> int:
     for name in names:  # an unknown preset: said before the corpus and tokenizer are built
         if not Path(name).exists():
             get_config(name)
-    if not args.tokenizer and not all(Path(n).exists() for n in names) and args.vocab_size < 261:
-        raise ValueError(f"--vocab-size must be >= 261 (5 specials and 256 bytes), got {args.vocab_size}")
+    if not args.tokenizer and not all(Path(n).exists() for n in names) and args.vocab_size < MIN_VOCAB:
+        raise ValueError(f"--vocab-size must be >= {MIN_VOCAB} (5 specials and 256 bytes), got {args.vocab_size}")
     models, toks = {}, {}
     for name in names:
         if Path(name).exists():
@@ -108,11 +109,13 @@ def cmd_ablation(args) -> int:
     out = Path(args.out)
     if not get_config(args.base).causal:  # the three runs are causal LMs; a masked LM's would be refused late
         raise ValueError(f"--base {args.base!r} is bidirectional: the ablation trains causal LMs (-lm presets)")
-    # the settings checked once, before any run writes a config or trains (each had been found by
-    # the first run, after its model_config.json was written)
-    TrainConfig(preset=args.base, data=args.data, budget=args.budget, seq_len=args.seq_len,
-                batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, clip=0.0, out_dir=str(out),
-                seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir, eval_batches=10).check()
+    # the runs' settings, checked once, before any run writes a config or trains (each had been found
+    # by the first run, after its model_config.json was written); each run takes its own config file
+    base = TrainConfig(preset=args.base, data=args.data, budget=args.budget, seq_len=args.seq_len,
+                       batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, clip=0.0, out_dir=str(out),
+                       seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir, eval_batches=10,
+                       progress=False)
+    base.check()
     # under torchrun: one process group for the three runs (as compare), rank 0 writes
     info = setup_distributed()
 
@@ -123,11 +126,7 @@ def cmd_ablation(args) -> int:
             run.mkdir(parents=True, exist_ok=True)
             config.to_json_file(cfg_path)
         barrier(info)  # the config file is there for every rank
-        cfg = TrainConfig(preset=None, config_file=str(cfg_path), data=args.data, budget=budget,
-                          seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                          clip=0.0, out_dir=str(run), seed=args.seed, vocab_size=args.vocab_size,
-                          cache_dir=args.cache_dir, eval_batches=10, progress=False)
-        summary = train(cfg)
+        summary = train(replace(base, preset=None, config_file=str(cfg_path), budget=budget, out_dir=str(run)))
         if summary.get("interrupted_at") is not None:  # Ctrl-C: saved; no ablation of a cut curve
             raise KeyboardInterrupt(f"{run} interrupted after step {summary['interrupted_at']}")
         barrier(info)  # rank 0 has written the run's metrics

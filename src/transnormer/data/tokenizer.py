@@ -40,7 +40,7 @@ __all__ = [
 
 SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
 _BPE_FORMAT = 1  # bump when the trained pipeline changes so that cached tokenizers are not reused
-_MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the 256 byte symbols
+MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # specials + the 256 byte symbols
 
 # Names that common tokenizer files use for each role, tried in order when the file says nothing.
 _ROLE_CANDIDATES = {
@@ -357,8 +357,8 @@ def train_bpe(
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-    if vocab_size < _MIN_VOCAB:
-        raise ValueError(f"vocab_size must be >= {_MIN_VOCAB} (5 special tokens + 256 bytes), got {vocab_size}")
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (5 special tokens + 256 bytes), got {vocab_size}")
     if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
         raise ValueError(f"min_frequency must be an int >= 1, got {min_frequency!r}")
     if isinstance(texts, str):
@@ -398,8 +398,8 @@ def build_tokenizer(
     splits = getattr(corpus, "splits", None)
     if not fingerprint or not isinstance(splits, dict) or "train" not in splits:
         raise TypeError("corpus must be a Corpus (with .fingerprint and a 'train' split); see load_corpus")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB:
-        raise ValueError(f"vocab_size must be an int >= {_MIN_VOCAB}, got {vocab_size!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB}, got {vocab_size!r}")
     path = (
         resolve_cache_dir(cache_dir)
         / "tokenizers"
