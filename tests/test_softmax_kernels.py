@@ -236,6 +236,27 @@ def test_large_scores_do_not_overflow():
         assert rel_err(g.double(), r) < 3e-2
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_f32),
+                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernel)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_scores_beyond_the_range_of_a_log_sum_exp(mode, kernel_calls, dtype, causal):
+    """|scale · score| past 2^31: a log-sum-exp in fp32 rounds to a multiple of more than 128 there,
+    so a P recomputed from it overflowed (the backward returned NaN from a scale of 1e8). The
+    softmax is then one-hot: O and dV are those of the largest score, and dQ, dK stay finite (their
+    exact value is 0; what is left is rounding times the scale, as in any delta-form backward)."""
+    q, k, v, go = _case(2, 130, 2, 64, 64)
+    for scale in (1e8, 1e9, 1e20):
+        fn = lambda q, k, v, s=scale: softmax_attn(q, k, v, causal=causal, scale=s)  # noqa: E731
+        got = _run(fn, q, k, v, go, dtype)
+        ref = _run(lambda q, k, v, s=scale: softmax_attn_reference(q, k, v, causal=causal, scale=s),
+                   q, k, v, go, torch.float64)
+        assert all(torch.isfinite(t).all() for t in got), scale
+        assert rel_err(got[0].double(), ref[0]) < 1e-6, scale  # v rows, picked exactly
+        # dV sums the dO rows of the queries that pick each key: one bf16 rounding of that sum
+        assert rel_err(got[3].double(), ref[3]) < (1e-6 if dtype == torch.float32 else 4e-3), scale
+    assert len(kernel_calls) == 3
+
+
 @needs_f32
 @pytest.mark.parametrize("degree", [5, 7])
 def test_exp2_bits_is_exp2_masked_bit_for_bit(degree):

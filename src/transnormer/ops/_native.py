@@ -456,30 +456,31 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
 class NativeSoftmaxAttn(torch.autograd.Function):
     """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the bf16 kernel, fp32: the AVX-512 one) with
     token rows readable in place (:func:`token_rows_ok`).
-    Saves q, k, v, o and the per-query log-sum-exp lse [B, H, T] (fp32) for the backward."""
+    Saves q, k, v, o and the per-query stats [B, H, 2, T] (fp32: the raw score max and log2 of the
+    sum of exponentials) for the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, window: int):
         B, T, H, D = q.shape
         E = v.shape[-1]
         o = torch.empty(B, T, H, E, dtype=q.dtype)
-        lse = torch.empty(B, H, T, dtype=torch.float32)
-        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(token_row_stride, (q, k, v)), _ptr(o), _ptr(lse),
-              B, T, H, D, E, window, int(causal), scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+        stats = torch.empty(B, H, 2, T, dtype=torch.float32)
+        _call("tn_softmax_fwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(token_row_stride, (q, k, v)), _ptr(o),
+              _ptr(stats), B, T, H, D, E, window, int(causal), scale)
+        ctx.save_for_backward(q, k, v, o, stats)
         ctx.args = (window, int(causal), scale)
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, stats = ctx.saved_tensors
         B, T, H, D = q.shape
         E = v.shape[-1]
         do = do.contiguous()
         dq, dk, dv = torch.empty(B, T, H, D, dtype=q.dtype), torch.empty(B, T, H, D, dtype=q.dtype), torch.empty_like(o)
         _call("tn_softmax_bwd", q.dtype, _ptr(q), _ptr(k), _ptr(v), *map(token_row_stride, (q, k, v)), _ptr(o), _ptr(do),
-              _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv), B, T, H, D, E, *ctx.args)
+              _ptr(stats), _ptr(dq), _ptr(dk), _ptr(dv), B, T, H, D, E, *ctx.args)
         return dq, dk, dv, None, None, None
 
 

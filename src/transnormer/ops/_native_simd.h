@@ -93,8 +93,8 @@ inline __m512 exp2_frac(__m512 f) {
     return p;
 }
 
-// 2^x, x finite (a scaled score minus its row max or lse): 2^x = 2^n 2^f, |f| <= 1/2, 2^f by its
-// Taylor polynomial of degree Deg, scalef underflowing to 0 cleanly; masked lanes 0. Relative
+// 2^x, x finite (a scaled score less its row max, or less its log-sum): 2^x = 2^n 2^f, |f| <= 1/2,
+// 2^f by its Taylor polynomial of degree Deg, scalef underflowing to 0 cleanly; masked lanes 0. Relative
 // error: < 4e-6 at degree 5 (the bf16 kernel: its operands P, dS round at 4e-3), < 1e-8 at 7.
 template <int Deg = 5>
 inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
@@ -127,14 +127,14 @@ inline __m512 exp2_bits(__mmask16 keep, __m512 x) {
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(keep & ~flush, r), keep & nan, x);
 }
 
-// The online softmax's rescale factor where a lane's running max rose from m_old to m_new (raw
-// scores; shift = fl(m_new c), the exponent offset of this step's p): 2^(fl(m_old c) - shift),
-// the same rounding the earlier steps' p were taken with, so that it is exactly 1 where the max
-// did not move (rather than 2^(rounding error), compounding over the steps); 0 from m_old = -inf.
-// moved: the lanes where the max rose.
-inline __m512 online_rescale(__m512 m_old, __m512 m_new, __m512 shift, __m512 c, __mmask16& moved) {
+// The online softmax's rescale factor where a lane's running max of raw scores rose from m_old
+// to m_new: 2^((m_old - m_new) c), c = scale log2(e), formed from the difference of the raw maxima
+// as the step's p = 2^((s - m_new) c) are (the scaled maxima themselves round to a multiple of
+// their ulp, which at |m c| > 2^31 is more than the exponent range); exactly 1 where the max did
+// not move, 0 from m_old = -inf. moved: the lanes where the max rose.
+inline __m512 online_rescale(__m512 m_old, __m512 m_new, __m512 c, __mmask16& moved) {
     moved = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ);
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_mul_ps(m_old, c), shift), _mm512_set1_ps(-1000.0f));
+    const __m512 x = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), c), _mm512_set1_ps(-1000.0f));
     return _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.0f), exp2_masked<7>(moved, x));
 }
 

@@ -7,7 +7,8 @@
 // spends most of a long-sequence training step there.
 //
 // Layouts as in _native_softmax_amx.cpp: q, k [B, T, H, D], v [B, T, H, E] fp32 with token rows
-// at strides ldq, ldk, ldv; o, dO, dq, dk, dv contiguous; lse [B, H, T]. Keys of query i: all
+// at strides ldq, ldk, ldv; o, dO, dq, dk, dv contiguous; stats [B, H, 2, T] (each query's raw
+// score max and log2 of its sum, _native_softmax_walk.h). Keys of query i: all
 // (w = 0) or those of i's window of w tokens (w a multiple of 64), only j <= i when causal.
 //
 // Numerics: all in fp32 (products accumulate in fp32, exp by a degree-7 polynomial, < 1e-8
@@ -39,14 +40,14 @@ constexpr idx kGroupK = 4;  // backward: key steps that take each query block in
 
 struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to 64
-    tn::buffer<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, lse_d;
+    tn::buffer<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, rows;
 
     Worker(const Shape& s_, bool backward)
         : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),
           st(kK * kQ) {
         if (backward) {
             qp.resize(Tp * D), gp.resize(Tp * E), gt.resize(Tp * E), dpt.resize(kK * kQ), dqf.resize(Tp * D);
-            dkv.resize(kGroupK * kK * (D + E)), lse_d.resize(2 * Tp);
+            dkv.resize(kGroupK * kK * (D + E)), rows.resize(3 * Tp);
         } else {
             qp.resize(Tp * D), acc.resize(kGroupQ * kQ * E), ml.resize(2 * kGroupQ * kQ);
         }
@@ -100,11 +101,10 @@ struct Worker : Walk {
 
     // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
-        const float inf = std::numeric_limits<float>::infinity();
-        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), one = _mm512_set1_ps(1.0f);
+        const __m512 c = _mm512_set1_ps(s.scale * kLog2e);
         scores(i0, j0);
         const bool full = all_visible(i0, kQ, j0);
-        __m512 mx[4], shift[4], sum[4], alpha[4];
+        __m512 mx[4], sum[4], alpha[4];
         for (int h = 0; h < 4; ++h) mx[h] = _mm512_loadu_ps(m + 16 * h);
         for (idx r = 0; r < kK; ++r) {
             const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
@@ -112,21 +112,19 @@ struct Worker : Walk {
                 mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
         }
         bool moved = false;
-        for (int h = 0; h < 4; ++h) {
-            const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
-            shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
+        for (int h = 0; h < 4; ++h) {  // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
             __mmask16 rose;
-            alpha[h] = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], shift[h], c, rose);
+            alpha[h] = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], c, rose);
             moved |= rose != 0;
             _mm512_storeu_ps(m + 16 * h, mx[h]);
             sum[h] = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha[h]);
         }
         if (moved) scale_rows(acc, E, alpha);  // the max rose: rescale O
-        for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^(c s - c m) on visible lanes
+        for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^((s - m) c) on visible lanes
             const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
             for (int h = 0; h < 4; ++h) {
                 float* x = st.data() + r * kQ + 16 * h;
-                const __m512 p = exp2_masked(half(vis, h), _mm512_fmsub_ps(_mm512_loadu_ps(x), c, shift[h]));
+                const __m512 p = exp2_masked(half(vis, h), _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), mx[h]), c));
                 _mm512_storeu_ps(x, p);
                 sum[h] = _mm512_add_ps(sum[h], p);
             }
@@ -136,7 +134,7 @@ struct Worker : Walk {
         gemm<float>(kQ, E, kK, st.data(), 1, kQ, vp.data() + j0 * E, E, acc, E, true);
     }
 
-    void forward(const float* q, const float* k, const float* v, float* o, float* lse, idx n) {
+    void forward(const float* q, const float* k, const float* v, float* o, float* stats, idx n) {
         load_qkv(q, k, v, n);
         for (idx g0 = 0; g0 < T; g0 += kQ * kGroupQ) {
             const idx nb = std::min(kGroupQ, (T - g0 + kQ - 1) / kQ);
@@ -150,14 +148,14 @@ struct Worker : Walk {
                     if (j0 >= fwd_start(i0) && j0 < fwd_end(i0, kQ))
                         fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * kQ * E);
                 }
-            for (idx b = 0; b < nb; ++b) {  // O /= l; lse = scale m + ln l
+            for (idx b = 0; b < nb; ++b) {  // O /= l; the stats m, log2 l
                 const idx i0 = g0 + b * kQ, L = std::min(kQ, T - i0);
                 const float* m = ml.data() + b * kQ;
                 const float* l = ml.data() + (kGroupQ + b) * kQ;
                 __m512 inv[4];
                 for (int h = 0; h < 4; ++h) inv[h] = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + 16 * h));
                 scale_rows(acc.data() + b * kQ * E, E, inv);
-                for (idx r = 0; r < L; ++r) lse[n * T + i0 + r] = s.scale * m[r] + std::log(l[r]);
+                for (idx r = 0; r < L; ++r) store_stats(stats, n, i0 + r, m[r], l[r]);
                 write_rows(acc.data() + b * kQ * E, L, E, o + at(n, i0, E, s.H * E), s.H * E);
             }
         }
@@ -165,7 +163,8 @@ struct Worker : Walk {
 
     // ---- backward ------------------------------------------------------------------------
 
-    void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb) {
+    // Key step j0 with query block i0: the block's m, log2 l and delta in mr, ll, dl.
+    void bwd_step(idx i0, idx j0, const __m512* mr, const __m512* ll, const __m512* dl, float* dkb, float* dvb) {
         const __m512 c = _mm512_set1_ps(s.scale * kLog2e), scale = _mm512_set1_ps(s.scale);
         scores(i0, j0);
         gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
@@ -175,7 +174,8 @@ struct Worker : Walk {
             for (int h = 0; h < 4; ++h) {
                 float* x = st.data() + r * kQ + 16 * h;
                 float* d = dpt.data() + r * kQ + 16 * h;
-                const __m512 p = exp2_masked(half(vis, h), _mm512_fmsub_ps(_mm512_loadu_ps(x), c, ls[h]));
+                const __m512 e = _mm512_fmsub_ps(_mm512_sub_ps(_mm512_loadu_ps(x), mr[h]), c, ll[h]);
+                const __m512 p = exp2_masked(half(vis, h), e);
                 _mm512_storeu_ps(x, p);
                 _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d), dl[h])), scale));
             }
@@ -185,30 +185,29 @@ struct Worker : Walk {
         gemm<float>(kQ, D, kK, dpt.data(), 1, kQ, kp.data() + j0 * D, D, dqf.data() + i0 * D, D, true);  // dQ += dS K
     }
 
-    void backward(const float* q, const float* k, const float* v, const float* o, const float* dout, const float* lse,
+    void backward(const float* q, const float* k, const float* v, const float* o, const float* dout, const float* stats,
                   float* dq, float* dk, float* dv, idx n) {
         load_qkv(q, k, v, n);
         const idx ldo = s.H * E;
         pack(dout + at(n, 0, E, ldo), ldo, E, gp.data());
         blocked_transpose(gp.data(), E, gt.data());  // dO^T per query block: dP^T = V dO^T
-        query_rows(lse, n, o, ldo, gp.data(), Tp, lse_d.data());
-        const float* lse2 = lse_d.data();      // lse log2(e), per query
-        const float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
+        query_rows(stats, n, o, ldo, gp.data(), Tp, rows.data());  // per query: m, log2 l, delta
         std::fill(dqf.begin(), dqf.end(), 0.0f);
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
             const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
             std::fill(dkv.begin(), dkv.end(), 0.0f);
             const idx last = g0 + (nk - 1) * kK;
             for (idx i0 = bwd_start(g0, kQ); i0 < bwd_end(last); i0 += kQ) {
-                __m512 ls[4], dl[4];
+                __m512 mr[4], ll[4], dl[4];
                 for (int h = 0; h < 4; ++h) {
-                    ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
-                    dl[h] = _mm512_loadu_ps(delta + i0 + 16 * h);
+                    mr[h] = _mm512_loadu_ps(rows.data() + i0 + 16 * h);
+                    ll[h] = _mm512_loadu_ps(rows.data() + Tp + i0 + 16 * h);
+                    dl[h] = _mm512_loadu_ps(rows.data() + 2 * Tp + i0 + 16 * h);
                 }
                 for (idx c = 0; c < nk; ++c) {
                     const idx j0 = g0 + c * kK;
                     if (i0 >= bwd_start(j0, kQ) && i0 < bwd_end(j0))
-                        bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
+                        bwd_step(i0, j0, mr, ll, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
                 }
             }
             for (idx c = 0; c < nk; ++c) {
@@ -266,15 +265,15 @@ int tn_exp2_pair_f32(const float* x, float* masked, float* bits, idx n, int degr
 #define TN_SOFTMAX_F32_RUN(BWD, CALL) return 2
 #endif
 
-int tn_softmax_fwd_f32(const float* q, const float* k, const float* v, idx ldq, idx ldk, idx ldv, float* o, float* lse,
+int tn_softmax_fwd_f32(const float* q, const float* k, const float* v, idx ldq, idx ldk, idx ldv, float* o, float* stats,
                        idx B, idx T, idx H, idx D, idx E, idx w, int causal, float scale, int nthreads) {
-    TN_SOFTMAX_F32_RUN(false, forward(q, k, v, o, lse, n));
+    TN_SOFTMAX_F32_RUN(false, forward(q, k, v, o, stats, n));
 }
 
 int tn_softmax_bwd_f32(const float* q, const float* k, const float* v, idx ldq, idx ldk, idx ldv, const float* o,
-                       const float* dout, const float* lse, float* dq, float* dk, float* dv, idx B, idx T, idx H,
+                       const float* dout, const float* stats, float* dq, float* dk, float* dv, idx B, idx T, idx H,
                        idx D, idx E, idx w, int causal, float scale, int nthreads) {
-    TN_SOFTMAX_F32_RUN(true, backward(q, k, v, o, dout, lse, dq, dk, dv, n));
+    TN_SOFTMAX_F32_RUN(true, backward(q, k, v, o, dout, stats, dq, dk, dv, n));
 }
 
 }  // extern "C"

@@ -11,14 +11,15 @@
 // Layouts: q, k [B, T, H, D], v [B, T, H, E] bf16, each token's [H, D] row contiguous and the
 // tokens at a row stride (ldq, ldk, ldv elements; the batch stride T times it), so views of a
 // fused q/k/v projection are read in place; o, dO, dq, dk, dv contiguous [B, T, H, D|E];
-// lse [B, H, T] fp32, the log-sum-exp of each query's scaled scores, saved by the forward.
+// stats [B, H, 2, T] fp32, each query's raw score max and log2 of its sum, saved by the forward
+// (_native_softmax_walk.h).
 // Keys of query i: all (window w = 0) or those of i's block [floor(i/w) w, floor(i/w) w + w)
 // (w > 0, a multiple of 32), and only j <= i when causal.
 //
 // Numerics (as FlashAttention-2 on GPUs): S = scale Q K^T in fp32 from bf16 operands; P =
 // exp(S - running max) in fp32, its row sums in fp32, P rounded to bf16 as the operand of P V;
 // O accumulated in fp32, divided by the row sum and rounded once. The backward recomputes P
-// from lse (bitwise the forward's S), delta = rowsum(dO * O), dS = P (dP - delta) in fp32, and
+// from the stats (bitwise the forward's S), delta = rowsum(dO * O), dS = P (dP - delta) in fp32, and
 // rounds P and dS to bf16 as operands; dQ, dK, dV accumulate in fp32 and are rounded once.
 //
 // The walk: heads are split over threads; each head's rows are first packed (zero-padded to a
@@ -27,7 +28,7 @@
 // Forward: query blocks of 32, keys in steps of 64 with the online softmax, O^T = V^T P^T
 // accumulated in fp32. Backward: key steps of 64 outer (dK, dV accumulate in fp32), query
 // blocks of 64 inner, dQ^T accumulated in an fp32 copy of the head. Nothing per score is
-// stored: the forward keeps lse, the backward recomputes P.
+// stored: the forward keeps the stats, the backward recomputes P.
 
 #include "_native_amx.h"
 #include "_native_softmax_walk.h"
@@ -47,7 +48,7 @@ constexpr idx kGroupQ = 8;  // forward: query blocks that take each key step in 
 constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
 
 // Queries lie along the vector lanes: every score block is computed transposed, S^T = K Q^T
-// [keys x queries], so the softmax's per-query max, sum, lse and delta are lane-wise vector
+// [keys x queries], so the softmax's per-query max, sum and delta are lane-wise vector
 // operations (no horizontal reductions or scalar work per query), and the causal mask is a
 // lane mask per key (the helpers are in _native_simd.h).
 
@@ -73,7 +74,7 @@ struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to kK
     tn::buffer<bf> qp, kp, vp, gp, kt, vt, pt, dt;
     tn::buffer<w32> qv, gv, qtv, gtv, tmp, pv, dsv;
-    tn::buffer<float> st, dpt, acc, ml, dqt, dkv, tb, lse_d;
+    tn::buffer<float> st, dpt, acc, ml, dqt, dkv, tb, rows;
 
     Worker(const Shape& s_, bool backward)
         : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), qp(Tp * D), kp(Tp * D), vp(Tp * E),
@@ -81,7 +82,7 @@ struct Worker : Walk {
         if (backward) {
             gp.resize(Tp * E), kt.resize(Tp * D), pt.resize(kK * kQb), dt.resize(kK * kQb);
             qv.resize(Tp * D / 2), gv.resize(Tp * E / 2), gtv.resize(Tp * E / 2), dsv.resize(kGroupK * kK / 2 * kQb);
-            dpt.resize(kK * kQb), dqt.resize(Tp * D), dkv.resize(kGroupK * kK * (D + E)), lse_d.resize(2 * Tp);
+            dpt.resize(kK * kQb), dqt.resize(Tp * D), dkv.resize(kGroupK * kK * (D + E)), rows.resize(3 * Tp);
         } else {
             vt.resize(Tp * E), acc.resize(kGroupQ * E * kQ), ml.resize(2 * kGroupQ * kQ), pv.resize(kK / 2 * kQ);
         }
@@ -129,7 +130,6 @@ struct Worker : Walk {
 
     // One key step of query block i0: its running max m, sum l (kQ floats each) and O^T (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
-        const float inf = std::numeric_limits<float>::infinity();
         const __m512 c = _mm512_set1_ps(s.scale * kLog2e);
         scores(i0, kQ, j0);
         const bool full = all_visible(i0, kQ, j0);
@@ -139,13 +139,11 @@ struct Worker : Walk {
             for (int h = 0; h < 2; ++h)
                 mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
         }
-        __m512 shift[2], sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int h = 0; h < 2; ++h) {
-            // a lane with no visible key yet keeps m = -inf: shift 0, alpha 1, p 0
-            const __mmask16 seen = _mm512_cmp_ps_mask(mx[h], _mm512_set1_ps(-inf), _CMP_NEQ_OQ);
-            shift[h] = _mm512_maskz_mul_ps(seen, mx[h], c);
+            // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
             __mmask16 moved;
-            const __m512 alpha = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], shift[h], c, moved);
+            const __m512 alpha = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], c, moved);
             _mm512_storeu_ps(m + 16 * h, mx[h]);
             _mm512_storeu_ps(l + 16 * h, _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha));
             if (moved)  // the max rose: rescale O^T
@@ -154,12 +152,12 @@ struct Worker : Walk {
                     _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
                 }
         }
-        for (idx r = 0; r < kK; r += 2) {  // VNNI(P^T), p = 2^(c s - c m) on visible lanes
+        for (idx r = 0; r < kK; r += 2) {  // VNNI(P^T), p = 2^((s - m) c) on visible lanes
             __m512 p[2][2];
             for (int u = 0; u < 2; ++u) {
                 const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r + u);
                 for (int h = 0; h < 2; ++h) {
-                    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h), c, shift[h]);
+                    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h), mx[h]), c);
                     p[u][h] = exp2_masked(half(vis, h), x);
                     sum[h] = _mm512_add_ps(sum[h], p[u][h]);
                 }
@@ -170,7 +168,7 @@ struct Worker : Walk {
         gemm(E, kQ, {kK, vt.data() + j0 * E, kK, pv.data(), kQ, kDense}, nullptr, acc, kQ, true);
     }
 
-    void forward(const bf* q, const bf* k, const bf* v, bf* o, float* lse, idx n) {
+    void forward(const bf* q, const bf* k, const bf* v, bf* o, float* stats, idx n) {
         load_qkv(q, k, v, n, kQ);
         blocked_transpose(E, vp.data(), kK, vt.data());  // V^T per key step
         for (idx g0 = 0; g0 < T; g0 += kQ * kGroupQ) {
@@ -185,7 +183,7 @@ struct Worker : Walk {
                     if (j0 >= fwd_start(i0) && j0 < fwd_end(i0, kQ))
                         fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * E * kQ);
                 }
-            for (idx b = 0; b < nb; ++b) {  // O = (O^T / l)^T; lse = scale m + ln l
+            for (idx b = 0; b < nb; ++b) {  // O = (O^T / l)^T; the stats m, log2 l
                 const idx i0 = g0 + b * kQ, L = std::min(kQ, T - i0);
                 const float* m = ml.data() + b * kQ;
                 const float* l = ml.data() + (kGroupQ + b) * kQ;
@@ -195,7 +193,7 @@ struct Worker : Walk {
                     for (idx e = 0; e < E; ++e)
                         _mm512_storeu_ps(a + e * kQ + 16 * h, _mm512_mul_ps(_mm512_loadu_ps(a + e * kQ + 16 * h), inv));
                 }
-                for (idx r = 0; r < L; ++r) lse[n * T + i0 + r] = s.scale * m[r] + std::log(l[r]);
+                for (idx r = 0; r < L; ++r) store_stats(stats, n, i0 + r, m[r], l[r]);
                 write_transposed(a, E, kQ, o, n, i0, L);
             }
         }
@@ -205,9 +203,11 @@ struct Worker : Walk {
     // kGroupK key steps take each query block in turn, so the query-side operands (Q, dO in two
     // layouts each, dQ^T in fp32) are read once per 256 keys rather than once per 64.
 
-    // Key step j0 (its dK, dV accumulators dkb, dvb) and query block i0 (lse log2 e, delta in ls, dl).
+    // Key step j0 (its dK, dV accumulators dkb, dvb) and query block i0 (its m, log2 l, delta in
+    // mr, ll, dl).
     // VNNI(dS^T) of the step goes to dsv_out; the caller sums dQ^T over the group's steps.
-    void bwd_step(idx i0, idx j0, const __m512* ls, const __m512* dl, float* dkb, float* dvb, w32* dsv_out) {
+    void bwd_step(idx i0, idx j0, const __m512* mr, const __m512* ll, const __m512* dl, float* dkb, float* dvb,
+                  w32* dsv_out) {
         const __m512 c = _mm512_set1_ps(s.scale * kLog2e), scale = _mm512_set1_ps(s.scale);
         scores(i0, kQb, j0);
         gemm(kK, kQb, {E, vp.data() + j0 * E, E, gtv.data() + i0 * E / 2, kQb, kDense}, nullptr, dpt.data(), kQb,
@@ -220,7 +220,8 @@ struct Worker : Walk {
                 const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + row);
                 __m512 p[4];
                 for (int h = 0; h < 4; ++h) {
-                    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st.data() + row * kQb + 16 * h), c, ls[h]);
+                    const __m512 x =
+                        _mm512_fmsub_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + row * kQb + 16 * h), mr[h]), c, ll[h]);
                     p[h] = tn::exp2_bits<5>(half(vis, h), x);  // (see exp2_bits: faster here)
                     const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(dpt.data() + row * kQb + 16 * h), dl[h]);
                     ds[u][h] = _mm512_mul_ps(_mm512_mul_ps(p[h], d), scale);
@@ -234,7 +235,7 @@ struct Worker : Walk {
         gemm(kK, D, {kQb, dt.data(), kQb, qv.data() + (i0 / 2) * D, D, kDense}, nullptr, dkb, D, true);
     }
 
-    void backward(const bf* q, const bf* k, const bf* v, const bf* o, const bf* dout, const float* lse, bf* dq,
+    void backward(const bf* q, const bf* k, const bf* v, const bf* o, const bf* dout, const float* stats, bf* dq,
                   bf* dk, bf* dv, idx n) {
         load_qkv(q, k, v, n, kQb);
         const idx ldo = s.H * E;
@@ -243,20 +244,19 @@ struct Worker : Walk {
         vnni(Tp, D, qp.data(), D, qv.data());                      // VNNI(Q): dK = dS^T Q
         vnni(Tp, E, gp.data(), E, gv.data());                      // VNNI(dO): dV = P^T dO
         blocked_transpose(D, kp.data(), kK, kt.data());            // K^T per key step: dQ^T = K^T dS^T
-        query_rows(lse, n, reinterpret_cast<const tn::bf16*>(o), ldo, reinterpret_cast<const tn::bf16*>(gp.data()), Tp,
-                   lse_d.data());
-        const float* lse2 = lse_d.data();        // lse log2(e), per query
-        const float* delta = lse_d.data() + Tp;  // rowsum(dO * O), per query
+        query_rows(stats, n, reinterpret_cast<const tn::bf16*>(o), ldo, reinterpret_cast<const tn::bf16*>(gp.data()), Tp,
+                   rows.data());  // per query: m, log2 l, delta
         std::fill(dqt.begin(), dqt.end(), 0.0f);  // dQ^T per query block [Tp/kQb][D][kQb]
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
             const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
             std::fill(dkv.begin(), dkv.end(), 0.0f);
             const idx last = g0 + (nk - 1) * kK;
             for (idx i0 = bwd_start(g0, kQb); i0 < bwd_end(last); i0 += kQb) {
-                __m512 ls[4], dl[4];
+                __m512 mr[4], ll[4], dl[4];
                 for (int h = 0; h < 4; ++h) {
-                    ls[h] = _mm512_loadu_ps(lse2 + i0 + 16 * h);
-                    dl[h] = _mm512_loadu_ps(delta + i0 + 16 * h);
+                    mr[h] = _mm512_loadu_ps(rows.data() + i0 + 16 * h);
+                    ll[h] = _mm512_loadu_ps(rows.data() + Tp + i0 + 16 * h);
+                    dl[h] = _mm512_loadu_ps(rows.data() + 2 * Tp + i0 + 16 * h);
                 }
                 Pair dq[kGroupK];  // dQ^T += K_j^T dS_j^T over the group's steps, in one pass of the tiles
                 int np = 0;
@@ -264,7 +264,7 @@ struct Worker : Walk {
                     const idx j0 = g0 + c * kK;
                     if (i0 < bwd_start(j0, kQb) || i0 >= bwd_end(j0)) continue;
                     w32* ds = dsv.data() + c * kK / 2 * kQb;
-                    bwd_step(i0, j0, ls, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK, ds);
+                    bwd_step(i0, j0, mr, ll, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK, ds);
                     dq[np++] = {kK, kt.data() + j0 * D, kK, ds, kQb, kDense};
                 }
                 if (np) gemm_sum(D, kQb, dq, np, dqt.data() + i0 * D, kQb, true);
@@ -300,15 +300,15 @@ typedef uint16_t* out_t;
 #define TN_SOFTMAX_RUN(BWD, CALL) return 2
 #endif
 
-int tn_softmax_fwd_bf16(in_t q, in_t k, in_t v, idx ldq, idx ldk, idx ldv, out_t o, float* lse, idx B, idx T, idx H,
+int tn_softmax_fwd_bf16(in_t q, in_t k, in_t v, idx ldq, idx ldk, idx ldv, out_t o, float* stats, idx B, idx T, idx H,
                         idx D, idx E, idx w, int causal, float scale, int nthreads) {
-    TN_SOFTMAX_RUN(false, forward(q, k, v, o, lse, n));
+    TN_SOFTMAX_RUN(false, forward(q, k, v, o, stats, n));
 }
 
-int tn_softmax_bwd_bf16(in_t q, in_t k, in_t v, idx ldq, idx ldk, idx ldv, in_t o, in_t dout, const float* lse,
+int tn_softmax_bwd_bf16(in_t q, in_t k, in_t v, idx ldq, idx ldk, idx ldv, in_t o, in_t dout, const float* stats,
                         out_t dq, out_t dk, out_t dv, idx B, idx T, idx H, idx D, idx E, idx w, int causal,
                         float scale, int nthreads) {
-    TN_SOFTMAX_RUN(true, backward(q, k, v, o, dout, lse, dq, dk, dv, n));
+    TN_SOFTMAX_RUN(true, backward(q, k, v, o, dout, stats, dq, dk, dv, n));
 }
 
 }  // extern "C"

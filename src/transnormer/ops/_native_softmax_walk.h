@@ -5,12 +5,13 @@
 // threads.
 //
 // Layouts: q, k [B, T, H, D], v [B, T, H, E] with token rows at strides ldq, ldk, ldv (the batch
-// stride T times it); o, dO, dq, dk, dv contiguous [B, T, H, D|E]; lse [B, H, T]. Keys of query
+// stride T times it); o, dO, dq, dk, dv contiguous [B, T, H, D|E]; stats [B, H, 2, T] (below). Keys of query
 // i: all (w = 0) or those of i's window [floor(i/w) w, floor(i/w) w + w), and only j <= i when
 // causal. Queries lie along the vector lanes (scores are computed transposed, keys x queries).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 
 #include "_native_common.h"
 #include "_native_simd.h"
@@ -84,14 +85,24 @@ struct Walk {
     idx bwd_start(idx j0, idx nq) const { return (s.causal ? j0 : block_of(j0)) / nq * nq; }
     idx bwd_end(idx j0) const { return block_end(std::min(j0 + kK, T) - 1); }
 
-    // The backward's per-query rows of head n, rows [2 x Tp] (zero past T): lse log2(e), then
+    // stats of head n, query t, written by the forward: the max m of the query's raw scores (q.k,
+    // unscaled) at n 2T + t, log2 of its sum l = sum_j 2^((s_j - m) c) at n 2T + T + t (c = scale
+    // log2 e), so that the backward's P = 2^((s - m) c - log2 l) takes its exponent from the
+    // difference of two raw scores. A log-sum-exp would round to a multiple of its ulp, which for
+    // |scale m| > 2^31 is more than the exponent range (P overflowed to inf, the gradients NaN).
+    void store_stats(float* stats, idx n, idx t, float m, float l) const {
+        stats[n * 2 * T + t] = m;
+        stats[n * 2 * T + T + t] = std::log2(l);
+    }
+    // The backward's per-query rows of head n, rows [3 x Tp] (zero past T): m, log2 l, then
     // delta = rowsum(dO * O). o: [B, T, H, E] at row stride ldo; g: head n's dO rows, E apart.
     template <typename V>
-    void query_rows(const float* lse, idx n, const V* o, idx ldo, const V* g, idx Tp, float* rows) const {
-        std::fill(rows, rows + 2 * Tp, 0.0f);
+    void query_rows(const float* stats, idx n, const V* o, idx ldo, const V* g, idx Tp, float* rows) const {
+        std::fill(rows, rows + 3 * Tp, 0.0f);
         for (idx t = 0; t < T; ++t) {
-            rows[t] = lse[n * T + t] * kLog2e;
-            rows[Tp + t] = row_dot(o + at(n, t, s.E, ldo), g + t * s.E, s.E);
+            rows[t] = stats[n * 2 * T + t];
+            rows[Tp + t] = stats[n * 2 * T + T + t];
+            rows[2 * Tp + t] = row_dot(o + at(n, t, s.E, ldo), g + t * s.E, s.E);
         }
     }
 };
