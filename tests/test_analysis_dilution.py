@@ -291,7 +291,10 @@ def test_chunked_map_evaluation_matches(monkeypatch):
     chunked = dilution_curves(model, ids, mask)
     for a, b in zip(full["layers"], chunked["layers"], strict=True):
         assert a["curve"] == pytest.approx(b["curve"], abs=1e-12)
-        assert a["flagged"] == b["flagged"] and a["negative_fraction"] == pytest.approx(b["negative_fraction"], abs=0.02)
+        # the negative share is of all allowed scores, not a mean over chunks (samples of unequal
+        # real length had weighed by sample, so the share moved with the chunking)
+        assert a["flagged"] == b["flagged"] and a["negative_fraction"] == pytest.approx(b["negative_fraction"],
+                                                                                         abs=1e-12)
 
 
 def _preset_or_skip(name):

@@ -92,12 +92,23 @@ def test_rsd_from_metrics_jsonl(tmp_path):
 def test_ablation_configs_differ_only_in_mixers():
     cfgs = ablation_configs("t2-lm-tiny")
     dicts = {k: v.to_dict() for k, v in cfgs.items()}
-    strip = [{k: v for k, v in d.items() if k not in ("mixer_types", "layer_options", "lrpe")}
+    strip = [{k: v for k, v in d.items() if k not in ("mixer_types", "layer_options", "lrpe", "norm_kernel")}
              for d in dicts.values()]
     assert all(s == strip[0] for s in strip)
     assert cfgs["norm"].lrpe == "none"  # linear_elu has no positional encoding inside: only the norm differs
     assert dicts["linear_elu_no_denom"]["layer_options"]["linear_elu"] == {"denominator": False}
     assert set(cfgs["norm"].layer_types) == {"norm"}
+
+
+def test_ablation_norm_arm_takes_the_linear_arms_kernel():
+    """A T1 base's NormAttention uses elu; the arms must differ in the norm alone, so the norm arm
+    takes 1+elu as the linear_elu layers do."""
+    for base in ("t1-lm-tiny", "t2-roberta-tiny"):
+        cfgs = ablation_configs(base)
+        assert cfgs["norm"].resolved("norm_kernel") == "1+elu", base
+        mixers = {name: build_model(c).model.layers[0].mixer for name, c in cfgs.items()}
+        assert {getattr(m, "kernel_name", None) for m in mixers.values()} == {"1+elu"}, base
+        assert all(not c.causal for c in cfgs.values()) == (base == "t2-roberta-tiny")
 
 
 def test_ablation_driver_with_fake_training(tmp_path):
@@ -209,6 +220,36 @@ def test_rsd_from_a_training_metrics_file_reads_train_records_only(tmp_path):
         rsd_from_jsonl(p, start=5, end=1)
     with pytest.raises(ValueError, match="no recorded step lies in"):
         rsd_from_jsonl(p, start=10, end=20)
+    # the loop's grad_norm is over all parameters: naming it "mixer" would mislabel the report
+    with pytest.raises(ValueError, match="records norms over all"):
+        rsd_from_jsonl(p, param_set="mixer")
+    assert rsd_from_jsonl(p, param_set="all")["param_set"] == "all"
+    # one step has no spread: an RSD of 0 would read as perfectly stable gradients
+    one = rsd_from_jsonl(p, start=2)
+    assert one["num_steps"] == 1 and one["rsd"] is None and one["mean"] == 3.0
+
+
+def test_ablation_cli_trains_masked_lms_from_a_bidirectional_base(tmp_path, monkeypatch):
+    """The paper's Table 1 ablation is a bidirectional LM: such a base trains three masked LMs."""
+    from pathlib import Path
+
+    import transnormer.train.loop as loop
+    from transnormer.cli import main
+
+    tasks = []
+
+    def fake_train(cfg):
+        tasks.append(cfg.task)
+        out = Path(cfg.out_dir)
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 9.0 - 0.1 * s})
+                                                   + "\n" for s in range(1, 4)))
+        return {"diverged_at": None}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    assert main(["analyze", "ablation", "--base", "t2-roberta-tiny", "--budget", "10", "--out", str(tmp_path)]) == 0
+    assert tasks == ["mlm"] * 3
+    configs = [json.loads((tmp_path / n / "model_config.json").read_text()) for n in ("norm", "linear_elu")]
+    assert not any(c["causal"] for c in configs)
 
 
 def test_ablation_cli_marks_a_run_the_loop_stopped(tmp_path, monkeypatch):

@@ -114,7 +114,6 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     (["analyze", "dilution", "--models", "t2-lm-tiny", "--vocab-size", "0"], "--vocab-size must be >= 261"),
     (["analyze", "grad-stats", "--metrics", "{tmp}/mixer.jsonl", "--param-set", "all"],
      "records norms over mixer"),  # the report had named norms the file does not hold
-    (["analyze", "ablation", "--base", "t2-roberta-tiny"], "the ablation trains causal LMs"),
     (["analyze", "ablation", "--budget", "bogus"], "budget must look like"),  # had written its configs first
 ])
 def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):

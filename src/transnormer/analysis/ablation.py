@@ -4,8 +4,11 @@ Three models equal in everything but the token mixer, every layer of the same ty
     "linear_elu"            1+elu linear attention with the denominator (scaling) — the baseline
     "linear_elu_no_denom"   the same without the denominator and with no norm — unbounded outputs,
                             expected to diverge / train badly (paper: ppl 797 vs 4.98)
-    "norm"                  NormAttention: no denominator, an RMSNorm on the output instead (without
-                            LRPE, which 1+elu does not have either: only the norm differs)
+    "norm"                  NormAttention: no denominator, an RMSNorm on the output instead (with the
+                            1+elu kernel and without LRPE, as the linear_elu layers: only the norm
+                            differs, whatever kernel the base preset's NormAttention uses)
+
+The base may be causal (an LM) or bidirectional (a masked LM, the paper's Table 1 setting).
 
 The training itself belongs to the caller (the training engine): ``train_fn(config, budget)``
 returns [(step, loss), ...]. This module builds the configs, runs them, judges divergence and
@@ -34,7 +37,8 @@ def linear_elu_registered() -> bool:
 
 def ablation_configs(base: str = "t2-lm-tiny", **overrides) -> dict:
     """The three TransNormerConfigs from preset ``base`` (+ overrides), differing only in the mixers
-    (NormAttention without its LRPE: the linear_elu layers have no positional encoding inside)."""
+    (NormAttention on 1+elu without its LRPE, as the linear_elu layers: a T1 base's elu kernel, or
+    its LRPE, would have been a second difference)."""
     from ..models.presets import get_config
 
     ref = get_config(base, **overrides)
@@ -43,7 +47,8 @@ def ablation_configs(base: str = "t2-lm-tiny", **overrides) -> dict:
     return {
         "linear_elu": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=opts),
         "linear_elu_no_denom": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=no_denom),
-        "norm": get_config(base, **{**overrides, "lrpe": "none"}, layer_types=["norm"] * L, layer_options=opts),
+        "norm": get_config(base, **{**overrides, "lrpe": "none", "norm_kernel": "1+elu"}, layer_types=["norm"] * L,
+                           layer_options=opts),
     }
 
 

@@ -35,13 +35,16 @@ RELA_ROW_SUM_MIN = 1e-4
 class AttentionMap:
     """weights [B, H, T, T]; ``kind`` names how they were made; ``flagged`` marks maps that are not
     a distribution of the layer's own scores (negative scores replaced by |s|), with the reason in
-    ``note``; ``negative_fraction`` is the share of allowed raw scores < 0 (0 when not applicable)."""
+    ``note``; ``negative_fraction`` is the share of allowed raw scores < 0 (0 when not applicable),
+    ``num_allowed`` the number of allowed scores it is a share of (maps of several chunks of
+    samples pool by it)."""
 
     weights: torch.Tensor
     kind: str
     flagged: bool = False
     note: str = ""
     negative_fraction: float = 0.0
+    num_allowed: int = 0
 
 
 class NoAttentionMap(TypeError):
@@ -91,9 +94,9 @@ def linear_attention_map(scores: torch.Tensor, allowed: torch.Tensor | None = No
     if bool(neg.any()):
         return AttentionMap(
             row_normalize(scores.abs()), kind="linear_abs", flagged=True, negative_fraction=neg_fraction,
-            note=f"{neg_fraction:.1%} of the scores q̂·k̂ are negative; weights use |s| / Σ|s|",
+            note=f"{neg_fraction:.1%} of the scores q̂·k̂ are negative; weights use |s| / Σ|s|", num_allowed=n_allowed,
         )
-    return AttentionMap(row_normalize(scores), kind="linear")
+    return AttentionMap(row_normalize(scores), kind="linear", num_allowed=n_allowed)
 
 
 def _linear_scores_map(q, k, v, causal: bool, mask) -> AttentionMap:

@@ -209,7 +209,10 @@ def dilution_curves(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         kind = next((m.kind for m, _ in maps if m.flagged), maps[0][0].kind)
         layers.append({**info, "kind": kind, "flagged": any(m.flagged for m, _ in maps),
                        "note": worst.note or next((m.note for m, _ in maps if m.note), ""),
-                       "negative_fraction": sum(m.negative_fraction * n for m, n in maps) / B,
+                       # a share of all the chunks' allowed scores (not a mean over samples, which
+                       # would change with how the batch was chunked)
+                       "negative_fraction": (sum(m.negative_fraction * m.num_allowed for m, _ in maps)
+                                             / max(1, sum(m.num_allowed for m, _ in maps))),
                        "curve": curve.tolist(), "auc": curve_auc(rs, curve)})
     causal = bool(getattr(getattr(model, "config", None), "causal",
                           any(getattr(m, "causal", False) for _, m, *_ in captured)))

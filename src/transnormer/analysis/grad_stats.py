@@ -61,6 +61,8 @@ def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, 
            "requested_range": [start, end], "num_steps": len(finite), "num_nonfinite": len(pairs) - len(finite)}
     if not finite:
         return {**out, "mean": None, "stdev": None, "rsd": None}
+    if len(finite) < 2:  # the spread of one value is 0 by definition: it would read as perfectly stable
+        return {**out, "mean": float(finite[0][1]), "stdev": None, "rsd": None}
     x = torch.tensor([v for _, v in finite], dtype=torch.float64)
     mean, std = float(x.mean()), float(x.std(correction=0))
     return {**out, "mean": mean, "stdev": std, "rsd": std / mean if mean > 0 else None}
@@ -285,12 +287,12 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
     if not values:
         raise ValueError(f"{path}: no record has both {key!r} and {step_key!r} (is it a metrics or grad_norms "
                          "JSONL file, and the key right?)")
-    if param_set is not None and sets and {param_set} != sets:  # the report would name what the file does not hold
-        raise ValueError(f"param_set {param_set!r}: {path} records norms over {', '.join(sorted(sets))}")
+    # the training loop's grad_norm is over all parameters, before clipping (train/loop.py)
+    held = sets or ({"all"} if key == "grad_norm" and kinds == {"train"} else set())
+    if param_set is not None and held and {param_set} != held:  # the report would name what the file does not hold
+        raise ValueError(f"param_set {param_set!r}: {path} records norms over {', '.join(sorted(held))}")
     if param_set is None:
-        # the training loop's grad_norm is over all parameters, before clipping (train/loop.py)
-        default = "all" if key == "grad_norm" and kinds == {"train"} else "unknown"
-        param_set = ",".join(sorted(sets)) or default
+        param_set = ",".join(sorted(held)) or "unknown"
     out = summarize(values, steps, param_set=param_set, key=key, start=start, end=end)
     out["source"] = str(path)
     return out
