@@ -348,6 +348,23 @@ def test_every_mixer_reads_a_cache_given_with_use_cache_false(name):
     assert returned is None and torch.allclose(out, full[:, 4:], atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["norm", "linear_elu", "diag", "softmax", "gau", "flash", "performer", "cosformer"])
+def test_every_mixer_takes_positions_of_one_row(name):
+    """positions [1, T] and [T] pass the shape check; Diag, FLASH (with a cache), cosFormer and GAU
+    had then failed inside (a scatter or a broadcast of [T] against [B, T])."""
+    torch.manual_seed(0)
+    layer = _mixer_with_a_cache(name).double().eval()
+    x, pos = torch.randn(2, 6, 16, dtype=torch.float64), torch.arange(6)
+    with torch.no_grad():
+        want, want_cache = layer(x, positions=pos.expand(2, 6), use_cache=True)
+        for given in (pos, pos[None]):
+            out, cache = layer(x, positions=given, use_cache=True)
+            assert torch.equal(out, want)
+            step, _ = layer(x[:, :1], positions=torch.tensor([6]), cache=cache, use_cache=True)
+            ref, _ = layer(x[:, :1], positions=torch.full((2, 1), 6), cache=want_cache, use_cache=True)
+            assert torch.equal(step, ref)
+
+
 def test_diag_and_flash_refuse_left_padding_when_blocks_matter():
     from transnormer.layers import DiagAttention
 

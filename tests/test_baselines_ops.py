@@ -87,6 +87,20 @@ def test_kernel_linear_attn_state_chaining_and_step():
     assert rel_err(torch.cat(outs, 1), whole) < 1e-12 and rel_err(state, s_whole) < 1e-12
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_linear_attn_fp16_sums_past_fp16_range(causal):
+    """The numerator and denominator grow with the keys: in fp16 both passed 65504 near 1k tokens
+    and the ratio (a weighted mean of the values, here exactly 1) read inf / inf = NaN."""
+    x = torch.ones(1, 1100, 1, 64, dtype=torch.float16, requires_grad=True)
+    o, state = kernel_linear_attn(x, x, x, causal=causal, output_final_state=causal)
+    assert o.dtype == torch.float16 and bool((o == 1).all())
+    o.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    if causal:
+        step, _ = kernel_linear_attn_step(x[:, 0].detach(), x[:, 0].detach(), x[:, 0].detach(), state)
+        assert step.dtype == torch.float16 and bool((step == 1).all())
+
+
 # ------------------------------------------------------------------------------------------------
 # Performer (FAVOR+)
 # ------------------------------------------------------------------------------------------------

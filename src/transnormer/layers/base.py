@@ -150,7 +150,8 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
         if cache is not None:
             raise ValueError("positions must be given with a cache (the tokens' positions in the whole sequence)")
         positions = default_positions(x, attention_mask)
-    return mask_or_none(attention_mask), positions
+    # [1, T] and [T] are accepted above: every layer (and its cache) then sees [B, T], as the model passes
+    return mask_or_none(attention_mask), positions.expand(B, T)
 
 
 def require_right_padding(mask: torch.Tensor | None, who: str) -> None:

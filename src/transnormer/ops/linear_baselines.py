@@ -51,6 +51,13 @@ def _augment(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
+def _wide_for_sums(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp16 inputs in fp32: the numerator and denominator both grow with the number of keys and
+    left the op in its dtype, so in fp16 (largest 65504) both overflowed past ~1k tokens and their
+    ratio, a weighted mean of the values, read inf / inf = NaN. bf16 has fp32's range."""
+    return tuple(x.float() if x.dtype == torch.float16 else x for x in xs)
+
+
 def _ratio(o: torch.Tensor, eps: float) -> torch.Tensor:
     return safe_ratio(o[..., :-1], o[..., -1:], eps)
 
@@ -95,13 +102,16 @@ def kernel_linear_attn(
         (o [B, T, H, E] in qf's dtype, final state or None). The state is fp32 for half inputs.
     """
     check_qkv(qf, kf, v)
+    dtype = qf.dtype
+    if denominator:
+        qf, kf, v = _wide_for_sums(qf, kf, v)
     vv = _augment(v) if denominator else v
     o, state = norm_linear_attn(
         qf, kf, vv, causal=causal, chunk_size=chunk_size, initial_state=initial_state,
         output_final_state=output_final_state, key_padding_mask=key_padding_mask,
     )
     if denominator:
-        o = _ratio(o, eps)
+        o = _ratio(o, eps).to(dtype)
     return o, state
 
 
@@ -120,10 +130,13 @@ def kernel_linear_attn_step(
     qf, kf: [B, H, F]; v: [B, H, E]; state: [B, H, F, E (+1)] or None; key_padding_mask: [B].
     Returns (o [B, H, E], new state).
     """
+    dtype = qf.dtype
+    if denominator:
+        qf, kf, v = _wide_for_sums(qf, kf, v)
     vv = _augment(v) if denominator else v
     o, state = norm_linear_attn_step(qf, kf, vv, state, key_padding_mask=key_padding_mask)
     if denominator:
-        o = _ratio(o, eps)
+        o = _ratio(o, eps).to(dtype)
     return o, state
 
 
