@@ -220,6 +220,37 @@ def test_generation_continues_from_a_cache_passed_in(model):
     assert torch.equal(got.sequences, alone.sequences)
 
 
+def test_a_cache_of_the_whole_prompt_is_refused_clearly(model):
+    # the next token comes from the last prompt token's logits: HF had failed with an IndexError
+    ids = torch.randint(3, 61, (1, 9))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).cache
+    with pytest.raises(ValueError, match="already seen all 9 tokens of the prompt"):
+        model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, **GEN)
+    emb = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        cache = model(inputs_embeds=emb, use_cache=True).cache
+    with pytest.raises(ValueError, match="already seen all 9 tokens of the prompt"):
+        model.generate(inputs_embeds=emb, cache=cache, max_new_tokens=2, do_sample=False, **GEN)
+
+
+def test_a_model_that_cannot_decode_generates_without_a_cache():
+    """GAU with normalizer="seq_len" has no step form: forward's default already ran it without a
+    cache, but generate() made one and failed in the first layer."""
+    torch.manual_seed(0)
+    model = build_model("flash-quad-lm-tiny", vocab_size=61, layer_options={"gau": {"normalizer": "seq_len"}}).eval()
+    assert not any(layer.mixer.decodes for layer in model.model.layers)
+    ids = torch.randint(3, 61, (2, 7))
+    got = model.generate(ids, max_new_tokens=4, do_sample=False, **GEN)
+    want = ids
+    with torch.no_grad():
+        for _ in range(4):
+            want = torch.cat([want, model(want).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError):  # the decode API itself still refuses
+        model(ids, use_cache=True)
+
+
 def test_generate_returns_hidden_states_when_asked(model):
     ids = torch.randint(3, 61, (2, 5))
     out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,

@@ -134,9 +134,20 @@ def test_sinusoid_layouts():
         ang = p[0, :, None] * theta
         want = torch.cat((ang.sin(), ang.cos()), -1)
         assert torch.allclose(sinusoidal_table(p, d, layout)[0], want, atol=1e-5)
+        # an fp64 model's table is computed in fp64 (an fp32 one had left its oracle runs 1e-6 apart)
+        i = torch.arange(5, dtype=torch.float64)
+        ang64 = p[0, :, None].double() * 10000.0 ** (-(i / 4 if layout == "fairseq" else 2 * i / d))
+        want64 = torch.cat((ang64.sin(), ang64.cos()), -1)
+        got64 = sinusoidal_table(p.long(), d, layout, torch.float64)[0]
+        assert got64.dtype == torch.float64 and torch.allclose(got64, want64, atol=1e-12, rtol=0)
     assert sinusoidal_table(p, 11, "transformer")[..., -1].abs().max() == 0  # odd width: a zero column
     with pytest.raises(ValueError, match="layout"):
         sinusoidal_table(p, d, "rotary")
+    from transnormer.modules.positional import SinusoidalPositions
+
+    pos = SinusoidalPositions(d, learnable_scale=0.5).double()
+    assert pos(p.long(), torch.float64).dtype == torch.float64
+    assert torch.equal(SinusoidalPositions(d)(p.long(), torch.bfloat16), SinusoidalPositions(d)(p.long()))
 
 
 def test_scaled_sinusoid_follows_flash_frequencies():

@@ -22,7 +22,7 @@ from transformers.modeling_outputs import (
     MaskedLMOutput,
     SequenceClassifierOutput,
 )
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 
 from ..layers import build_mixer
 from ..layers.base import padding_mask
@@ -34,6 +34,8 @@ from ..modules.recompute import recompute_scope, record_scope
 from ..ops.rowwise import residual_add
 from . import layer_builders  # noqa: F401  (registers the core layer types)
 from .configuration import TransNormerConfig
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -306,7 +308,9 @@ class TransNormerModel(TransNormerPreTrainedModel):
             if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                 raise ValueError("attention_mask must be left- or right-padded: real tokens must be contiguous")
         if self.embed_positions is not None:
-            x = x + self.embed_positions(positions).to(x.dtype)
+            pos = (self.embed_positions(positions, x.dtype) if isinstance(self.embed_positions, SinusoidalPositions)
+                   else self.embed_positions(positions))
+            x = x + pos.to(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.dropout(x)
@@ -447,6 +451,13 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
             # read under it every time: the prefix counted twice
             raise ValueError("generate() with a cache needs use_cache=True (without it every step re-reads "
                              "the whole sequence on top of the cached prefix)")
+        if not given and generation_config.use_cache is not False and not all(
+                layer.mixer.decodes for layer in self.model.layers):
+            # as forward's own default: a model whose layers cannot decode step by step (e.g. GAU with
+            # normalizer="seq_len") generates by re-reading the whole sequence each step
+            logger.warning_once("generate(): a layer of this model cannot decode with a cache; each step "
+                                "re-reads the whole sequence (use_cache=False)")
+            generation_config.use_cache = False
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
                 and model_kwargs.get("past_key_values") is None):
@@ -464,10 +475,13 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         # with a cache, a chunk of a chunked prefill). A prompt given as embeddings is read at the
         # first iteration only; after it the ids hold the generated tokens.
         n = kwargs.get("next_sequence_length")
-        if inputs_embeds is not None and kwargs.get("is_first_iteration"):
-            inputs["inputs_embeds"] = inputs_embeds[:, inputs_embeds.shape[1] - n:] if n is not None else inputs_embeds
-        else:
-            inputs["input_ids"] = input_ids[:, input_ids.shape[1] - n:] if n is not None else input_ids
+        name, given = (("inputs_embeds", inputs_embeds) if inputs_embeds is not None and kwargs.get("is_first_iteration")
+                       else ("input_ids", input_ids))
+        inputs[name] = given[:, given.shape[1] - n:] if n is not None else given
+        if inputs[name].shape[1] == 0:  # HF would then index the logits of no token
+            raise ValueError(f"generate(): the cache has already seen all {given.shape[1]} tokens of the prompt; "
+                             "give it a cache of all but the last prompt token (the next token is predicted from "
+                             "that token's logits)")
         # the rest (output_hidden_states, logits_to_keep, ...) reaches forward as generate() set it
         internal = ("next_sequence_length", "is_first_iteration", "labels", "position_ids", "cache_position",
                     "return_dict")

@@ -122,8 +122,10 @@ def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int 
 SINUSOID_LAYOUTS = ("fairseq", "transformer")
 
 
-def sinusoidal_table(positions: torch.Tensor, dim: int, layout: str = "fairseq") -> torch.Tensor:
-    """[sin(pθ) | cos(pθ)] for positions [B, T] → [B, T, dim] (an odd ``dim`` gets a zero last column).
+def sinusoidal_table(positions: torch.Tensor, dim: int, layout: str = "fairseq",
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[sin(pθ) | cos(pθ)] for positions [B, T] → [B, T, dim] (an odd ``dim`` gets a zero last column),
+    computed in ``dtype`` (fp32, or fp64 for an fp64 model).
 
     ``layout`` sets the frequencies θ_i, i < ⌊dim/2⌋: ``fairseq`` θ_i = 10000^{-i/(⌊dim/2⌋-1)} (the
     OpenNLPLab/fairseq embedding, which reaches 1/10000 in its last pair), ``transformer``
@@ -136,8 +138,8 @@ def sinusoidal_table(positions: torch.Tensor, dim: int, layout: str = "fairseq")
         scale = 2.0 * math.log(10000.0) / dim
     else:
         raise ValueError(f"layout must be one of {SINUSOID_LAYOUTS}, got {layout!r}")
-    freqs = torch.exp(-scale * torch.arange(half, dtype=torch.float32, device=positions.device))
-    ang = positions.float()[..., None] * freqs
+    freqs = torch.exp(-scale * torch.arange(half, dtype=dtype, device=positions.device))
+    ang = positions.to(dtype)[..., None] * freqs
     emb = torch.cat((torch.sin(ang), torch.cos(ang)), dim=-1)
     if dim % 2:
         emb = torch.nn.functional.pad(emb, (0, 1))
@@ -156,8 +158,10 @@ class SinusoidalPositions(nn.Module):
         self.layout = layout
         self.scale = None if learnable_scale is None else nn.Parameter(torch.tensor(float(learnable_scale)))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        emb = sinusoidal_table(_as_batched(positions), self.dim, self.layout)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[B, T, dim]; ``dtype`` fp64 computes the table in fp64 (an fp64 model's oracle runs), else fp32."""
+        table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        emb = sinusoidal_table(_as_batched(positions), self.dim, self.layout, table_dtype)
         return emb if self.scale is None else emb * self.scale
 
 
