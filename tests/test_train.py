@@ -505,6 +505,33 @@ def test_a_time_budgets_schedule_is_refitted_as_the_run_goes(corpus_dir, tmp_pat
     s = train(cfg_for(corpus_dir, tmp_path, max_steps=None, budget="6s", eval_batches=1))
     assert fits[:3] == [5, 9, 17] and all(b == 2 * a - 1 for a, b in zip(fits, fits[1:])), fits
     assert s["steps"] > fits[-1]
+    lrs = [(r["step"], r["lr"]) for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    lrs = [lr for step, lr in lrs if step > 2]  # past the warmup: it never rises (the refits had raised it)
+    assert len(lrs) > 2 and all(b <= a * (1 + 1e-12) for a, b in zip(lrs, lrs[1:])), lrs
+
+
+def test_a_refitted_schedule_continues_its_decay():
+    """A refit that lengthens the schedule had recomputed the progress from the warmup, so the
+    cosine lr rose again at each longer fit; it now decays on from where it stands, to the floor
+    at the new end. Shorter fits too."""
+    from transnormer.train.schedule import lr_multiplier, make_scheduler, refit
+
+    for new_total in (400, 60):
+        params = {"kind": "cosine", "warmup": 10, "total_steps": 100, "min_lr_ratio": 0.1, "warmup_init_ratio": 0.0}
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = make_scheduler(opt, params)
+        lrs = []
+        for step in range(new_total + 5):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+            if step + 1 == 50:  # the loop refits after scheduler.step(), the next step's lr already set
+                before = lr_multiplier(50, **{k: v for k, v in params.items()})
+                refit(params, new_total, 50)
+                assert lr_multiplier(50, **params) == pytest.approx(before)  # continuous
+        assert all(b <= a + 1e-12 for a, b in zip(lrs[10:], lrs[11:])), new_total
+        assert lrs[new_total - 1] == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.1)
+        assert lrs[60] > 0.1 if new_total == 400 else True
 
 
 def test_schedules_and_budgets():

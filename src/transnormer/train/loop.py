@@ -54,7 +54,7 @@ from .distributed import (
     wrap_model,
 )
 from .metrics import MetricsLogger, plot_curves, read_metrics, truncate_metrics
-from .schedule import SCHEDULES, make_scheduler
+from .schedule import SCHEDULES, make_scheduler, refit
 from .tasks import build_task_data
 
 
@@ -711,7 +711,10 @@ def train(cfg: TrainConfig) -> dict:
                 if sched["total_steps"] == _UNFITTED and total_steps_est <= cfg.warmup:
                     log(f"the {cfg.budget} budget gives about {total_steps_est} steps, no more than warmup={cfg.warmup}: "
                         "the learning rate will not finish warming up (give a smaller --warmup)")
-                sched["total_steps"] = total_steps_est
+                if sched["total_steps"] == _UNFITTED:  # the first fit: no decay has happened yet
+                    sched["total_steps"] = total_steps_est
+                else:  # a refit continues the decay from where it stands (an lr that never rises)
+                    refit(sched, total_steps_est, step)
                 if bar is not None:  # now the bar can show an ETA
                     bar.total = total_steps_est
                     bar.refresh()

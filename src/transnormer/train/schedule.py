@@ -16,9 +16,32 @@ import torch
 SCHEDULES = ("cosine", "inverse_sqrt", "polynomial", "constant")
 
 
+def decay_progress(s: int, *, warmup: int, total_steps: int, refit_step: int = 0, refit_progress: float = 0.0) -> float:
+    """How far update ``s`` (1-based) is through the decay, in [0, 1]: linear from the warmup's end
+    to ``total_steps``; after a refit of ``total_steps`` (a time budget's schedule, fitted again
+    as its steps double), linear from ``refit_progress`` at update ``refit_step`` to 1 at the new
+    ``total_steps``, so that a longer fit slows the decay but never turns it back (the lr had
+    risen again when the progress was recomputed from the start)."""
+    base = max(warmup, refit_step)
+    return min(1.0, refit_progress + (1 - refit_progress) * max(0, s - base) / max(1, total_steps - base))
+
+
+def refit(params: dict, total_steps: int, next_step: int) -> None:
+    """Set a new ``total_steps`` in a schedule's ``params`` (as :func:`make_scheduler` reads them)
+    from optimizer step ``next_step`` on (0-based; the scheduler has already set that step's lr,
+    which is where the decay continues from)."""
+    s = next_step + 1
+    params["refit_progress"] = decay_progress(s, **{k: params[k] for k in ("warmup", "total_steps")},
+                                              refit_step=params.get("refit_step", 0),
+                                              refit_progress=params.get("refit_progress", 0.0))
+    params["refit_step"] = s
+    params["total_steps"] = total_steps
+
+
 def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr_ratio: float = 0.1,
-                  warmup_init_ratio: float = 0.0) -> float:
-    """Multiplier of the peak lr at optimizer step ``step`` (0-based, before the update)."""
+                  warmup_init_ratio: float = 0.0, refit_step: int = 0, refit_progress: float = 0.0) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based, before the update);
+    ``refit_step`` / ``refit_progress``: see :func:`decay_progress`."""
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
     s = step + 1
@@ -28,7 +51,8 @@ def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr
         return 1.0
     if kind == "inverse_sqrt":
         return math.sqrt(max(warmup, 1)) / math.sqrt(s)
-    progress = min(1.0, (s - warmup) / max(1, total_steps - warmup))
+    progress = decay_progress(s, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
+                              refit_progress=refit_progress)
     if kind == "polynomial":
         return 1.0 - progress
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
