@@ -93,9 +93,10 @@ inline __m512 exp2_frac(__m512 f) {
     return p;
 }
 
-// 2^x, x finite (a scaled score less its row max, or less its log-sum): 2^x = 2^n 2^f, |f| <= 1/2,
-// 2^f by its Taylor polynomial of degree Deg, scalef underflowing to 0 cleanly; masked lanes 0. Relative
-// error: < 4e-6 at degree 5 (the bf16 kernel: its operands P, dS round at 4e-3), < 1e-8 at 7.
+// 2^x, x finite (a scaled score less its row max, or less its log-sum): 2^x = 2^n 2^f,
+// |f| <= 1/2, 2^f by its Taylor polynomial of degree Deg, scalef underflowing to 0 cleanly; masked
+// lanes 0. Relative error: < 4e-6 at degree 5 (the bf16 kernel: its operands P, dS round at
+// 4e-3), < 1e-8 at 7.
 template <int Deg = 5>
 inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

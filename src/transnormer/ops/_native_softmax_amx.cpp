@@ -157,7 +157,8 @@ struct Worker : Walk {
             for (int u = 0; u < 2; ++u) {
                 const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r + u);
                 for (int h = 0; h < 2; ++h) {
-                    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h), mx[h]), c);
+                    const __m512 score = _mm512_loadu_ps(st.data() + (r + u) * kQ + 16 * h);
+                    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(score, mx[h]), c);
                     p[u][h] = exp2_masked(half(vis, h), x);
                     sum[h] = _mm512_add_ps(sum[h], p[u][h]);
                 }
@@ -220,8 +221,8 @@ struct Worker : Walk {
                 const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + row);
                 __m512 p[4];
                 for (int h = 0; h < 4; ++h) {
-                    const __m512 x =
-                        _mm512_fmsub_ps(_mm512_sub_ps(_mm512_loadu_ps(st.data() + row * kQb + 16 * h), mr[h]), c, ll[h]);
+                    const __m512 score = _mm512_loadu_ps(st.data() + row * kQb + 16 * h);
+                    const __m512 x = _mm512_fmsub_ps(_mm512_sub_ps(score, mr[h]), c, ll[h]);
                     p[h] = tn::exp2_bits<5>(half(vis, h), x);  // (see exp2_bits: faster here)
                     const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(dpt.data() + row * kQb + 16 * h), dl[h]);
                     ds[u][h] = _mm512_mul_ps(_mm512_mul_ps(p[h], d), scale);

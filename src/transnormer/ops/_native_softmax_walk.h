@@ -5,9 +5,9 @@
 // threads.
 //
 // Layouts: q, k [B, T, H, D], v [B, T, H, E] with token rows at strides ldq, ldk, ldv (the batch
-// stride T times it); o, dO, dq, dk, dv contiguous [B, T, H, D|E]; stats [B, H, 2, T] (below). Keys of query
-// i: all (w = 0) or those of i's window [floor(i/w) w, floor(i/w) w + w), and only j <= i when
-// causal. Queries lie along the vector lanes (scores are computed transposed, keys x queries).
+// stride T times it); o, dO, dq, dk, dv contiguous [B, T, H, D|E]; stats [B, H, 2, T] (see
+// store_stats). Keys of query i: all (w = 0) or those of i's window [floor(i/w) w, floor(i/w) w +
+// w), and only j <= i when causal. Queries lie along the vector lanes (scores are computed transposed, keys x queries).
 #pragma once
 
 #include <algorithm>
