@@ -613,7 +613,7 @@ def test_logged_lr_is_the_one_the_step_used(corpus_dir, tmp_path):
     assert lrs[0] < lrs[1] == pytest.approx(cfg.lr)  # warm-up: step 1 at a fraction, step 2 at the peak
 
 
-def test_overwriting_a_checkpoint_survives_a_kill(tmp_path):
+def test_overwriting_a_checkpoint_survives_a_kill(tmp_path, monkeypatch):
     """Re-saving step N moves the old copy aside before the new one is renamed in; a kill between the
     two leaves the old copy, which the next listing puts back. Stale temporary writes are removed."""
     from transnormer.presets import build_model
@@ -635,6 +635,21 @@ def test_overwriting_a_checkpoint_survives_a_kill(tmp_path):
     verify_checkpoint(root / "step-00000004")
     save_checkpoint(root, 4, model, {"step": 4})
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000004"]
+    # a writer on another host (a shared filesystem): its pid means nothing here, so its folder is
+    # put back only once it is stale (it had been restored at once, as if that pid were dead here)
+    import socket
+    import time
+
+    import transnormer.train.checkpoint as ck
+
+    other = root / f".old-step-00000004-{os.getppid()}@not-{socket.gethostname()}"
+    ckpt.rename(other)
+    assert list_checkpoints(root) == []
+    later = time.time() + ck.ASIDE_STALE_S + 5  # (a ctime cannot be set back: the clock moves on instead)
+    monkeypatch.setattr(ck.time, "time", lambda: later)
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]
+    # this host's writer id, as save_checkpoint names its folder
+    assert ck._writer_id() == f"{os.getpid()}@{socket.gethostname()}"
 
 
 @pytest.mark.parametrize("kw,err,match", [

@@ -18,6 +18,8 @@ import json
 import os
 import random
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +85,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
         # Overwriting: the old directory is moved aside first and removed only after the new one
         # is in place, so a kill at any instant leaves one complete step-N (the old or the new).
-        aside = root / f".old-step-{step:08d}-{os.getpid()}"
+        aside = root / f".old-step-{step:08d}-{_writer_id()}"
         if final.exists():
             os.replace(final, aside)
         os.replace(tmp, final)
@@ -117,6 +119,15 @@ def _verifies(path: Path) -> bool:
         return False
 
 
+ASIDE_STALE_S = 600  # an aside folder this old is a dead writer's, whichever host wrote it
+
+
+def _writer_id() -> str:
+    """pid@host: readers on a shared filesystem can tell this host's writers, whose pid they can
+    check, from another host's, whose they cannot ('@' is not in host names)."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -132,11 +143,21 @@ def _restore_moved_aside(root: Path) -> None:
 
     Only for a writer that is gone: a live one is between its two renames, and putting its old
     folder back (from an ``eval`` or ``generate`` reading the run meanwhile) made its second rename
-    fail and lost the new checkpoint."""
+    fail and lost the new checkpoint. A writer on another host sharing the filesystem cannot be
+    checked by pid: its folder is put back only once it is ``ASIDE_STALE_S`` old (a live writer
+    renames the new folder in right after moving the old one aside)."""
     for aside in root.glob(".old-step-*"):
-        name, _, pid = aside.name[len(".old-"):].rpartition("-")
+        base, _, host = aside.name[len(".old-"):].partition("@")  # (no host: a folder of older versions)
+        name, _, pid = base.rpartition("-")
         final = root / name
-        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+        if host and host != socket.gethostname():
+            try:
+                age = time.time() - aside.stat().st_ctime  # ctime: when it was renamed aside
+            except FileNotFoundError:  # its writer finished meanwhile
+                continue
+            if age < ASIDE_STALE_S:
+                continue
+        elif pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
             continue
         if final.exists():
             shutil.rmtree(aside, ignore_errors=True)
