@@ -222,3 +222,12 @@ def test_no_counted_row_gives_zero_gradients_like_cross_entropy(rows):
     rh, rW = torch.autograd.grad(ref, (hr, Wr))
     assert torch.isnan(loss) and torch.isnan(ref)
     assert torch.equal(gh, rh) and torch.equal(gW, rW) and not gW.isnan().any()
+
+
+def test_a_second_derivative_is_refused_not_zero():
+    """The gradients are computed in the forward without a graph: under create_graph=True a
+    gradient penalty through them had silently read 0."""
+    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 11, (5,)))
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, h, create_graph=True)

@@ -265,3 +265,30 @@ def test_non_finite_values_at_padded_positions_stay_out(causal):
     state = torch.zeros(2, 2, 16, 16)
     o, s = norm_linear_attn_step(q[:, 0], k_bad[:, 65], v_bad[:, 66], state, key_padding_mask=torch.tensor([1, 0]))
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp16_state_sums_past_fp16_range(causal):
+    """fp16 inputs: the state (Σ kᵀv, 131072 here) is fp32, and had been read back in fp16 for
+    Q S (inf from row 2048 causal, every row bidirectional, the returned state inf too), though
+    the output itself (2098) fits fp16."""
+    q = torch.full((1, 4096, 1, 16), 1e-3).half()
+    k = torch.full((1, 4096, 1, 16), 32.0).half()
+    v = torch.ones(1, 4096, 1, 16).half()
+    o, state = norm_linear_attn(q, k, v, causal=causal, output_final_state=True)
+    ref = norm_linear_attn_reference(q.double(), k.double(), v.double(), causal=causal)[0]
+    assert o.dtype == torch.float16 and state.dtype == torch.float32
+    assert rel_err(o.double(), ref) < 2e-3 and float(state.max()) == 4096 * 32
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_fp16_block_scores_past_fp16_range_before_scaling(kernel):
+    """q·k = 102400 leaves fp16 where the scaled score (12800) fits: the explicit form scaled after
+    the product and read inf (NaN out)."""
+    torch.manual_seed(0)
+    q = k = torch.full((1, 8, 1, 64), 40.0).half()
+    v = (0.5 * torch.randn(1, 8, 1, 64)).half()  # relu: Σ 12800 v stays inside fp16
+    o = block_attn(q, k, v, block_size=8, causal=False, kernel=kernel)
+    ref = block_attn_reference(q.double(), k.double(), v.double(), block_size=8, causal=False, kernel=kernel)
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    assert rel_err(o.double(), ref) < 2e-3

@@ -70,6 +70,11 @@ class NormAttention(MultiHeadMixer):
         B, T, _ = x.shape
         mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
+        # fp16: the attention's output has no denominator and grows with the keys (past 65504 at a
+        # few thousand tokens) until the norm takes the scale out, so it stays fp32 until then
+        wide = q.dtype == torch.float16
+        if wide:
+            q, k, v = q.float(), k.float(), v.float()
         state = None if cache is None else cache.get("state")
         if use_cache and not self.causal:
             raise ValueError("use_cache needs a causal NormAttention (decoding is causal)")
@@ -82,10 +87,10 @@ class NormAttention(MultiHeadMixer):
                 q, k, v, causal=self.causal, chunk_size=self.chunk_size, initial_state=state,
                 output_final_state=use_cache, key_padding_mask=mask,
             )
-        o = o.to(x.dtype)
+        o = o.to(torch.float32 if wide else x.dtype)
         if self.norm_per_head:  # rows are (token, head) pairs: the mask repeats over heads
             head_mask = None if mask is None else mask[:, :, None].expand(B, T, self.num_heads)
             o = self.norm(o, head_mask).reshape(B, T, self.hidden_size)
         else:
             o = self.norm(o.reshape(B, T, self.hidden_size), mask)
-        return self.out_proj(o), ({"state": state} if use_cache else None)
+        return self.out_proj(o.to(x.dtype) if wide else o), ({"state": state} if use_cache else None)

@@ -152,6 +152,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients were computed in the forward, with
+            # no graph, so a second derivative through them would silently read 0 (a gradient penalty)
+            raise RuntimeError("linear_cross_entropy has no second derivative (create_graph=True); use "
+                               "F.cross_entropy on the logits for a loss that must be differentiated twice")
         (n_valid,) = ctx.saved_tensors
         dh, dw = ctx.grads
         if dh is None and dw is None:

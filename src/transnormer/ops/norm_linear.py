@@ -75,6 +75,14 @@ def norm_linear_attn(
     E = v.shape[-1]
     if initial_state is not None:
         _check_state(initial_state, B, H, D, E, "initial_state")
+    if q.dtype == torch.float16:
+        # fp16 in fp32 throughout: the state's sums grow with the keys and left fp16's range (65504)
+        # when the products read it back in fp16 (inf from a few thousand tokens); the output is
+        # rounded once to fp16, as the decoding step (norm_linear_attn_step) already did
+        o, final = norm_linear_attn(q.float(), k.float(), v.float(), causal=causal, chunk_size=chunk_size,
+                                    initial_state=initial_state, output_final_state=output_final_state,
+                                    key_padding_mask=key_padding_mask)
+        return o.to(q.dtype), final
     k, v = _apply_key_mask(k, v, key_padding_mask)
     sdt = state_dtype_for(q.dtype)
     init = None if initial_state is None else initial_state.to(sdt)
