@@ -308,9 +308,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
             if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                 raise ValueError("attention_mask must be left- or right-padded: real tokens must be contiguous")
         if self.embed_positions is not None:
-            pos = (self.embed_positions(positions, x.dtype) if isinstance(self.embed_positions, SinusoidalPositions)
-                   else self.embed_positions(positions))
-            x = x + pos.to(x.dtype)
+            x = x + self.embed_positions(positions, x.dtype).to(x.dtype)  # (fp64 models: an fp64 table)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.dropout(x)

@@ -174,7 +174,8 @@ class LearnedPositions(nn.Module):
         self.weight = nn.Parameter(torch.zeros(max_positions, dim))
         nn.init.normal_(self.weight, std=0.02)
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[B, T, dim]; ``dtype`` is not used (the table is the parameter): as SinusoidalPositions'."""
         if positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"sequence needs position {int(positions.max())} but max_position_embeddings is "
