@@ -292,3 +292,23 @@ def test_fp16_block_scores_past_fp16_range_before_scaling(kernel):
     ref = block_attn_reference(q.double(), k.double(), v.double(), block_size=8, causal=False, kernel=kernel)
     assert o.dtype == torch.float16 and torch.isfinite(o).all()
     assert rel_err(o.double(), ref) < 2e-3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_empty_sequence_stays_in_the_graph(causal):
+    """T = 0: the causal form returned a fresh zeros tensor, so a loss over it could not be
+    backpropagated (the bidirectional form could)."""
+    q, k, v = qkv(2, 0, 2, 4, E=3, requires_grad=True)
+    o, state = norm_linear_attn(q, k, v, causal=causal, output_final_state=True)
+    assert o.shape == (2, 0, 2, 3) and o.requires_grad and state.shape == (2, 2, 4, 3)
+    o.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+def test_simple_rms_norm_of_no_features():
+    from transnormer.ops.rowwise import simple_rms_norm
+
+    x = torch.randn(3, 0, requires_grad=True)  # had raised ZeroDivisionError (D^-1/2)
+    y = simple_rms_norm(x, 1e-8)
+    y.sum().backward()
+    assert y.shape == (3, 0) and x.grad.shape == (3, 0)

@@ -116,7 +116,8 @@ def norm_linear_attn(
 
     if T == 0:  # an empty segment: no output, the state passes through
         final = init if init is not None else q.new_zeros(B, H, D, E, dtype=sdt)
-        return v.new_zeros(B, 0, H, E), (final if output_final_state else None)
+        # (an empty product of the inputs, so that the output stays in the graph as the other forms')
+        return (q.sum() * 0 + v).to(q.dtype), (final if output_final_state else None)
     c = min(chunk_size, T)
     if kernels_apply:
         # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX

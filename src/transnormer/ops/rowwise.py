@@ -20,6 +20,8 @@ from .norm_linear import state_dtype_for
 
 def simple_rms_norm_reference(x: torch.Tensor, eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
     """x / (‖x‖·D^{-1/2} + ε) (outside), or x / √(mean(x²) + ε) (inside); fp32 math for half x."""
+    if x.shape[-1] == 0:  # no features: nothing to scale (D^{-1/2} has no value)
+        return x * 1
     xf = x.to(state_dtype_for(x.dtype))
     if eps_inside_sqrt:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
