@@ -179,3 +179,20 @@ def test_norm_attention_in_fp16_keeps_its_unnormalised_output_in_fp32():
     o.float().sum().backward()
     assert o.dtype == torch.float16 and torch.isfinite(o).all() and torch.isfinite(xh.grad).all()
     assert float((o.detach().double() - ref).norm() / ref.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("norm_type", ["simple_rms", "rms", "layer", "scale", "batch"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_norm_attention_in_fp16_with_every_norm(norm_type, per_head):
+    """The fp32 output reaches a half-precision norm: PyTorch's CPU layer norm had refused it
+    ("mixed dtype (CPU)") in a .half() model."""
+    from transnormer.layers import NormAttention
+
+    torch.manual_seed(0)
+    layer = NormAttention(32, 2, causal=True, lrpe="none", norm_type=norm_type, norm_per_head=per_head)
+    x = torch.randn(2, 40, 32)
+    with torch.no_grad():
+        ref = layer.double()(x.double())[0]
+    o = layer.half()(x.half())[0]
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    assert float((o.detach().double() - ref).norm() / ref.norm()) < 5e-3

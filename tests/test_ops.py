@@ -292,6 +292,9 @@ def test_fp16_block_scores_past_fp16_range_before_scaling(kernel):
     ref = block_attn_reference(q.double(), k.double(), v.double(), block_size=8, causal=False, kernel=kernel)
     assert o.dtype == torch.float16 and torch.isfinite(o).all()
     assert rel_err(o.double(), ref) < 2e-3
+    with torch.autocast("cpu", dtype=torch.float16):  # which would cast the fp32 products back
+        o = block_attn(q, k, v, block_size=8, causal=False, kernel=kernel)
+    assert torch.isfinite(o).all() and rel_err(o.double(), ref) < 2e-3
 
 
 @pytest.mark.parametrize("causal", [True, False])

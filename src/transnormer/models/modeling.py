@@ -477,6 +477,8 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
                        else ("input_ids", input_ids))
         inputs[name] = given[:, given.shape[1] - n:] if n is not None else given
         if inputs[name].shape[1] == 0:  # HF would then index the logits of no token
+            if given.shape[1] == 0:
+                raise ValueError("generate() needs a prompt of at least one token (e.g. the bos or eos id)")
             raise ValueError(f"generate(): the cache has already seen all {given.shape[1]} tokens of the prompt; "
                              "give it a cache of all but the last prompt token (the next token is predicted from "
                              "that token's logits)")

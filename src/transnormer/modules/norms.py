@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import scale_norm, simple_rms_norm
@@ -80,9 +81,15 @@ class ScaleNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm that accepts (and ignores) a padding mask."""
+    """nn.LayerNorm that accepts (and ignores) a padding mask, and fp32 rows in a half-precision
+    module (NormAttention in fp16 keeps its output fp32 up to the norm; PyTorch's CPU layer norm
+    refuses fp32 input with half weights)."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight
+        if w is not None and x.dtype == torch.float32 and w.dtype in (torch.float16, torch.bfloat16):
+            b = None if self.bias is None else self.bias.float()
+            return F.layer_norm(x, self.normalized_shape, w.float(), b, self.eps)
         return super().forward(x)
 
 

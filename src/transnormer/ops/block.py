@@ -58,8 +58,10 @@ def block_attn(
         # the explicit forms below scale q kᵀ after the product: in fp16 the raw product leaves the
         # range (|q·k| > 65504) where the scaled score fits, and read inf (softmax NaN); fp32 inside,
         # the output rounded once (SDPA, fp16's path on GPUs, scales inside and needs none of it)
-        return block_attn(q.float(), k.float(), v.float(), block_size=block_size, causal=causal, kernel=kernel,
-                          scale=scale, key_padding_mask=key_padding_mask, dropout_p=dropout_p).to(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):  # (fp16 autocast would cast the products back)
+            o = block_attn(q.float(), k.float(), v.float(), block_size=block_size, causal=causal, kernel=kernel,
+                           scale=scale, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
+        return o.to(q.dtype)
     if kernel == "softmax" and mask is None and dropout_p == 0.0:
         # one block (T <= block_size) is plain attention over the sequence: window 0
         o = _native.fused_softmax_attn(q, k, v, causal=causal, scale=scale, window=0 if w == T else w)
