@@ -2,7 +2,7 @@
 
     git worktree add /tmp/base <commit>      # the code to compare against
     python benchmarks/ab_checkouts.py --base /tmp/base [--preset flash-lm] [--dtype bf16] \
-        [--seq-len 4096] [--tokens-per-step 16384] [--rounds 4]
+        [--seq-len 4096] [--tokens-per-step 16384] [--rounds 4] [--threads 2]
 
 Each round times the base checkout, then this one, each in a new interpreter whose
 ``PYTHONPATH`` is that checkout's ``src`` (the fused kernels are built from its own sources, and
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     tune_allocator()
     preset, T, dtype, vocab, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     r = train_step_throughput(preset, T, dtype=dtype, tokens_per_step=int(sys.argv[6]), vocab_size=vocab, steps=steps,
-                              threads=2, isolate=False)
+                              threads=int(sys.argv[7]), isolate=False)
     print(json.dumps(r["step_s"]))
 """
 
@@ -39,7 +39,8 @@ if __name__ == "__main__":
 def step_seconds(src: Path, args) -> float:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run([sys.executable, "-c", _CHILD, args.preset, str(args.seq_len), args.dtype,
-                          str(args.vocab_size), str(args.steps), str(args.tokens_per_step or args.seq_len)],
+                          str(args.vocab_size), str(args.steps), str(args.tokens_per_step or args.seq_len),
+                          str(args.threads)],
                          env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"the run on {src} failed:\n{out.stderr[-3000:]}")
@@ -56,13 +57,14 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, help="tokens a step (batch = this // T, at least 1; default T)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per process (after two warm-up steps)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2, help="threads of each timed process (default 2, this machine's cores)")
     args = ap.parse_args()
     here = Path(__file__).resolve().parents[1] / "src"
     base = args.base.resolve() / "src"
     if not (base / "transnormer").is_dir():
         ap.error(f"--base must be a checkout of this repository; {base / 'transnormer'} does not exist")
-    if args.rounds < 1:
-        ap.error("--rounds must be >= 1")
+    if args.rounds < 1 or args.threads < 1:
+        ap.error("--rounds and --threads must be >= 1")
     times: dict[str, list[float]] = {"base": [], "this": []}
     for r in range(args.rounds):
         for name, src in (("base", base), ("this", here)):

@@ -50,14 +50,15 @@ def cases(N: int, dtype: torch.dtype):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             back(linear_cross_entropy(hid, w, labels), hid, w)
 
+    n = f"{N // 1024}k" if N % 1024 == 0 else str(N)  # the token count as the shape notes show it
     return [
-        ("LRPE + 1+elu (q or k)", "[1, 4k, 8, 64]", lambda: back(lrpe_feature_map(x, cos, sin, u, kernel="1+elu"), x)),
-        ("SimpleRMSNorm", "[1, 4k, 512]", lambda: back(simple_rms_norm(h, 1e-8), h)),
-        ("GLU SiLU gate", "[1, 4k, 2x1365]", lambda: back(silu_gate(ab), ab)),
-        ("GAU/FLASH split SiLU", "[1, 4k, 2x1024+128]", lambda: back(silu_split(pre, [1024, 1024, 128]), pre)),
-        ("GAU/FLASH heads (scale, offset, RoPE)", "[1, 4k, 128] -> 4 heads",
+        ("LRPE + 1+elu (q or k)", f"[1, {n}, 8, 64]", lambda: back(lrpe_feature_map(x, cos, sin, u, kernel="1+elu"), x)),
+        ("SimpleRMSNorm", f"[1, {n}, 512]", lambda: back(simple_rms_norm(h, 1e-8), h)),
+        ("GLU SiLU gate", f"[1, {n}, 2x1365]", lambda: back(silu_gate(ab), ab)),
+        ("GAU/FLASH split SiLU", f"[1, {n}, 2x1024+128]", lambda: back(silu_split(pre, [1024, 1024, 128]), pre)),
+        ("GAU/FLASH heads (scale, offset, RoPE)", f"[1, {n}, 128] -> 4 heads",
          lambda: back(scale_offset_rope(z, gamma, beta, ang2.cos(), ang2.sin()), z, gamma, beta)),
-        ("LM head + cross-entropy", "4k x 512 -> 32k", loss),
+        ("LM head + cross-entropy", f"{n} x 512 -> 32k", loss),
     ]
 
 

@@ -30,6 +30,7 @@ from torch.utils.benchmark import Timer
 
 from transnormer.bench.peers import _import_peer, peer_versions
 from transnormer.layers import FLASH, NormAttention, SoftmaxAttention
+from transnormer.ops import _native
 from transnormer.runtime import tune_allocator
 
 
@@ -102,7 +103,7 @@ def main() -> None:
     tune_allocator()
     causal = not args.bidirectional
     mixers = build_mixers(args.dim, args.heads, causal)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _native.cpu_info().model or
            platform.machine(), "versions": peer_versions(), "causal": causal, "dim": args.dim, "heads": args.heads,
            "batch": 1, "timer": "torch.utils.benchmark.Timer.blocked_autorange"}
     print(f"torch {env['torch']}, {env['threads']} threads, d={args.dim}, {args.heads} heads, B=1, "

@@ -75,7 +75,7 @@ def main() -> None:
 def vanilla_rows(dname: str, dtype: torch.dtype, args) -> None:
     gemm = gemm_gflops(dtype=dtype)
     print(f"\n{dname}, vanilla attention; GEMM (2048^3): {gemm:.0f} GFLOP/s; {torch.get_num_threads()} threads\n")
-    print("| T | batch | ours ms | SDPA ms | explicit ms | ours / SDPA | ours GFLOP/s | of GEMM |")
+    print("| T | batch | ours ms | SDPA ms | explicit ms | SDPA / ours | ours GFLOP/s | of GEMM |")
     print("|---|---|---|---|---|---|---|---|")
     H, D = 8, 64
     for T in args.lengths:

@@ -178,7 +178,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                     return unmeasured(f"failed: {why}")
                 r["status"] = "ok"
                 if max_step_s is not None and r["step_s"] > max_step_s:  # other rounds at this T still run
-                    stopped[p] = (T + 1, f"its step took {r['step_s']:.0f} s at T={T} (max_step_s {max_step_s:g})")
+                    stopped[p] = (T + 1, f"its step took {r['step_s']:.3g} s at T={T} (max_step_s {max_step_s:g})")
                 _progress(f"{p} {dname} T={T}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, "
                           f"peak {r['peak_mem_mb']:,.0f} MB")
                 return r
