@@ -22,10 +22,11 @@ attention + FFN), e = 2d, s = 128, ScaleNorm pre-norm and final ScaleNorm, scale
                    on √d-scaled embeddings; padding masks stay correct. The LM has the port's 10
                    layers (``flash_wiki``; 153.5M parameters, the paper's Table 4 lists 153M)
 
-Dropout: the GAU models keep the T2 presets' training dropout (0.1 on the embedding and the
-residual branches, none on A), so a comparison changes only the mixer. flash.md §1.4 leaves
-dropout open and names "on A only" as one choice [D]; dropout on A would also take causal FLASH
-off its fused path (``layers/gau.py``). Set ``attention_dropout`` (and ``dropout=0``) for it.
+Dropout: the GAU models keep the T2 presets' training dropout, so a comparison changes only the
+mixer: 0.1 on the embedding and the residual branches; on A none in the LM presets and 0.1 in the
+RoBERTa ones (``attention_dropout``, as t2-roberta's). flash.md §1.4 leaves dropout open and names
+"on A only" as one choice [D]; dropout on A would also take causal FLASH off its fused path
+(``layers/gau.py``). Set ``attention_dropout`` (and ``dropout=0``) for it.
 
 The softmax baseline keeps T2's GLU FFN and SRMSNorm, so it isolates the attention rule; the
 fairseq ``transformer_lm`` block would be ``ffn_type="ffn", ffn_act="relu", ffn_hidden_size=2048,
