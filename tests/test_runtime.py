@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(env_extra):
     code = ("import ctypes.util; from transnormer.runtime import tune_allocator; "
@@ -54,3 +56,26 @@ def test_call_in_fresh_process_returns_raises_and_reports_a_dead_child():
         call_in_fresh_process(_pid_and, 99)  # a multiprocessing.Pool would wait forever here
     assert multiprocessing.active_children() == []
     assert _semaphores() == sems  # no named semaphores left behind (the resource tracker's "leaked" warning)
+
+
+def test_threads_from_env_sets_every_commands_threads(monkeypatch, capsys):
+    """README: TRANSNORMER_THREADS sets the threads of training too; nothing had read it there."""
+    import torch
+
+    from transnormer.cli import main
+    from transnormer.runtime import threads_from_env
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("TRANSNORMER_THREADS", raising=False)
+        assert threads_from_env() is None and torch.get_num_threads() == before
+        monkeypatch.setenv("TRANSNORMER_THREADS", "1")
+        assert threads_from_env() == 1 and torch.get_num_threads() == 1
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setenv("TRANSNORMER_THREADS", bad)
+            with pytest.raises(ValueError, match="TRANSNORMER_THREADS must be a whole number"):
+                threads_from_env()
+        assert main(["generate", "--model", "t2-lm-tiny", "--prompt", "x"]) == 2  # refused before any work
+        assert "TRANSNORMER_THREADS" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

@@ -382,10 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from .runtime import tune_allocator
+    from .runtime import threads_from_env, tune_allocator
 
     tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
     try:
+        threads_from_env()  # TRANSNORMER_THREADS (README): training, evaluation and the rest
         _check_outputs(args)
         return args.func(args)
     except KeyboardInterrupt:  # a second Ctrl-C (training saves and stops at the first): no traceback

@@ -19,6 +19,20 @@ _M_MMAP_MAX = -4
 _done: bool | None = None
 
 
+def threads_from_env() -> int | None:
+    """``TRANSNORMER_THREADS`` as PyTorch's thread count for this process (the CLI applies it to
+    every command; ``bench`` also passes it to its measuring processes). None when unset."""
+    raw = os.environ.get("TRANSNORMER_THREADS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TRANSNORMER_THREADS must be a whole number >= 1, got {raw!r}")
+    import torch
+
+    torch.set_num_threads(int(raw))
+    return int(raw)
+
+
 def tune_allocator() -> bool:
     """Make glibc keep freed memory for reuse (no ``mmap`` per large tensor, no trimming).
 

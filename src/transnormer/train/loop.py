@@ -814,8 +814,3 @@ def train(cfg: TrainConfig) -> dict:
     cleanup(info)
     return summary
 
-
-def set_threads_from_env() -> None:
-    n = os.environ.get("TRANSNORMER_THREADS")
-    if n:
-        torch.set_num_threads(int(n))
