@@ -127,11 +127,15 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Mo
     if not info.enabled:
         return model
     if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the run's own device: without a mesh fully_shard takes CUDA whenever a GPU is present, and
+        # a --device cpu run (gloo) would have moved its model there
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in getattr(getattr(model, "model", model), "layers", []):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
