@@ -340,3 +340,14 @@ def test_fullgraph_compile_of_softmax_ops_on_a_cold_start():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all(float(x) < 1e-5 for x in proc.stdout.split())
+
+
+def test_a_tensor_off_the_cpu_never_loads_the_cpu_kernels(monkeypatch):
+    """softmax_upcast_usable asked whether the fp32 softmax kernel was ready before the device: a
+    GPU run built the CPU library inside its first timed step (found with meta tensors)."""
+    calls = []
+    monkeypatch.setattr(_native, "load", lambda: calls.append(1))
+    q = torch.empty(1, 64, 2, 64, dtype=torch.bfloat16, device="meta")
+    assert not _native.softmax_upcast_usable(q, q, q)
+    assert _native.fused_softmax_attn(q, q, q, causal=True, scale=0.125) is None
+    assert calls == []

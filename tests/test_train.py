@@ -939,6 +939,7 @@ def test_nothing_evaluated_is_no_loss():
     ("foo", r"device \(--device\) must be 'cpu', 'cuda' or 'cuda:N', got 'foo'"),
     ("cuda", r"device \(--device\) 'cuda' is not available here"),
     ("cuda:0", r"device \(--device\) 'cuda:0' is not available here"),
+    ("meta", r"device \(--device\) must be 'cpu', 'cuda' or 'cuda:N', got 'meta'"),  # had been accepted
 ])
 def test_an_unusable_device_is_refused_up_front(device, match):
     from transnormer.train.distributed import setup_distributed
@@ -947,6 +948,32 @@ def test_an_unusable_device_is_refused_up_front(device, match):
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match=match):
         setup_distributed(device)
+
+
+def test_an_explicit_gpu_index_with_several_processes_per_node_is_refused(monkeypatch):
+    """Every rank would take that one GPU (NCCL refuses a duplicate GPU); refused before the device is touched."""
+    from transnormer.train.distributed import setup_distributed
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="each takes its own GPU"):
+        setup_distributed("cuda:1")
+
+
+def test_rng_state_holds_the_runs_own_cuda_generator_only():
+    """A state per visible GPU (get_rng_state_all) could not be restored where fewer GPUs are
+    visible (IndexError on resume); a CPU run keeps none. Older checkpoints' lists still load."""
+    from transnormer.train.checkpoint import rng_state, set_rng_state
+
+    cpu = torch.device("cpu")
+    state = rng_state(cpu)
+    assert "cuda" not in state
+    torch.manual_seed(3)
+    want = torch.rand(3)
+    torch.manual_seed(3)
+    state = rng_state(cpu)
+    torch.rand(5)
+    set_rng_state({**state, "cuda": [torch.zeros(8, dtype=torch.uint8)] * 8}, cpu)  # an older GPU run's list
+    assert torch.equal(torch.rand(3), want)
 
 
 def test_compare_keeps_a_given_eval_every(corpus_dir, tmp_path):

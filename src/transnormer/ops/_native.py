@@ -450,7 +450,9 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
     (``window`` > 0): there the PyTorch bf16 form of ``block_attn`` was as fast or faster."""
     if window or 0 in q.shape or 0 in v.shape:
         return False
-    return q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and softmax_f32_ready() and upcast_usable(q, k, v)
+    # upcast_usable first: it checks the device before anything loads (a CUDA run had built the CPU
+    # library inside its first timed step)
+    return q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and upcast_usable(q, k, v) and softmax_f32_ready()
 
 
 class NativeSoftmaxAttn(torch.autograd.Function):

@@ -41,19 +41,29 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device | None = None) -> dict:
+    """The generators a process draws from: Python's, numpy's, torch's CPU one, and the CUDA
+    generator of ``device`` when the run is on a GPU (only that one: a state per visible GPU
+    could not be restored where fewer are visible, and a CPU run need not touch CUDA at all)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device | None = None) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):  # older checkpoints: one state per visible GPU
+        index = device.index or 0
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: dict, *, tokenizer=None,

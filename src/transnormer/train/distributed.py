@@ -46,8 +46,15 @@ def setup_distributed(device: str | None = None) -> DistInfo:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"device (--device) must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device (--device) must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dev.type == "cuda" and dev.index is not None and local_world > 1:
+        raise ValueError(f"device (--device) {device!r}: with {local_world} processes on this node each takes "
+                         "its own GPU; give 'cuda' (rank r takes cuda:r, or cuda:0 where each process sees one GPU)")
     if dev.type == "cuda" and dev.index is None:  # "cuda": this process's GPU under torchrun
-        dev = torch.device("cuda", local_rank)
+        # (one visible GPU per process, as a launcher setting CUDA_VISIBLE_DEVICES per rank gives: cuda:0)
+        dev = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
     try:
         torch.empty(0, device=dev)  # an absent device fails here, not deep in the model
     except (RuntimeError, AssertionError) as e:
@@ -139,7 +146,7 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Mo
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+    return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
 
 
 def forwards_in_step(model: nn.Module, info: DistInfo) -> bool:

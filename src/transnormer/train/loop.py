@@ -500,6 +500,8 @@ def train(cfg: TrainConfig) -> dict:
     cfg.check()
     info = setup_distributed(cfg.device)
     check_strategy(info, cfg.strategy)  # before any data or model work
+    if info.device.type == "cuda":  # this run's peak, not an earlier run's in the same process (compare, ablation)
+        torch.cuda.reset_peak_memory_stats(info.device)
     if cfg.grad_stats and is_sharded(info, cfg.strategy):  # its norms would be each rank's shard's
         raise ValueError("grad_stats (--grad-stats) needs whole gradients: use strategy 'ddp'")
     out = Path(cfg.out_dir)
@@ -573,7 +575,7 @@ def train(cfg: TrainConfig) -> dict:
         # rank would give every replica the same dropout masks again)
         own = bool(per_rank) and len(per_rank) == info.world_size and (
             info.world_size == 1 or not all(torch.equal(r["torch"], per_rank[0]["torch"]) for r in per_rank[1:]))
-        set_rng_state(per_rank[info.rank] if own else state["rng"])
+        set_rng_state(per_rank[info.rank] if own else state["rng"], info.device)
         if not own and info.rank:
             torch.manual_seed(cfg.seed + 1_000_003 * info.rank + state["step"])
         step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
@@ -626,7 +628,7 @@ def train(cfg: TrainConfig) -> dict:
         state = {"step": step, "tokens": tokens_seen, "real_tokens": real_seen, "elapsed": elapsed,
                  "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
-                 "rng": rng_state(), "total_steps": total_steps, "config": asdict(cfg)}
+                 "rng": rng_state(info.device), "total_steps": total_steps, "config": asdict(cfg)}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
         # their own longest example), so rank 0's state is not the others'
         state["rng_per_rank"] = gather_objects(state["rng"], info)
