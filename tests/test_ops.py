@@ -294,7 +294,9 @@ def test_fp16_block_scores_past_fp16_range_before_scaling(kernel):
     assert rel_err(o.double(), ref) < 2e-3
     with torch.autocast("cpu", dtype=torch.float16):  # which would cast the fp32 products back
         o = block_attn(q, k, v, block_size=8, causal=False, kernel=kernel)
-    assert torch.isfinite(o).all() and rel_err(o.double(), ref) < 2e-3
+        o32 = block_attn(q.float(), k.float(), v.float(), block_size=8, causal=False, kernel=kernel)  # fp32 in
+    for got in (o, o32):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all() and rel_err(got.double(), ref) < 2e-3
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -25,7 +25,7 @@ def threads_from_env() -> int | None:
     raw = os.environ.get("TRANSNORMER_THREADS", "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise ValueError(f"TRANSNORMER_THREADS must be a whole number >= 1, got {raw!r}")
     import torch
 

@@ -54,14 +54,17 @@ def block_attn(
     if scale is None:
         scale = D ** -0.5 if D else 1.0  # D = 0: every score is 0 whatever the scale
     w = min(block_size, T) if T > 0 else block_size
-    if q.dtype == torch.float16 and (kernel == "relu" or q.device.type == "cpu"):
+    dev = q.device.type
+    fp16 = q.dtype == torch.float16 or (dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev)
+                                        and torch.get_autocast_dtype(dev) == torch.float16)
+    if fp16 and (kernel == "relu" or dev == "cpu"):
         # the explicit forms below scale q kᵀ after the product: in fp16 the raw product leaves the
         # range (|q·k| > 65504) where the scaled score fits, and read inf (softmax NaN); fp32 inside,
         # the output rounded once (SDPA, fp16's path on GPUs, scales inside and needs none of it)
-        with torch.autocast(q.device.type, enabled=False):  # (fp16 autocast would cast the products back)
+        with torch.autocast(dev, enabled=False):  # (fp16 autocast would cast the products back)
             o = block_attn(q.float(), k.float(), v.float(), block_size=block_size, causal=causal, kernel=kernel,
                            scale=scale, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
-        return o.to(q.dtype)
+        return o.to(torch.float16)  # (what fp16 autocast's products would have returned)
     if kernel == "softmax" and mask is None and dropout_p == 0.0:
         # one block (T <= block_size) is plain attention over the sequence: window 0
         o = _native.fused_softmax_attn(q, k, v, causal=causal, scale=scale, window=0 if w == T else w)

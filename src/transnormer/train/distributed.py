@@ -49,7 +49,7 @@ def setup_distributed(device: str | None = None) -> DistInfo:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device (--device) must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if dev.type == "cuda" and dev.index is not None and local_world > 1:
+    if dev.type == "cuda" and dev.index is not None and local_world > 1 and torch.cuda.device_count() > 1:
         raise ValueError(f"device (--device) {device!r}: with {local_world} processes on this node each takes "
                          "its own GPU; give 'cuda' (rank r takes cuda:r, or cuda:0 where each process sees one GPU)")
     if dev.type == "cuda" and dev.index is None:  # "cuda": this process's GPU under torchrun
