@@ -955,8 +955,13 @@ def test_an_explicit_gpu_index_with_several_processes_per_node_is_refused(monkey
     from transnormer.train.distributed import setup_distributed
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # each process sees both GPUs
     with pytest.raises(ValueError, match="each takes its own GPU"):
         setup_distributed("cuda:1")
+    if not torch.cuda.is_available():  # one visible GPU each: cuda:0 is every rank's own (then: absent here)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        with pytest.raises(ValueError, match="is not available here"):
+            setup_distributed("cuda:0")
 
 
 def test_rng_state_holds_the_runs_own_cuda_generator_only():
