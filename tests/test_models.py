@@ -258,6 +258,25 @@ def test_gradient_checkpointing_same_gradients():
         assert torch.allclose(p.grad, ref[n], atol=1e-6), n
 
 
+def test_activation_checkpointing_takes_hfs_options():
+    """activation_checkpointing_enable(kwargs) / Trainer's gradient_checkpointing_kwargs: the
+    function HF builds from them runs each block (use_reentrant=True here); it had been ignored."""
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(small(dropout=0.0)).train()
+    x = torch.randint(0, 97, (2, 20))
+    model(x, labels=x).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    hf_fn, calls = model.model._gradient_checkpointing_func, []
+    assert hf_fn.keywords == {"use_reentrant": True}
+    model.model._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or hf_fn(*a, **k)
+    model(x, labels=x).loss.backward()
+    assert len(calls) == model.config.num_hidden_layers
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref[n], atol=1e-6), n
+
+
 @pytest.mark.parametrize("preset,task", [("performer-lm-tiny", "clm"), ("t2-lra-listops-tiny", "cls")])
 def test_gradient_checkpointing_has_no_second_side_effects(preset, task):
     """The recomputation in the backward must not redraw Performer's features (the gradient would be

@@ -361,7 +361,10 @@ class TransNormerModel(TransNormerPreTrainedModel):
             with recompute_scope(remembered) if calls > 1 else record_scope(remembered):
                 return layer(x, attention_mask=mask, positions=positions)[0]
 
-        return checkpoint(run, x, use_reentrant=False), None
+        # HF's activation_checkpointing_enable(kwargs, offload=...) sets the function to call (its
+        # options had been ignored); without it, non-reentrant torch checkpointing
+        fn = getattr(self, "_gradient_checkpointing_func", None)
+        return (fn(run, x) if fn is not None else checkpoint(run, x, use_reentrant=False)), None
 
 
 class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
