@@ -244,13 +244,19 @@ def test_decode_equals_full_forward(variant, prompt_len):
     assert torch.allclose(torch.cat(logits, 1), full, atol=1e-4)
 
 
-def test_gradient_checkpointing_same_gradients():
+def _model_and_unchecked_grads():
+    """A small causal LM, a batch, and its gradients without checkpointing (then zeroed)."""
     torch.manual_seed(0)
     model = TransNormerForCausalLM(small(dropout=0.0)).train()
     x = torch.randint(0, 97, (2, 20))
     model(x, labels=x).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    return model, x, ref
+
+
+def test_gradient_checkpointing_same_gradients():
+    model, x, ref = _model_and_unchecked_grads()
     model.activation_checkpointing_enable()
     assert model.model.gradient_checkpointing
     model(x, labels=x).loss.backward()
@@ -261,12 +267,7 @@ def test_gradient_checkpointing_same_gradients():
 def test_activation_checkpointing_takes_hfs_options():
     """activation_checkpointing_enable(kwargs) / Trainer's gradient_checkpointing_kwargs: the
     function HF builds from them runs each block (use_reentrant=True here); it had been ignored."""
-    torch.manual_seed(0)
-    model = TransNormerForCausalLM(small(dropout=0.0)).train()
-    x = torch.randint(0, 97, (2, 20))
-    model(x, labels=x).loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    model, x, ref = _model_and_unchecked_grads()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     hf_fn, calls = model.model._gradient_checkpointing_func, []
     assert hf_fn.keywords == {"use_reentrant": True}
