@@ -710,10 +710,10 @@ def train(cfg: TrainConfig) -> dict:
             if fitting and step >= SCHEDULE_FIT_STEP and len(step_times) >= next_fit:
                 next_fit = 2 * len(step_times)
                 total_steps_est = fit_total_steps(step, elapsed, budget, step_times)
-                if sched["total_steps"] == _UNFITTED and total_steps_est <= cfg.warmup:
-                    log(f"the {cfg.budget} budget gives about {total_steps_est} steps, no more than warmup={cfg.warmup}: "
-                        "the learning rate will not finish warming up (give a smaller --warmup)")
                 if sched["total_steps"] == _UNFITTED:  # the first fit: no decay has happened yet
+                    if total_steps_est <= cfg.warmup:
+                        log(f"the {cfg.budget} budget gives about {total_steps_est} steps, no more than "
+                            f"warmup={cfg.warmup}: the learning rate will not finish warming up (give a smaller --warmup)")
                     sched["total_steps"] = total_steps_est
                 else:  # a refit continues the decay from where it stands (an lr that never rises)
                     refit(sched, total_steps_est, step)

@@ -31,7 +31,7 @@ def refit(params: dict, total_steps: int, next_step: int) -> None:
     from optimizer step ``next_step`` on (0-based; the scheduler has already set that step's lr,
     which is where the decay continues from)."""
     s = next_step + 1
-    params["refit_progress"] = decay_progress(s, **{k: params[k] for k in ("warmup", "total_steps")},
+    params["refit_progress"] = decay_progress(s, warmup=params["warmup"], total_steps=params["total_steps"],
                                               refit_step=params.get("refit_step", 0),
                                               refit_progress=params.get("refit_progress", 0.0))
     params["refit_step"] = s
