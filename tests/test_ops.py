@@ -38,6 +38,26 @@ def test_causal_chunked_matches_reference_fp64(T, chunk, backend):
         assert rel_err(a, b) < 1e-10
 
 
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+def test_causal_chunked_gpu_scan_matches_reference_fp64(T, monkeypatch):
+    """The PyTorch form with the scan used off CPU (one cumsum, ops/_chunked.py): forward, final
+    state and every gradient, the initial state's included, against the quadratic reference."""
+    from transnormer.ops import _chunked, _native
+
+    monkeypatch.setattr(_chunked, "_exclusive_scan", _chunked._exclusive_scan_cumsum)
+    monkeypatch.setattr(_native, "_mode", "torch")
+    q, k, v = qkv(2, T, 2, 8, 6, requires_grad=True)
+    S0 = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
+    o, s = norm_linear_attn(q, k, v, causal=True, chunk_size=16, initial_state=S0, output_final_state=True)
+    o_ref, s_ref = norm_linear_attn_reference(q, k, v, causal=True, initial_state=S0)
+    assert rel_err(o, o_ref) < 1e-10 and rel_err(s, s_ref) < 1e-10
+    go, gs = torch.randn_like(o), torch.randn_like(s)
+    grads = torch.autograd.grad((o * go).sum() + (s * gs).sum(), (q, k, v, S0))
+    grads_ref = torch.autograd.grad((o_ref * go).sum() + (s_ref * gs).sum(), (q, k, v, S0))
+    for a, b in zip(grads, grads_ref):
+        assert rel_err(a, b) < 1e-10
+
+
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
 def test_causal_chunked_fp32_within_1e4(T, backend):
     q, k, v = qkv(1, T, 2, 64, dtype=torch.float32, positive=True)

@@ -3,8 +3,8 @@
 Layout inside: [N, G, c, D] with N = B·H heads, G chunks of c rows. Forward and backward are
 written by hand so that nothing O(T·c) or O(G·D·E) is kept between them: the intra-chunk scores
 and the prefix states are recomputed in the backward from q, k, v (a few extra GEMMs, no extra
-memory). The prefix scans run as in-place loops over chunks: on CPU that is several times
-faster than ``cumsum`` over a strided dim and its flipped backward.
+memory). On CPU the prefix scans run as in-place loops over chunks, several times faster there
+than ``cumsum`` over a strided dim and its flipped backward; on other devices one ``cumsum``.
 
 Math (spec §1.1(b)), per head, M the c×c lower-triangular mask:
     S_g = S_0 + Σ_{h<g} K_hᵀV_h,    O_g = (Q_g K_gᵀ ⊙ M) V_g + Q_g S_g,   S_final = S_G
@@ -23,6 +23,8 @@ from torch.autograd.function import once_differentiable
 
 def _exclusive_scan(x: torch.Tensor, init: torch.Tensor | None, reverse: bool = False):
     """x: [N, G, D, E] (state dtype). Returns (exclusive prefix sums, total incl. init)."""
+    if x.device.type != "cpu":
+        return _exclusive_scan_cumsum(x, init, reverse)
     out = torch.empty_like(x)
     acc = torch.zeros_like(x[:, 0]) if init is None else init.clone()
     order = range(x.shape[1] - 1, -1, -1) if reverse else range(x.shape[1])
@@ -30,6 +32,19 @@ def _exclusive_scan(x: torch.Tensor, init: torch.Tensor | None, reverse: bool = 
         out[:, g] = acc
         acc += x[:, g]
     return out, acc
+
+
+def _exclusive_scan_cumsum(x: torch.Tensor, init: torch.Tensor | None, reverse: bool = False):
+    """The same scan as one ``cumsum``: on a GPU the loop above launches a few kernels per chunk
+    (hundreds at long T), where one scan kernel does the work. Same accumulation dtype."""
+    xs = x.flip(1) if reverse else x
+    inclusive = xs.cumsum(1)
+    if init is not None:
+        inclusive = inclusive + init.unsqueeze(1)
+    first = torch.zeros_like(x[:, :1]) if init is None else init.unsqueeze(1)
+    out = torch.cat([first, inclusive[:, :-1]], 1)
+    total = inclusive[:, -1] if x.shape[1] else first[:, 0].clone()
+    return (out.flip(1) if reverse else out), total
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:
