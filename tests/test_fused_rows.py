@@ -330,6 +330,49 @@ def test_simple_rms_norm_torch_form_is_the_reference(backend_mode):
     assert torch.equal(simple_rms_norm(x, 1e-8), simple_rms_norm_reference(x, 1e-8, False))
 
 
+def _srms_fp64(x, eps, inside, gain=1.0):
+    """The norm's formula in fp64 with no rescaling: fp32 rows up to 3.4e38 square within range."""
+    ms = x.pow(2).mean(-1, keepdim=True)
+    return gain * (x * torch.rsqrt(ms + eps) if inside else x / (ms.sqrt() + eps))
+
+
+@pytest.mark.parametrize("form", ["native", "torch"])
+@pytest.mark.parametrize("inside", [False, True])
+def test_simple_rms_norm_and_scale_norm_hold_at_every_scale(backend_mode, form, inside):
+    """Rows of RMS 1e-30 to 1e37: in fp32 the old forms lost dx from about 1e13 (coefficients
+    like s³/D underflow; 10% off at 1e13) and returned 0 past about 1.8e19/√D (the sum of squares
+    overflows)."""
+    from transnormer.ops.rowwise import scale_norm
+
+    if form == "native" and _native.load() is None:
+        pytest.skip("fused CPU kernels unavailable")
+    backend_mode(form)
+    g = torch.Generator().manual_seed(7)
+    mags = torch.tensor([1e-30, 1e-10, 1.0, 1e12, 1e13, 1e15, 1e18, 1e20, 1e30, 1e37], dtype=torch.float64)
+    x = torch.randn(len(mags), 64, dtype=torch.float64, generator=g) * mags[:, None]
+    gy = torch.randn(len(mags), 64, dtype=torch.float64, generator=g)
+    for dtype, tol in [(torch.float32, 1e-6)] + ([(torch.bfloat16, 1e-2)] if form == "native" else []):
+        xin = x.to(dtype).double()  # the inputs as the low precision holds them
+        gin = gy.to(dtype).double()
+        cases = [(1e-8, inside, None)] + ([(1e-5, True, 0.7)] if inside else [])  # ScaleNorm: ε inside
+        for eps, ins, gain in cases:
+            xt, xr = xin.to(dtype).requires_grad_(), xin.clone().requires_grad_()
+            if gain is None:
+                y = simple_rms_norm(xt, eps, ins)
+                (dx,) = torch.autograd.grad(y, xt, gin.to(dtype))
+            else:
+                gt = torch.tensor(gain, requires_grad=True)
+                y = scale_norm(xt, gt, eps)
+                dx, dgain = torch.autograd.grad(y, (xt, gt), gin.to(dtype))
+            y_ref = _srms_fp64(xr, eps, ins, 1.0 if gain is None else gain)
+            (dx_ref,) = torch.autograd.grad(y_ref, xr, gin)
+            for r in range(len(mags)):  # row by row: one bad row must not hide behind the others
+                assert rel_err(y[r].double(), y_ref[r]) < tol, (gain, dtype, mags[r].item())
+                assert rel_err(dx[r].double(), dx_ref[r]) < tol, (gain, dtype, mags[r].item())
+            if gain is not None:  # d gain = Σ dy·y/g
+                assert rel_err(dgain.double(), (gin * y_ref).sum() / gain) < tol
+
+
 @needs_kernel
 @pytest.mark.parametrize("F_", [1, 7, 16, 1365])
 def test_silu_gate_fused_matches_reference(backend_mode, F_):

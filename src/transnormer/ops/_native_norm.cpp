@@ -3,7 +3,8 @@
 // Why this file exists: PyTorch runs the norm as upcast, vector norm, scale, add, divide, cast,
 // and autograd replays about a dozen passes backward (two divides, a masked fill for zero
 // rows, sums, casts); a t2-lm block has two or three of them. Here a row is read once and
-// written once per direction; fp32 arithmetic on fp32 or bf16 storage.
+// written once per direction; fp32 arithmetic on fp32 or bf16 storage, each row's two or three
+// coefficients in double.
 //
 // Built with the other kernels into one library by transnormer/ops/_native.py.
 //
@@ -15,6 +16,7 @@
 // A scalar gain g (ScaleNorm, y = g s x) scales y and dx; its gradient is sum_rows s (dy.x), of
 // which the backward writes each row's term to rowdot (when given): the dot is computed anyway.
 
+#include <cfloat>
 #include <cmath>
 
 #include "_native_common.h"
@@ -55,25 +57,52 @@ void axpby(float alpha, const X* x, float beta, const Y* y, O* out, idx D) {
 }
 #endif
 
+// Per-row coefficients in double: in fp32, 1/((r+eps)^2 D r) and s^3/D underflow from an RMS r of
+// about 1e12 (a wrong dx, 10% off at 1e13), although dx itself is of order |dy|/r.
 struct Coefs {
-    float scale;   // y = scale x
-    float dscale;  // dx = scale dy - dscale (dy.x) x
+    double scale;   // y = scale x
+    double dscale;  // dx = scale dy - dscale (dy.x) x
 };
 
-inline Coefs coefs(float ss, idx D, float eps, bool inside) {
+inline Coefs coefs(double ss, idx D, double eps, bool inside) {
     if (inside) {
-        const float s = 1.0f / std::sqrt(ss / float(D) + eps);
-        return {s, s * s * s / float(D)};
+        const double s = 1.0 / std::sqrt(ss / double(D) + eps);
+        return {s, s * s * s / double(D)};
     }
-    const float r = std::sqrt(ss / float(D)), den = r + eps;
-    return {1.0f / den, r > 0.0f ? 1.0f / (den * den * float(D) * r) : 0.0f};
+    const double r = std::sqrt(ss / double(D)), den = r + eps;
+    return {1.0 / den, r > 0.0 ? 1.0 / (den * den * double(D) * r) : 0.0};
+}
+
+// A coefficient outside fp32's normal range (or a sum that overflowed it: rows of RMS above about
+// 1.8e19/sqrt(D)) sends the row down the double path below; rows of ordinary scale never go there.
+inline bool fp32_unsafe(double c) {
+    const double a = std::fabs(c);
+    return a != 0.0 && (a < double(FLT_MIN) || a > double(FLT_MAX));
+}
+
+template <typename A, typename B>
+double dot_wide(const A* a, const B* b, idx D) {
+    double acc = 0.0;
+    for (idx j = 0; j < D; ++j) acc += double(to_float(a[j])) * double(to_float(b[j]));
+    return acc;
+}
+
+template <typename X, typename Y, typename O>
+void axpby_wide(double alpha, const X* x, double beta, const Y* y, O* out, idx D) {
+    for (idx j = 0; j < D; ++j)
+        from_float(float(alpha * double(to_float(x[j])) + beta * double(to_float(y[j]))), out + j);
 }
 
 template <typename T, typename Y>
 void forward_rows(const T* x, Y* y, idx D, float eps, bool inside, float gain, idx r0, idx r1) {
     for (idx r = r0; r < r1; ++r) {
         const T* xr = x + r * D;
-        axpby(gain * coefs(dot(xr, xr, D), D, eps, inside).scale, xr, 0.0f, xr, y + r * D, D);
+        double ss = dot(xr, xr, D);
+        const bool wide = !std::isfinite(ss);
+        if (wide) ss = dot_wide(xr, xr, D);
+        const double a = double(gain) * coefs(ss, D, eps, inside).scale;
+        if (wide || fp32_unsafe(a)) axpby_wide(a, xr, 0.0, xr, y + r * D, D);
+        else axpby(float(a), xr, 0.0f, xr, y + r * D, D);
     }
 }
 
@@ -83,10 +112,14 @@ void backward_rows(const T* x, const Y* dy, T* dx, idx D, float eps, bool inside
     for (idx r = r0; r < r1; ++r) {
         const T* xr = x + r * D;
         const Y* gr = dy + r * D;
-        const Coefs c = coefs(dot(xr, xr, D), D, eps, inside);
-        const float d = dot(gr, xr, D);
-        axpby(gain * c.scale, gr, -gain * c.dscale * d, xr, dx + r * D, D);
-        if (rowdot) rowdot[r] = c.scale * d;
+        double ss = dot(xr, xr, D), d = dot(gr, xr, D);
+        const bool wide = !std::isfinite(ss) || !std::isfinite(d);
+        if (wide) ss = dot_wide(xr, xr, D), d = dot_wide(gr, xr, D);
+        const Coefs c = coefs(ss, D, eps, inside);
+        const double a = double(gain) * c.scale, b = -double(gain) * c.dscale * d;
+        if (wide || fp32_unsafe(a) || fp32_unsafe(b)) axpby_wide(a, gr, b, xr, dx + r * D, D);
+        else axpby(float(a), gr, float(b), xr, dx + r * D, D);
+        if (rowdot) rowdot[r] = float(c.scale * d);
     }
 }
 

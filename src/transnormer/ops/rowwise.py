@@ -23,10 +23,18 @@ def simple_rms_norm_reference(x: torch.Tensor, eps: float, eps_inside_sqrt: bool
     if x.shape[-1] == 0:  # no features: nothing to scale (D^{-1/2} has no value)
         return x * 1
     xf = x.to(state_dtype_for(x.dtype))
+    # A row whose max is above 1 is divided by a power of two near it first (exact, so rows of
+    # ordinary scale give the same bits): in fp32 the sum of squares overflows from an RMS of about
+    # 1.8e19/√D, and rsqrt's gradient, mean^(-3/2), underflows from about 1e13. The power is a
+    # constant to autograd. (Never scaled up: ε/p² would overflow, and ε dominates those rows.)
+    amax = xf.detach().abs().amax(-1, keepdim=True)
+    p = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1.0))))
+    p = torch.where(torch.isfinite(p), p, torch.ones_like(p))  # an inf/NaN row stays inf/NaN
+    xs = xf / p
     if eps_inside_sqrt:
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps / p.pow(2))
     else:
-        y = xf / (xf.norm(dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + eps)
+        y = xs / (xs.norm(dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + eps / p)
     return y.to(x.dtype)
 
 
