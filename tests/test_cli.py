@@ -88,6 +88,16 @@ def test_eval_with_stride(run_dir, capsys):
     assert res["stride"] == 16 and res["ppl"] > 1 and res["eval_tokens"] > 0
 
 
+def test_eval_needs_no_train_split_of_one_batch(run_dir, capsys):
+    """A batch of 1000 windows of 32 tokens: more than the train split holds (it made `eval` fail
+    building the training windows it never reads); the evaluated split is scored in fewer rows."""
+    root, out = run_dir
+    assert main(["eval", "--model", str(out), "--data", str(root), "--seq-len", "32", "--batch-size", "1000",
+                 "--split", "test", "--cache-dir", str(root / "cache")]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.find("{"):])["eval_tokens"] > 1000
+
+
 def test_errors_are_clear(tmp_path, capsys):
     assert main(["train", "--preset", "t9-lm", "--max-steps", "1", "--out", str(tmp_path), "--no-progress",
                  "--data", str(tmp_path / "missing.txt")]) == 2

@@ -123,6 +123,20 @@ def test_eval_stride_is_checked_before_training(corpus_dir, tmp_path, kw, match)
         cfg_for(corpus_dir, tmp_path, **kw).check()
 
 
+@pytest.mark.parametrize("task", ["clm", "mlm"])
+def test_a_train_split_too_small_fails_before_the_model_is_built(corpus_dir, tmp_path, monkeypatch, task):
+    """The training windows are made at first use (evaluating needs none), and the loop asks for
+    them before building the model: a too-small split still fails at once, with the clear error."""
+    from transnormer.train import loop
+
+    built = []
+    monkeypatch.setattr(loop, "build_model_for", lambda *a, **k: built.append(1))
+    kw = {"mlm_packing": "contiguous"} if task == "mlm" else {}
+    with pytest.raises(ValueError, match="fewer than batch_size\\*world_size=100000"):
+        train(cfg_for(corpus_dir, tmp_path, task=task, batch_size=100_000, **kw))
+    assert not built
+
+
 def test_corrupt_checkpoint_falls_back(corpus_dir, tmp_path):
     cfg = cfg_for(corpus_dir, tmp_path, max_steps=4, save_every=2)
     train(cfg)

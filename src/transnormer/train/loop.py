@@ -532,6 +532,7 @@ def train(cfg: TrainConfig) -> dict:
     init = (ckpt if ckpt is not None else resolve_model_dir(cfg.init_from, what="init_from")) if cfg.init_from else None
     build_cfg = replace(cfg, init_from=str(init)) if init is not None else cfg
     data = build_task_data(build_cfg, info, autocast)
+    data.train.state_dict()  # the training batches are made at first use: a split too small fails here
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
     model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
     if ckpt is not None and data.extra.get("label_set") is not None:  # a preset's model names no classes:

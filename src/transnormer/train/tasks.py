@@ -82,6 +82,30 @@ class MLMBatches:
         self.windows.load_state_dict(state)
 
 
+class LazyBatches:
+    """A batch source made at first use (``__next__``, ``state_dict``, ``load_state_dict``):
+    evaluating a model (``transnormer eval``) builds the task's data too, and must not need a
+    train split that fills a global batch."""
+
+    def __init__(self, make):
+        self._make, self._source = make, None
+
+    @property
+    def source(self):
+        if self._source is None:
+            self._source = self._make()
+        return self._source
+
+    def __next__(self) -> dict:
+        return next(self.source)
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
+
+
 class ClsBatches:
     """Training batches of a classification split. The sampler is made at first use: evaluating a
     model (``transnormer eval``) builds the task's data too, and must not need a train split of at
@@ -131,11 +155,18 @@ def _token_splits(cfg, info: DistInfo):
     corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir, seed=cfg.data_seed)
     tok = get_tokenizer(cfg, corpus, info)
     tokens = main_first(info, lambda: build_token_cache(corpus, tok, cache_dir=cfg.cache_dir))
-    for split in ("train", "valid"):
-        if len(tokens[split]) < cfg.seq_len + 1:
-            raise ValueError(f"data: the {split} split of {cfg.data!r} has {len(tokens[split])} tokens, "
-                             f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
     return corpus, tok, tokens
+
+
+def _split_tokens(cfg, tokens: dict, split: str, minimum: int):
+    """One split's token stream, checked when a job first uses it (training: a window of seq_len + 1
+    tokens; evaluation: 2 tokens, as a shorter split is scored in one window)."""
+    if split not in tokens:
+        raise ValueError(f"split must be one of {sorted(tokens)}, got {split!r}")
+    if len(tokens[split]) < minimum:
+        raise ValueError(f"data: the {split} split of {cfg.data!r} has {len(tokens[split])} tokens, "
+                         f"fewer than the {minimum} {'training' if split == 'train' else 'evaluation'} needs")
+    return tokens[split]
 
 
 @torch.no_grad()
@@ -245,12 +276,15 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         return build_lra_task_data(cfg, info, autocast)
     if cfg.task in ("clm", "mlm"):
         corpus, tok, tokens = _token_splits(cfg, info)
+        def windows():  # the training windows, made at first use (LazyBatches)
+            return LMBatchIterator(_split_tokens(cfg, tokens, "train", cfg.seq_len + 1), cfg.seq_len,
+                                   cfg.batch_size, seed=cfg.seed, rank=info.rank, world_size=info.world_size)
+
         if cfg.task == "clm":
-            train = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                    world_size=info.world_size)
+            train = LazyBatches(windows)
 
             def evaluate(model, split="valid", max_batches=None):
-                return _eval_lm(model, eval_batches(tokens[split], cfg.seq_len, cfg.batch_size,
+                return _eval_lm(model, eval_batches(_split_tokens(cfg, tokens, split, 2), cfg.seq_len, cfg.batch_size,
                                                     stride=cfg.eval_stride, rank=info.rank,
                                                     world_size=info.world_size),
                                 info, max_batches, autocast, shift=True)
@@ -263,18 +297,18 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 is_end = line_end_ids(tok)
                 source = BlockBatchIterator(tokens["train"], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
                                             pad_id=tok.pad_id, seed=cfg.seed, rank=info.rank,
-                                            world_size=info.world_size)
+                                            world_size=info.world_size)  # (makes its blocks at first use)
 
                 def split_rows(split):
-                    return eval_block_batches(tokens[split], is_end, cfg.seq_len, cfg.batch_size, bos_id=tok.bos_id,
-                                              pad_id=tok.pad_id, rank=info.rank, world_size=info.world_size)
+                    return eval_block_batches(_split_tokens(cfg, tokens, split, 2), is_end, cfg.seq_len,
+                                              cfg.batch_size, bos_id=tok.bos_id, pad_id=tok.pad_id, rank=info.rank,
+                                              world_size=info.world_size)
             else:
-                source = LMBatchIterator(tokens["train"], cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=info.rank,
-                                         world_size=info.world_size)
+                source = LazyBatches(windows)
 
                 def split_rows(split):
-                    return eval_batches(tokens[split], cfg.seq_len, cfg.batch_size, rank=info.rank,
-                                        world_size=info.world_size, with_index=True)
+                    return eval_batches(_split_tokens(cfg, tokens, split, 2), cfg.seq_len, cfg.batch_size,
+                                        rank=info.rank, world_size=info.world_size, with_index=True)
             train = MLMBatches(source, tok, cfg.seed, info.rank)
             masker = MLMBatches(source, tok, cfg.seed + 1_000_003, info.rank)
 
