@@ -172,6 +172,35 @@ def test_eval_refuses_flags_that_would_change_nothing(run_dir, capsys, flags, ma
     assert match in capsys.readouterr().err
 
 
+def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
+    """--header no keeps a first row that reads like names ("text", "maybe"), --drop-label skips
+    SNLI-style "-" rows, and examples cut to --seq-len are reported (they had been cut silently)."""
+    rng = random.Random(5)
+
+    def rows(n, first=None):
+        body = [f"{' '.join(rng.choice(WORDS) for _ in range(rng.choice((3, 20))))}\t{rng.choice(['pos', 'neg', '-'])}"
+                for _ in range(n)]
+        return "\n".join(([first] if first else []) + body) + "\n"
+
+    (tmp_path / "train.tsv").write_text(rows(30, first="text\tmaybe"))
+    (tmp_path / "dev.tsv").write_text(rows(12))
+    out = tmp_path / "run"
+    assert main(["train", "--task", "cls", "--preset", "t2-roberta-tiny", "--data", str(tmp_path), "--vocab-size",
+                 "300", "--seq-len", "12", "--batch-size", "4", "--max-steps", "1", "--out", str(out),
+                 "--no-progress", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0", "--label-column", "1",
+                 "--header", "no", "--drop-label", "-"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    from transnormer.cli import resolve_model_dir
+
+    labels = json.loads((resolve_model_dir(out) / "config.json").read_text())["id2label"]
+    assert sorted(labels.values()) == ["maybe", "neg", "pos"]
+    assert summary["truncated"]["train"] > 0 and f"cls: truncated {summary['truncated']['train']} of " in printed
+    assert summary["eval"]["truncated"] == summary["truncated"]["valid"] > 0  # 20 words > 12 tokens
+    assert summary["eval"]["n"] == sum(1 for line in (tmp_path / "dev.tsv").read_text().splitlines()
+                                       if not line.endswith("\t-"))
+
+
 def test_train_refuses_cls_flags_for_clm(run_dir, capsys):
     root, out = run_dir
     assert main(["train", "--data", str(root), "--max-steps", "1", "--out", str(out.parent / "x"),

@@ -45,14 +45,23 @@ def _add_cls_column_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-column", type=_column, help="cls: column name or 0-based index (default: detected)")
     p.add_argument("--text-pair-column", type=_column)
     p.add_argument("--label-column", type=_column)
+    p.add_argument("--header", choices=["auto", "yes", "no"], default="auto",
+                   help="cls: whether a TSV/CSV file's first row names its columns (default: detected; say 'no' "
+                        "for a header-less file whose first row could read as names)")
+    p.add_argument("--drop-label", action="append", metavar="LABEL",
+                   help="cls: skip rows with this label (repeatable), e.g. '-' for SNLI's no-consensus rows")
 
 
 def _cls_read_kwargs(args) -> dict:
-    """The column flags given (an index 0 included); refused for a task that reads no columns."""
+    """The reading flags given (an index 0 included); refused for a task that reads no columns."""
     read = {k: getattr(args, k) for k in CLS_COLUMNS if getattr(args, k, None) is not None}
+    if getattr(args, "header", "auto") != "auto":
+        read["has_header"] = args.header == "yes"
+    if getattr(args, "drop_label", None):
+        read["drop_labels"] = list(args.drop_label)
     if args.task != "cls" and (read or getattr(args, "no_truncate", False)):
-        raise ValueError(f"--text-column, --text-pair-column, --label-column and --no-truncate apply to --task cls "
-                         f"only, not --task {args.task}")
+        raise ValueError(f"--text-column, --text-pair-column, --label-column, --header, --drop-label and "
+                         f"--no-truncate apply to --task cls only, not --task {args.task}")
     return read
 
 

@@ -178,8 +178,8 @@ class TrainConfig:
         if self.budget is not None:
             parse_budget(self.budget)
         if self.task != "cls" and (self.cls_read_kwargs or self.no_truncate):  # they would change nothing
-            raise ValueError(f"cls_read_kwargs (--text-column, --text-pair-column, --label-column) and no_truncate "
-                             f"apply to task 'cls' only, not {self.task!r}")
+            raise ValueError("cls_read_kwargs (--text-column, --text-pair-column, --label-column, --header, "
+                             f"--drop-label) and no_truncate apply to task 'cls' only, not {self.task!r}")
         if self.init_from and self.config_file:  # the pretrained model's own config.json is the config
             raise ValueError("give config_file (--config) or init_from (--init-from), not both")
         check_overrides(self.overrides)
@@ -804,6 +804,8 @@ def train(cfg: TrainConfig) -> dict:
         "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
         "diverged_at": diverged_at,  # the step whose loss or gradient was not finite, else None
     }
+    if data.extra.get("truncated"):  # cls: examples cut to seq_len, per split
+        summary["truncated"] = data.extra["truncated"]
     if recorder is not None and info.is_main:
         recorder.flush()
         recorder.save_summary(out / "grad_rsd.json")

@@ -344,14 +344,20 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 unusable["test"] = str(e)
         collate = ClassificationCollator(tok.pad_id)
         eval_split = "valid" if "valid" in datasets else "train"
+        truncated = {split: ds.num_truncated for split, ds in datasets.items() if ds.num_truncated}
+        for split, n in truncated.items():  # a cut example reads as a different one: say so
+            if info.is_main:
+                print(f"cls: truncated {n} of {len(datasets[split])} {split} examples to seq_len={cfg.seq_len} "
+                      "tokens (--no-truncate refuses them instead)")
 
         def evaluate(model, split=eval_split, max_batches=None):
             if split not in datasets:
                 why = unusable.get(split, f"the labelled splits are {sorted(datasets)}")
                 raise ValueError(f"split {split!r} of {cfg.data} cannot be evaluated: {why}")
-            return _eval_cls(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
+            res = _eval_cls(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
+            return {**res, "truncated": datasets[split].num_truncated}  # of the whole split
 
         return TaskData(tok, ClsBatches(datasets["train"], collate, cfg.batch_size, info, cfg.seed), evaluate,
                         cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),
-                        extra={"label_set": labels}, eval_split=eval_split)
+                        extra={"label_set": labels, "truncated": truncated}, eval_split=eval_split)
     raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {cfg.task!r}")
