@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from transnormer.data import MLMCollator, mask_tokens
+from transnormer.data.mlm import pad_sequences
 
 VOCAB, PAD, BOS, EOS, UNK, MASK = 1000, 0, 1, 2, 3, 4
 SPECIALS = {PAD, BOS, EOS, UNK, MASK}
@@ -101,6 +102,11 @@ def test_from_tokenizer_and_errors():
         mask_tokens(torch.zeros(4), mask_id=MASK, vocab_size=VOCAB)
     with pytest.raises(TypeError, match="input_ids"):
         mask_tokens(torch.zeros(2, 4), mask_id=MASK, vocab_size=VOCAB)
+    for bad in (-1, VOCAB):  # an id outside the vocabulary had been masked and labelled as it was
+        with pytest.raises(ValueError, match=f"input_ids must lie in \\[0, vocab_size={VOCAB}\\)"):
+            mask_tokens(torch.tensor([[5, bad]]), mask_id=MASK, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"seqs\[1\] must be 1-D"):  # its rows had been run together
+        pad_sequences([[1, 2], [[3, 4], [5, 6]]], pad_id=0)
     with pytest.raises(ValueError, match="pad_id"):
         MLMCollator(vocab_size=VOCAB, mask_id=MASK)([{"input_ids": [5, 6]}])
     with pytest.raises(TypeError, match=r"batch\[1\]"):

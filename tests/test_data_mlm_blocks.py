@@ -61,6 +61,10 @@ def test_blocks_errors():
         complete_blocks(stream([3]), np.zeros(2, dtype=bool), 4)
     assert complete_blocks(np.zeros(0, dtype=np.int64), IS_END, 4).shape == (0, 2)
     assert complete_blocks(np.array([5, 6, 7]), IS_END, 4).tolist() == [[0, 3]]  # no end mark at the end
+    # evaluation's ids as training's: pad_id None failed inside torch, 0.5 was cast to 0
+    for kw, err in (({"pad_id": None}, TypeError), ({"pad_id": 0.5}, TypeError), ({"bos_id": -1}, ValueError)):
+        with pytest.raises(err, match=next(iter(kw))):
+            next(eval_block_batches(stream([3]), IS_END, 8, 2, **{"bos_id": 0, "pad_id": 49, **kw}))
 
 
 def _iterator(tokens, **kw):

@@ -672,6 +672,8 @@ def test_overwriting_a_checkpoint_survives_a_kill(tmp_path, monkeypatch):
     ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),  # had been a ZeroDivisionError
     ({"world_size": 0}, ValueError, "world_size must be >= 1"),
     ({"batch_size": 2.0}, TypeError, "batch_size must be an int"),
+    ({"seed": None}, TypeError, "seed must be an int"),  # had failed at the first batch, inside numpy
+    ({"seed": -1}, ValueError, "seed must be >= 0"),
 ])
 def test_sampler_refuses_bad_arguments(kw, err, match):
     from transnormer.data.sampler import StepBatchSampler
@@ -691,6 +693,8 @@ def test_sampler_refuses_a_state_from_other_data():
         n = kw.pop("num_items")
         with pytest.raises(ValueError, match=key):
             StepBatchSampler(n, **kw).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state\['step'\] must be >= 0"):  # numpy had raised at the next batch
+        StepBatchSampler(100, 4, seed=1, world_size=2).load_state_dict({**state, "step": -3})
 
 
 def test_cli_model_dir_skips_a_corrupt_newest_checkpoint(corpus_dir, tmp_path):

@@ -36,7 +36,11 @@ def pad_sequences(
         raise ValueError("seqs must not be empty")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
-    rows = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in seqs]
+    rows = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+    for i, r in enumerate(rows):
+        if r.ndim > 1:  # reshape(-1) had run a 2-D row's rows together silently
+            raise ValueError(f"seqs[{i}] must be 1-D (a sequence of ids), got shape {tuple(r.shape)}")
+    rows = [r.reshape(-1) for r in rows]
     length = max(len(r) for r in rows)
     if max_length is not None:
         if length > max_length:
@@ -91,6 +95,10 @@ def mask_tokens(
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
+
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got ids in "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
 
     device = input_ids.device
     ids = input_ids.long().clone()

@@ -165,6 +165,8 @@ def eval_block_batches(tokens, is_end: np.ndarray, seq_len: int, batch_size: int
     seq_len = _check_pos_int("seq_len", seq_len, 2)
     batch_size = _check_pos_int("batch_size", batch_size)
     rank, world_size = _check_shard(rank, world_size)
+    bos_id = None if bos_id is None else _check_pos_int("bos_id", bos_id, 0)
+    pad_id = _check_pos_int("pad_id", pad_id, 0)
     blocks = complete_blocks(tokens, is_end, seq_len - (bos_id is not None))
     mine = np.arange(rank, len(blocks), world_size)
     for lo in range(0, len(mine), batch_size):

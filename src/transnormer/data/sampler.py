@@ -17,7 +17,8 @@ class StepBatchSampler:
     def __init__(self, num_items: int, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
                  step: int = 0):
         for name, value, minimum in (("num_items", num_items, 0), ("batch_size", batch_size, 1),
-                                     ("world_size", world_size, 1), ("rank", rank, 0), ("step", step, 0)):
+                                     ("world_size", world_size, 1), ("rank", rank, 0), ("step", step, 0),
+                                     ("seed", seed, 0)):  # (numpy seeds are non-negative ints)
             _check_pos_int(name, value, minimum)
         if rank >= world_size:  # another rank's batches
             raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
@@ -60,4 +61,6 @@ class StepBatchSampler:
         for key in ("seed", "global_batch_size", "num_items"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"sampler state does not match this data ({key} {state[key]} saved, {mine[key]} now)")
-        self.step = int(state["step"])
+        if not isinstance(state, dict) or "step" not in state:
+            raise TypeError("state must be a dict from StepBatchSampler.state_dict()")
+        self.step = _check_pos_int("state['step']", state["step"], 0)
