@@ -336,6 +336,37 @@ def test_cli_train_under_torchrun_scores_the_splits_once_over_the_ranks(listops_
     assert rec["training"]["batch_size"] == 4 and json.loads((run / "train_config.json").read_text())["batch_size"] == 2
 
 
+@pytest.mark.slow
+def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_root, tmp_path):
+    """--sync-batch-norm: 2 processes x 2 examples train as 1 process x 4 (the same losses; per
+    process batch statistics, the default and the authors', give others), under DDP's own
+    gradient all-reduces."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    common = ["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
+              "--max-steps", "3", "--batch-size", "4", "--lr", "1e-3", "--no-progress", "--eval-batches", "1",
+              "--test-batches", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), *common, "--out", str(tmp_path / "one")], check=True, env=env,
+                   timeout=300, capture_output=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(script)]
+    for name, flags in (("sync", ["--sync-batch-norm"]), ("local", [])):
+        subprocess.run([*torchrun, *common, "--out", str(tmp_path / name), *flags], check=True, env=env,
+                       timeout=300, capture_output=True)
+
+    def losses(name):
+        return [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                if r.get("kind") == "train"]
+
+    one, sync, local = losses("one"), losses("sync"), losses("local")
+    assert len(one) == 3 and sync == pytest.approx(one, rel=0, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(one, local)) > 1e-3
+
+
 @pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--seq-len", "0"], ["--epochs", "-5"],
                                    ["--grad-accum", "0"], ["--test-batches", "0"], ["--max-steps", "0"]])
 def test_cli_train_refuses_values_it_would_have_replaced(listops_root, tmp_path, capsys, flags):

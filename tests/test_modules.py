@@ -23,6 +23,75 @@ def test_norm_by_name_and_bad_name():
         build_norm("groupnorm", 8)
 
 
+_SYNC_BN_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from transnormer.modules.norms import MaskedBatchNorm, sync_batch_norm
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+x = torch.randn(4, 6, 8, dtype=torch.float64) * 3 + 1
+mask = torch.ones(4, 6, dtype=torch.bool)
+mask[0, 4:] = False
+mask[2:] = False  # rank 1 holds no valid position in the first step: its statistics are the others'
+w = torch.randn(4, 6, 8, dtype=torch.float64)
+ref, bn = MaskedBatchNorm(8).double(), MaskedBatchNorm(8).double()
+with torch.no_grad():
+    ref.weight.normal_(), ref.bias.normal_()
+bn.load_state_dict(ref.state_dict())
+assert sync_batch_norm(bn) == 1
+for step in range(2):
+    if step:
+        mask[2:, :3] = True
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = ref(xr, mask)
+    (y_ref * w).sum().backward()
+    mine = slice(2 * rank, 2 * rank + 2)
+    y = bn(xs[mine], mask[mine])
+    (y * w[mine]).sum().backward()  # the grads of the global sum, summed over the ranks below
+    for t in (bn.weight.grad, bn.bias.grad, xs.grad):
+        dist.all_reduce(t)
+    m = mask[mine, :, None]
+    torch.testing.assert_close(y * m, y_ref[mine] * m, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bn.weight.grad, ref.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bn.bias.grad, ref.bias.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bn.running_var, ref.running_var, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-12, atol=1e-12)
+    bn.zero_grad(), ref.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_synced_batch_norm_over_two_processes_is_one_process_with_the_global_batch(tmp_path):
+    """sync_batch_norm: outputs, input and parameter gradients and running statistics of 2 gloo
+    processes x 2 rows equal one process's on the 4 rows (fp64); a rank with no valid position
+    takes the others' statistics."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "sync_bn.py"
+    script.write_text(_SYNC_BN_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                    str(script)], check=True, env=env, timeout=300, capture_output=True)
+
+
+def test_sync_batch_norm_is_refused_for_a_model_without_batch_norm():
+    from transnormer.models import TransNormerForCausalLM
+    from transnormer.presets import get_config
+    from transnormer.train import TrainConfig
+    from transnormer.train.distributed import DistInfo, wrap_model
+
+    model = TransNormerForCausalLM(get_config("t2-lm-tiny", num_hidden_layers=1, hidden_size=32,
+                                              num_attention_heads=2))
+    info = DistInfo()  # one process
+    with pytest.raises(ValueError, match="the model has no batch norm"):
+        wrap_model(model, info, sync_batch_norm=True)
+    with pytest.raises(ValueError, match="sync_batch_norm .* needs norm_type 'batch'"):
+        TrainConfig(preset="t2-lm-tiny", sync_batch_norm=True, max_steps=1).check()
+
+
 def test_masked_batch_norm_ignores_padding():
     bn = build_norm("batch", 4)
     x = torch.randn(2, 6, 4)

@@ -111,6 +111,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--compile", action="store_true")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute blocks in the backward")
     p.add_argument("--strategy", default=d.strategy, choices=["ddp", "fsdp"])
+    p.add_argument("--sync-batch-norm", action="store_true",
+                   help="under torchrun, batch norm statistics over every process (default: per process)")
     p.add_argument("--device")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", dest="out_dir", default=d.out_dir)

@@ -291,7 +291,7 @@ def run_train(args) -> dict:
         schedule=defaults["schedule"], weight_decay=defaults["weight_decay"], betas=tuple(defaults["betas"]),
         clip=defaults["clip"] if args.clip is None else args.clip, dtype=args.dtype, device=args.device, seed=seed,
         out_dir=str(out), eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-        resume=args.resume, progress=args.progress,
+        resume=args.resume, progress=args.progress, sync_batch_norm=args.sync_batch_norm,
     )
     # Under torchrun one process group serves the training and the evaluations after it: each rank
     # scores its share of the splits, and rank 0 writes the result files.
@@ -545,6 +545,9 @@ def register(sub) -> None:
     q.add_argument("--lr", type=float)
     q.add_argument("--warmup", type=int, help="default: the authors' warmup (capped at half of --max-steps)")
     q.add_argument("--clip", type=float, help="gradient clipping (default: off, as the authors)")
+    q.add_argument("--sync-batch-norm", action="store_true",
+                   help="under torchrun, batch norm statistics over every process (default: per process, as the "
+                        "authors' per-GPU BatchNorm)")
     q.add_argument("--seed", type=int, help="default: 2222 (the authors')")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     q.add_argument("--out", help="run folder (default: runs/lra/TASK-PRESET)")

@@ -96,8 +96,10 @@ class LayerNorm(nn.LayerNorm):
 class MaskedBatchNorm(nn.Module):
     """BatchNorm over channels whose statistics use valid positions only (LRA, spec §12 item 6).
 
-    x: [B, T, d]; mask: [B, T]. In eval mode the running statistics are used. Under DDP wrap
-    with SyncBatchNorm semantics is not provided: statistics are per process.
+    x: [B, T, d]; mask: [B, T]. In eval mode the running statistics are used. Training statistics
+    are this process's batch (as the authors' per-GPU BatchNorm), or, after
+    :func:`sync_batch_norm`, the valid positions of every process's batch (two all-reduces per
+    forward, differentiable: the result is that of one process holding the global batch).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1):
@@ -107,6 +109,26 @@ class MaskedBatchNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("running_var", torch.ones(dim))
+        self.synced = False  # statistics over every process (sync_batch_norm)
+
+    def _batch_stats(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(mean, biased var, count) over the rows of flat [n, d], pooled over the processes when
+        synced: the global mean first, then the squared deviations from it (no E[x²] − E[x]²
+        cancellation)."""
+        if not (self.synced and torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
+            n = flat.shape[0]
+            return (flat.mean(0), flat.var(0, unbiased=False), n) if n else (None, None, 0)
+        from torch.distributed.nn.functional import all_reduce  # differentiable: its backward sums too
+
+        count = flat.new_full((1,), float(flat.shape[0]))
+        total = all_reduce(torch.cat([flat.sum(0), count]))
+        n = int(total[-1].item())
+        if n == 0:  # (every rank: each saw the same total)
+            return None, None, 0
+        mean = total[:-1] / n
+        var = all_reduce(((flat - mean) ** 2).sum(0)) / n
+        return mean, var, n
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         _check_width(self, x)
@@ -115,14 +137,12 @@ class MaskedBatchNorm(nn.Module):
             flat = xf.reshape(-1, self.dim)
             if mask is not None:
                 flat = flat[mask.reshape(-1).bool()]
-            if flat.shape[0] == 0:
+            mean, var, n = self._batch_stats(flat)
+            if n == 0:
                 mean, var = self.running_mean, self.running_var
             else:
-                mean = flat.mean(0)
-                var = flat.var(0, unbiased=False)
                 if not recomputing():  # once per step: not again in activation checkpointing's recomputation
                     with torch.no_grad():
-                        n = flat.shape[0]
                         unbiased = var * n / max(n - 1, 1)
                         # in the statistics' own dtype: model.half() makes them half, and lerp_
                         # refused the fp32 batch statistics
@@ -132,6 +152,16 @@ class MaskedBatchNorm(nn.Module):
             mean, var = self.running_mean, self.running_var
         y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
         return y.to(x.dtype)
+
+
+def sync_batch_norm(model: nn.Module) -> int:
+    """Make every :class:`MaskedBatchNorm` in ``model`` pool its training statistics over the
+    processes of the default group (SyncBatchNorm's semantics; a no-op in one process). Every
+    process must then run the same number of training forwards. Returns how many norms it set."""
+    norms = [m for m in model.modules() if isinstance(m, MaskedBatchNorm)]
+    for m in norms:
+        m.synced = True
+    return len(norms)
 
 
 NORM_TYPES = ("simple_rms", "rms", "layer", "scale", "batch")

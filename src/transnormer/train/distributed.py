@@ -126,11 +126,19 @@ def global_value(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Module:
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp", *, sync_batch_norm: bool = False) -> nn.Module:
     """DDP (default) or FSDP2 around ``model``; the model itself unchanged when single-process.
 
-    FSDP2 replaces the parameters by sharded DTensors in place: make the optimizer afterwards."""
+    FSDP2 replaces the parameters by sharded DTensors in place: make the optimizer afterwards.
+    ``sync_batch_norm``: the model's batch norms pool their statistics over the processes (the
+    result of one process holding the global batch); the default keeps them per process, as the
+    authors' LRA runs had them. A model without batch norm is refused."""
     check_strategy(info, strategy)
+    if sync_batch_norm:
+        from ..modules.norms import sync_batch_norm as sync_norms
+
+        if not sync_norms(model):
+            raise ValueError("sync_batch_norm (--sync-batch-norm): the model has no batch norm (norm_type 'batch')")
     if not info.enabled:
         return model
     if strategy == "fsdp":

@@ -91,6 +91,7 @@ class TrainConfig:
     compile: bool = False
     gradient_checkpointing: bool = False  # recompute each block in the backward: memory for time
     strategy: str = "ddp"
+    sync_batch_norm: bool = False  # batch norm statistics over every process (modules.norms.sync_batch_norm)
     device: str | None = None
     seed: int = 0
     out_dir: str = "runs/train"
@@ -205,6 +206,9 @@ class TrainConfig:
                 setattr(config, k, v)
         if config is not None:
             config.check()
+            if self.sync_batch_norm and config.norm_type != "batch":  # (wrap_model checks an init_from model)
+                raise ValueError(f"sync_batch_norm (--sync-batch-norm) needs norm_type 'batch'; this model's "
+                                 f"norm_type is {config.norm_type!r}")
 
 
 # MLM samples: whole sentences packed into blocks with <s> first (fairseq's --sample-break-mode
@@ -599,7 +603,7 @@ def train(cfg: TrainConfig) -> dict:
                                     resume=resumed)
     if cfg.compile:
         model = torch.compile(model)
-    wrapped = wrap_model(model, info, cfg.strategy)
+    wrapped = wrap_model(model, info, cfg.strategy, sync_batch_norm=cfg.sync_batch_norm)
     # The optimizer after wrap_model: FSDP replaces the parameters by sharded ones, and an optimizer
     # made before would step the old ones (which get no gradient). fused: one kernel per parameter
     # group instead of a dozen ops with temporaries (CPU: 3.3x faster measured on a 36M model); not
