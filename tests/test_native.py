@@ -31,6 +31,44 @@ def test_kernel_builds_when_a_compiler_exists():
     assert _native.load() is not None, _native._error
 
 
+@pytest.mark.parametrize("preset", ["t1-lm-tiny", "t2-lm-tiny", "flash-lm-tiny", "vanilla-lm-tiny"])
+def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_forms(monkeypatch, preset):
+    """The portable loops, as a CPU without AVX-512 builds them (-mno-avx512f): the library must
+    build (tn_bmm_f32 named an AVX-512-only constant, and the whole library had been lost there,
+    silently) and every kernel a model's step reaches must agree with the PyTorch forms."""
+    from conftest import model_loss_and_grads
+    from transnormer.models import TransNormerForCausalLM
+    from transnormer.presets import get_config
+
+    if _native.load() is None:
+        pytest.skip("no kernels on this machine")
+    try:
+        lib = _native.load_variant(("-mno-avx512f",))
+    except (RuntimeError, OSError) as exc:
+        if "unrecognized" in str(exc) or "unknown" in str(exc):
+            pytest.skip(f"the compiler does not take -mno-avx512f: {exc}")
+        raise
+    torch.manual_seed(0)
+    model = TransNormerForCausalLM(get_config(preset, num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                              vocab_size=97, dropout=0.0, attention_dropout=0.0)).double().float()
+    ids = torch.randint(0, 97, (2, 70))
+    before = _native.backend()
+    try:
+        _native.set_backend("torch")
+        ref = model_loss_and_grads(model, ids, amp=False)
+        _native.set_backend("auto")
+        monkeypatch.setattr(_native, "_lib", lib)
+        monkeypatch.setattr(_native, "_build_flags", {})
+        calls = []
+        real_call = _native._call
+        monkeypatch.setattr(_native, "_call", lambda name, *a: calls.append(name) or real_call(name, *a))
+        got = model_loss_and_grads(model, ids, amp=False)
+    finally:
+        _native.set_backend(before)
+    assert calls, "no kernel ran"
+    assert rel_err(got[0], ref[0]) < 1e-5 and rel_err(got[1], ref[1]) < 1e-4
+
+
 def test_a_build_without_the_fast_flags_says_why(monkeypatch, tmp_path):
     """A compile error under -march=native must not pass silently as a portable (slow) build."""
     def run(cmd, **kw):
