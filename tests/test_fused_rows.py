@@ -330,6 +330,32 @@ def test_simple_rms_norm_torch_form_is_the_reference(backend_mode):
     assert torch.equal(simple_rms_norm(x, 1e-8), simple_rms_norm_reference(x, 1e-8, False))
 
 
+@needs_kernel
+@pytest.mark.parametrize("D", [6, 16])  # the scalar loop and the vector path
+def test_elu_feature_map_and_silu_keep_relative_precision_near_zero_and_far_below(backend_mode, D):
+    """elu(v) = e^v - 1 took 1 from e^v: for small |v| the relative error grew as 1/|v| (0 for
+    |v| ~ 1e-20, 1.4e-2 at 1e-6; PyTorch's expm1 holds 1e-7). And e^x below e^-87 was clamped to
+    e^-87: silu(-88), a normal fp32 value, came out 2.7x too large (scalar loops)."""
+    import math
+
+    backend_mode("native")
+    v = torch.tensor([-1e-20, -1e-7, -1e-3, -0.3, -0.4, -1.0, -5.0, -30.0], dtype=torch.float64)
+    x = v.repeat_interleave(D).view(len(v), 1, 1, D).float().requires_grad_()
+    y = lrpe_feature_map(x, torch.ones(1, 1, D // 2), torch.zeros(1, 1, D // 2), None, kernel="elu")
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    want = torch.tensor([math.expm1(t) for t in v.tolist()], dtype=torch.float64)
+    assert rel_err(y[:, 0, 0, 0].double() / want, torch.ones_like(want)) < 3e-7
+    assert rel_err(dx[:, 0, 0, 0].double() / v.exp(), torch.ones_like(want)) < 3e-7
+    a = torch.tensor([-88.0, -80.0, -20.0, 3.0], dtype=torch.float64)
+    F_ = D + 1
+    ab = torch.ones(len(a), 2 * F_)
+    ab[:, :F_] = a[:, None].float()
+    h = silu_gate(ab)
+    assert rel_err(h[:, 0].double() / (a * torch.sigmoid(a)), torch.ones_like(a)) < 3e-7
+    assert rel_err(h[:, -1].double() / (a * torch.sigmoid(a)), torch.ones_like(a)) < 3e-7
+    assert silu_gate(torch.tensor([[-1e4, 1.0]])).item() == 0.0
+
+
 def _srms_fp64(x, eps, inside, gain=1.0):
     """The norm's formula in fp64 with no rescaling: fp32 rows up to 3.4e38 square within range."""
     ms = x.pow(2).mean(-1, keepdim=True)

@@ -45,25 +45,49 @@ inline void from_float(float x, bf16* dst) {
 }
 
 // exp(x) for x <= 0 without a library call, so loops over a row vectorize: x = n ln2 + r,
-// degree-7 Taylor polynomial of e^r (relative error < 1e-7), 2^n through the exponent bits.
-inline float exp_nonpositive(float x) {
-    x = std::max(x, -87.0f);
+// degree-7 Taylor polynomial of e^r (relative error < 1e-7), 2^n through the exponent bits, in two
+// factors so that results below 2^-126 come out subnormal, not clamped (silu(-88) had been 2.7x
+// off, silu(-1e4) -1.6e-34 instead of 0).
+// expm1_nonpositive: e^x - 1 without the cancellation of subtracting 1 when n = 0 (|x| < ln2/2):
+// r times the polynomial without its leading 1 (elu(-1e-7) had been -1.19e-7).
+struct ExpParts {
+    float n, r, q;  // e^x = 2^n (1 + r q)
+};
+
+inline ExpParts exp_parts(float x) {
+    x = std::max(x, -104.0f);  // e^-104 < 2^-149: 0 after the scaling
     const float t = x * 1.44269504088896341f;
     const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return p * scale;
+    float q = 1.0f / 5040.0f;
+    q = q * r + 1.0f / 720.0f;
+    q = q * r + 1.0f / 120.0f;
+    q = q * r + 1.0f / 24.0f;
+    q = q * r + 1.0f / 6.0f;
+    q = q * r + 0.5f;
+    q = q * r + 1.0f;
+    return {n, r, q};
+}
+
+inline float pow2_nonpositive(float n) {  // 2^n for integral n in [-150, 0]
+    const int32_t n1 = int32_t(n) >> 1, n2 = int32_t(n) - n1;  // each >= -75: a normal float
+    const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+    float s1, s2;
+    std::memcpy(&s1, &b1, 4);
+    std::memcpy(&s2, &b2, 4);
+    return s1 * s2;
+}
+
+inline float exp_nonpositive(float x) {
+    const ExpParts e = exp_parts(x);
+    return (e.r * e.q + 1.0f) * pow2_nonpositive(e.n);
+}
+
+inline float expm1_nonpositive(float x) {
+    const ExpParts e = exp_parts(x);
+    const float rq = e.r * e.q;
+    return e.n == 0.0f ? rq : (rq + 1.0f) * pow2_nonpositive(e.n) - 1.0f;
 }
 
 // sigmoid through exp(-|a|) <= 1 (no overflow), branch-free so row loops vectorize

@@ -29,8 +29,7 @@ using namespace tn;
 inline float phi(int kern, float v) {
     if (kern == 0) return v;
     if (kern == 3) return v > 0.0f ? v : 0.0f;
-    const float e = exp_nonpositive(std::min(v, 0.0f));
-    const float elu = v > 0.0f ? v : e - 1.0f;
+    const float elu = v > 0.0f ? v : expm1_nonpositive(std::min(v, 0.0f));
     return kern == 1 ? elu : elu + 1.0f;
 }
 
@@ -127,7 +126,7 @@ inline __m512 phi16(__m512 v) {
     const __m512 zero = _mm512_setzero_ps();
     if (KERN == 3) return _mm512_max_ps(v, zero);
     const __mmask16 pos = _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);
-    const __m512 em1 = _mm512_sub_ps(tn::exp16(_mm512_min_ps(v, zero)), _mm512_set1_ps(1.0f));
+    const __m512 em1 = tn::expm1_16(_mm512_min_ps(v, zero));
     const __m512 elu = _mm512_mask_blend_ps(pos, em1, v);
     return KERN == 1 ? elu : _mm512_add_ps(elu, _mm512_set1_ps(1.0f));
 }

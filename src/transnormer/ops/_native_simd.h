@@ -73,6 +73,26 @@ inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// e^x - 1 for x <= 0 (expm1_nonpositive in _native_common.h): where n = 0, r times the
+// polynomial without its leading 1, so small |x| keep their relative precision
+inline __m512 expm1_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+    const __m512 rq = _mm512_mul_ps(r, q), one = _mm512_set1_ps(1.0f);
+    const __m512 far = _mm512_sub_ps(_mm512_scalef_ps(_mm512_add_ps(rq, one), n), one);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_EQ_OQ), far, rq);
+}
+
 // Query lanes of the softmax-attention kernels (queries along the vector lanes, one bit each).
 typedef uint64_t Lanes;  // one bit per query of a block
 
