@@ -25,6 +25,26 @@ def test_matches_unfused_loss_and_grads_fp64(N, chunk):
         assert rel_err(a, b) < 1e-12
 
 
+@pytest.mark.parametrize("form", ["native", "torch"])
+@pytest.mark.parametrize("offset", [300.0, 1e4, -1e4])
+def test_the_loss_keeps_its_digits_at_large_logits(form, offset):
+    """The loss term was lse − target with lse rounded to fp32 first: logits ~1e4 lost the loss's
+    low digits (relative error 1e-5 to 1e-4, both forms; F.cross_entropy holds 1e-8)."""
+    if form == "native" and _native.load() is None:
+        pytest.skip("fused CPU kernels unavailable")
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 33, dtype=torch.float64, generator=g) + offset
+    labels = torch.randint(0, 33, (7,), generator=g)
+    before = _native.backend()
+    try:
+        _native.set_backend(form)
+        got = linear_cross_entropy(torch.eye(7), logits.float().t().contiguous(), labels)  # h = I: logits = Wᵀ
+    finally:
+        _native.set_backend(before)
+    ref = F.cross_entropy(logits.float().double(), labels)  # the exact loss of the fp32 logits
+    assert rel_err(got.double(), ref) < 1e-6
+
+
 @pytest.mark.parametrize("choice", ["onednn", "mkl"])
 @pytest.mark.parametrize("N, chunk", [(1, 64), (65, 64), (300, 128)])
 def test_fp32_products_on_either_gemm_match_fp64(monkeypatch, choice, N, chunk):

@@ -545,10 +545,12 @@ def rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, write_grad: bool):
-    """Per-row log-sum-exp and target logit of ``x`` [n, V]; optionally ``x`` := the loss gradient.
+    """Per-row log-sum-exp and loss term of ``x`` [n, V]; optionally ``x`` := the loss gradient.
 
     ``labels`` [n] integers in [0, V) (clamp ignored rows' labels first), ``valid`` [n] bool
-    (False rows get a zero gradient row). Returns ``(lse, target)``, both fp32 [n]. With
+    (False rows get a zero gradient row). Returns ``(lse, loss)``, both fp32 [n], ``loss`` =
+    (max − target logit) + log Σ exp(x − max), not lse − target (an fp32 lse loses the loss's
+    low digits once logits are large). With
     ``write_grad`` the block is overwritten in place with ``valid * (softmax(x) - onehot(labels))``
     in its own dtype, the arithmetic in fp32 (``_native_xent.cpp``).
     """
@@ -558,12 +560,12 @@ def xent_rows(x: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, wri
     labels = labels.to(torch.int64).contiguous()
     valid = valid.to(torch.uint8).contiguous()
     lse = torch.empty(n, dtype=torch.float32)
-    target = torch.empty(n, dtype=torch.float32)
+    loss = torch.empty(n, dtype=torch.float32)
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= V):
         raise ValueError(f"xent_rows: labels must lie in [0, {V})")
-    _call("tn_xent_rows", x.dtype, _ptr(x), n, V, x.stride(0), _ptr(labels), _ptr(valid), _ptr(lse), _ptr(target),
+    _call("tn_xent_rows", x.dtype, _ptr(x), n, V, x.stride(0), _ptr(labels), _ptr(valid), _ptr(lse), _ptr(loss),
           int(write_grad))
-    return lse, target
+    return lse, loss
 
 
 def transpose_acc(src: torch.Tensor, dst: torch.Tensor, *, accumulate: bool) -> None:

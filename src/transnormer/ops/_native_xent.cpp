@@ -1,7 +1,7 @@
 // Fused softmax cross-entropy over rows of logits, in place (the LM loss's element-wise part).
 //
 // Why this file exists: for each chunk of rows, modules/lm_loss.py needs, per row, the
-// log-sum-exp, the target's logit and the gradient softmax - onehot. In PyTorch that is a
+// loss term log-sum-exp - target logit and the gradient softmax - onehot. In PyTorch that is a
 // bf16 -> fp32 copy, max, subtract, exp, sum, divide, a scatter and a mask multiply, plus a copy
 // back to bf16: about nine passes over a [rows, V] block of hundreds of megabytes. Here one
 // thread takes a row (V floats fit in L2), reads it once from memory and writes the gradient
@@ -9,12 +9,13 @@
 //
 // Built with the other kernels into one library by transnormer/ops/_native.py.
 //
-// tn_xent_rows_{f32,bf16}(x, n, V, ld, labels, valid, lse, target, write_grad, nthreads):
+// tn_xent_rows_{f32,bf16}(x, n, V, ld, labels, valid, lse, loss, write_grad, nthreads):
 //   x       [n, V] logits, row stride ld (elements); overwritten with the gradient if write_grad
 //   labels  [n] int64 in [0, V) (the caller clamps ignored rows' labels to a valid index)
 //   valid   [n] uint8: 0 = ignored row (its gradient row is all zeros)
 //   lse     [n] fp32 out: log sum_j exp(x_ij)
-//   target  [n] fp32 out: x_i,labels_i (read before the row is overwritten)
+//   loss    [n] fp32 out: (max_j x_ij - x_i,labels_i) + log sum_j exp(x_ij - max): lse - target
+//           without rounding lse first (at logits ~1e4 an fp32 lse is ~1e-3 off, the loss 1e-4)
 //   gradient: g_ij = valid_i * (exp(x_ij - lse_i) - [j == labels_i])
 // Returns 0, or 1 for bad sizes / labels.
 
@@ -76,7 +77,7 @@ void row_scale(const float* e, idx V, float scale, T* g) {
 
 template <typename T>
 void rows(T* x, idx r0, idx r1, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
-          float* target, bool write_grad) {
+          float* loss, bool write_grad) {
     tn::buffer<float> e(V);
     for (idx i = r0; i < r1; ++i) {
         T* row = x + i * ld;
@@ -84,7 +85,7 @@ void rows(T* x, idx r0, idx r1, idx V, idx ld, const int64_t* labels, const uint
         row_exp(row, V, e.data(), mx, sum);
         const float l = std::log(sum);
         lse[i] = mx + l;
-        target[i] = to_float(row[labels[i]]);
+        loss[i] = (mx - to_float(row[labels[i]])) + l;  // (read before the row is overwritten)
         if (!write_grad) continue;
         if (!valid[i]) {
             row_scale(e.data(), V, 0.0f, row);
@@ -97,12 +98,12 @@ void rows(T* x, idx r0, idx r1, idx V, idx ld, const int64_t* labels, const uint
 }
 
 template <typename T>
-int xent_all(T* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse, float* target,
+int xent_all(T* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse, float* loss,
              int write_grad, int nthreads) {
     if (n < 0 || V < 1 || ld < V) return 1;
     for (idx i = 0; i < n; ++i)
         if (labels[i] < 0 || labels[i] >= V) return 1;
-    tn::parallel_ranges(n, nthreads, [&](idx r0, idx r1) { rows(x, r0, r1, V, ld, labels, valid, lse, target, write_grad != 0); });
+    tn::parallel_ranges(n, nthreads, [&](idx r0, idx r1) { rows(x, r0, r1, V, ld, labels, valid, lse, loss, write_grad != 0); });
     return 0;
 }
 
@@ -111,13 +112,13 @@ int xent_all(T* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* v
 extern "C" {
 
 int tn_xent_rows_f32(float* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
-                     float* target, int write_grad, int nthreads) {
-    return xent_all(x, n, V, ld, labels, valid, lse, target, write_grad, nthreads);
+                     float* loss, int write_grad, int nthreads) {
+    return xent_all(x, n, V, ld, labels, valid, lse, loss, write_grad, nthreads);
 }
 
 int tn_xent_rows_bf16(void* x, idx n, idx V, idx ld, const int64_t* labels, const uint8_t* valid, float* lse,
-                      float* target, int write_grad, int nthreads) {
-    return xent_all(static_cast<bf16*>(x), n, V, ld, labels, valid, lse, target, write_grad, nthreads);
+                      float* loss, int write_grad, int nthreads) {
+    return xent_all(static_cast<bf16*>(x), n, V, ld, labels, valid, lse, loss, write_grad, nthreads);
 }
 
 }  // extern "C"
