@@ -565,6 +565,9 @@ def train(cfg: TrainConfig) -> dict:
     # resume (the optimizer's and scheduler's states once they exist, after wrap_model below)
     step, tokens_seen, real_seen, elapsed = 0, 0, 0, 0.0
     resumed, state = False, None
+    # an evaluation due at the step a Ctrl-C / SIGTERM stopped: saved as pending and run first
+    # thing on resume (the resumed run starts after that step and had never made it up)
+    eval_pending = False
     if ckpt is not None:
         state = load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint just verified it
         changed = config_changes(state.get("config", {}), cfg)
@@ -584,6 +587,7 @@ def train(cfg: TrainConfig) -> dict:
         if not own and info.rank:
             torch.manual_seed(cfg.seed + 1_000_003 * info.rank + state["step"])
         step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
+        eval_pending = bool(state.get("eval_pending"))
         real_seen = state.get("real_tokens")  # None: a checkpoint from before the count
         total_steps = state["total_steps"]
         if info.is_main:
@@ -616,7 +620,7 @@ def train(cfg: TrainConfig) -> dict:
         load_optimizer_state(model, optimizer, state["optimizer"], info, cfg.strategy)
         scheduler.load_state_dict(state["scheduler"])
         state = None  # (the optimizer state's tensors are the optimizer's now)
-    metrics = MetricsLogger(out / "metrics.jsonl", enabled=info.is_main)
+    metrics = MetricsLogger(out / "metrics.jsonl", enabled=info.is_main, purge_step=step + 1 if resumed else None)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "train_config.json", json.dumps(asdict(cfg), indent=1, default=str))
@@ -633,7 +637,8 @@ def train(cfg: TrainConfig) -> dict:
         state = {"step": step, "tokens": tokens_seen, "real_tokens": real_seen, "elapsed": elapsed,
                  "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
-                 "rng": rng_state(info.device), "total_steps": total_steps, "config": asdict(cfg)}
+                 "rng": rng_state(info.device), "total_steps": total_steps, "config": asdict(cfg),
+                 "eval_pending": eval_pending}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
         # their own longest example), so rank 0's state is not the others'
         state["rng_per_rank"] = gather_objects(state["rng"], info)
@@ -669,6 +674,8 @@ def train(cfg: TrainConfig) -> dict:
     diverged_at = None
     record = None  # the last step's train record when log_every skipped it
     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s)) if cfg.eval_every_s else None
+    if eval_pending:
+        last_eval, last_eval_step, eval_pending = evaluate(), step, False
     stop = _StopRequests()  # Ctrl-C / SIGTERM: the current step finishes, is saved, and the run stops
     try:
         while True:
@@ -740,9 +747,11 @@ def train(cfg: TrainConfig) -> dict:
                     "without saving these weights (the checkpoints before them are kept)")
                 diverged_at = step
                 break
-            if not stopping and ((cfg.eval_every and step % cfg.eval_every == 0)  # (interrupted: save first)
-                                 or (next_eval_s is not None and elapsed >= next_eval_s)):
-                last_eval, last_eval_step = evaluate(), step
+            if (cfg.eval_every and step % cfg.eval_every == 0) or (next_eval_s is not None and elapsed >= next_eval_s):
+                if stopping:  # interrupted: save first, evaluate on resume
+                    eval_pending = True
+                else:
+                    last_eval, last_eval_step = evaluate(), step
                 if next_eval_s is not None:
                     next_eval_s = cfg.eval_every_s * (1 + int(elapsed // cfg.eval_every_s))
             if cfg.save_every and step % cfg.save_every == 0:

@@ -12,7 +12,10 @@ from .._files import atomic_savefig, atomic_write_text
 class MetricsLogger:
     """Append-only JSONL writer (rank 0 only) with an optional TensorBoard mirror."""
 
-    def __init__(self, path: str | Path, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, path: str | Path, *, enabled: bool = True, tensorboard: bool = True,
+                 purge_step: int | None = None):
+        """``purge_step``: a resumed run's first step; TensorBoard hides the abandoned run's events
+        from it on (the JSONL file is cut back by ``truncate_metrics``)."""
         self.path = Path(path)
         self.enabled = enabled
         self._tb = None
@@ -24,7 +27,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+                self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=purge_step)
             except Exception:  # noqa: BLE001 - tensorboard is optional
                 self._tb = None
 

@@ -3,7 +3,9 @@
 - ``cosine``: linear warmup from 0, cosine decay to ``min_lr_ratio`` at ``total_steps``.
 - ``inverse_sqrt`` (fairseq, the paper's LM setting): linear warmup from ``warmup_init_lr``,
   then peak · √warmup / √step.
-- ``polynomial`` (RoBERTa MLM): linear warmup, then linear decay to 0 at ``total_steps``.
+- ``polynomial`` (RoBERTa MLM): linear warmup, then linear decay towards 0 at ``total_steps``;
+  as fairseq's, update k reads the decay at k − 1, so the last update has a non-zero rate (it
+  had run at 0, a wasted step).
 - ``constant``: warmup, then flat.
 """
 
@@ -51,10 +53,11 @@ def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr
         return 1.0
     if kind == "inverse_sqrt":
         return math.sqrt(max(warmup, 1)) / math.sqrt(s)
+    if kind == "polynomial":
+        return 1.0 - decay_progress(s - 1, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
+                                    refit_progress=refit_progress)
     progress = decay_progress(s, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
                               refit_progress=refit_progress)
-    if kind == "polynomial":
-        return 1.0 - progress
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
