@@ -366,8 +366,8 @@ def _srms_fp64(x, eps, inside, gain=1.0):
 @pytest.mark.parametrize("inside", [False, True])
 def test_simple_rms_norm_and_scale_norm_hold_at_every_scale(backend_mode, form, inside):
     """Rows of RMS 1e-30 to 1e37: in fp32 the old forms lost dx from about 1e13 (coefficients
-    like s³/D underflow; 10% off at 1e13) and returned 0 past about 1.8e19/√D (the sum of squares
-    overflows)."""
+    like s³/D underflow; 10% off at 1e13), returned 0 past about 1.8e19/√D (the sum of squares
+    overflows), and with a tiny ε lost rows below about 1e-19 (it underflows)."""
     from transnormer.ops.rowwise import scale_norm
 
     if form == "native" and _native.load() is None:
@@ -380,7 +380,9 @@ def test_simple_rms_norm_and_scale_norm_hold_at_every_scale(backend_mode, form, 
     for dtype, tol in [(torch.float32, 1e-6)] + ([(torch.bfloat16, 1e-2)] if form == "native" else []):
         xin = x.to(dtype).double()  # the inputs as the low precision holds them
         gin = gy.to(dtype).double()
-        cases = [(1e-8, inside, None)] + ([(1e-5, True, 0.7)] if inside else [])  # ScaleNorm: ε inside
+        # ε 1e-30: the scale of rows down to 1e-30 rests on their own sum of squares, which
+        # underflowed in fp32 below ~1e-19; ScaleNorm: ε inside
+        cases = [(1e-8, inside, None), (1e-30, inside, None)] + ([(1e-5, True, 0.7)] if inside else [])
         for eps, ins, gain in cases:
             xt, xr = xin.to(dtype).requires_grad_(), xin.clone().requires_grad_()
             if gain is None:

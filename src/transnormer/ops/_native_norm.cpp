@@ -73,8 +73,9 @@ inline Coefs coefs(double ss, idx D, double eps, bool inside) {
     return {1.0 / den, r > 0.0 ? 1.0 / (den * den * double(D) * r) : 0.0};
 }
 
-// A coefficient outside fp32's normal range (or a sum that overflowed it: rows of RMS above about
-// 1.8e19/sqrt(D)) sends the row down the double path below; rows of ordinary scale never go there.
+// A coefficient outside fp32's normal range, or a sum of squares outside it (rows of RMS above
+// about 1.8e19/sqrt(D), or below about 1e-19, where only a tiny eps keeps the scale: zero rows
+// too), sends the row down the double path below; rows of ordinary scale never go there.
 inline bool fp32_unsafe(double c) {
     const double a = std::fabs(c);
     return a != 0.0 && (a < double(FLT_MIN) || a > double(FLT_MAX));
@@ -98,7 +99,7 @@ void forward_rows(const T* x, Y* y, idx D, float eps, bool inside, float gain, i
     for (idx r = r0; r < r1; ++r) {
         const T* xr = x + r * D;
         double ss = dot(xr, xr, D);
-        const bool wide = !std::isfinite(ss);
+        const bool wide = !(ss >= double(FLT_MIN) && std::isfinite(ss));  // (also squares lost to underflow)
         if (wide) ss = dot_wide(xr, xr, D);
         const double a = double(gain) * coefs(ss, D, eps, inside).scale;
         if (wide || fp32_unsafe(a)) axpby_wide(a, xr, 0.0, xr, y + r * D, D);
@@ -113,7 +114,7 @@ void backward_rows(const T* x, const Y* dy, T* dx, idx D, float eps, bool inside
         const T* xr = x + r * D;
         const Y* gr = dy + r * D;
         double ss = dot(xr, xr, D), d = dot(gr, xr, D);
-        const bool wide = !std::isfinite(ss) || !std::isfinite(d);
+        const bool wide = !(ss >= double(FLT_MIN) && std::isfinite(ss)) || !std::isfinite(d);
         if (wide) ss = dot_wide(xr, xr, D), d = dot_wide(gr, xr, D);
         const Coefs c = coefs(ss, D, eps, inside);
         const double a = double(gain) * c.scale, b = -double(gain) * c.dscale * d;

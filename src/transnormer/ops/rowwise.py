@@ -23,16 +23,19 @@ def simple_rms_norm_reference(x: torch.Tensor, eps: float, eps_inside_sqrt: bool
     if x.shape[-1] == 0:  # no features: nothing to scale (D^{-1/2} has no value)
         return x * 1
     xf = x.to(state_dtype_for(x.dtype))
-    # A row whose max is above 1 is divided by a power of two near it first (exact, so rows of
-    # ordinary scale give the same bits): in fp32 the sum of squares overflows from an RMS of about
-    # 1.8e19/√D, and rsqrt's gradient, mean^(-3/2), underflows from about 1e13. The power is a
-    # constant to autograd. (Never scaled up: ε/p² would overflow, and ε dominates those rows.)
+    # Each row is divided by a power of two near its max first (exact, so rows of ordinary scale
+    # give the same bits): in fp32 the sum of squares overflows from an RMS of about 1.8e19/√D
+    # (and rsqrt's gradient, mean^(-3/2), underflows from about 1e13), and underflows below about
+    # 1e-19, where only a tiny ε keeps the scale. The power is a constant to autograd, and never so
+    # small that ε/p or ε/p² overflow (the rows below that are ε's anyway).
+    fi = torch.finfo(xf.dtype)
+    floor = max(fi.tiny, (16 * eps / fi.max) ** (0.5 if eps_inside_sqrt else 1.0))  # (p rounds down to 2^k)
     amax = xf.detach().abs().amax(-1, keepdim=True)
-    p = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1.0))))
+    p = torch.exp2(torch.floor(torch.log2(amax.clamp_min(floor))))
     p = torch.where(torch.isfinite(p), p, torch.ones_like(p))  # an inf/NaN row stays inf/NaN
     xs = xf / p
     if eps_inside_sqrt:
-        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps / p.pow(2))
+        y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps / p / p)  # (p² may underflow)
     else:
         y = xs / (xs.norm(dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + eps / p)
     return y.to(x.dtype)
