@@ -74,8 +74,14 @@ inline Coefs coefs(double ss, idx D, double eps, bool inside) {
 }
 
 // A coefficient outside fp32's normal range, or a sum of squares outside it (rows of RMS above
-// about 1.8e19/sqrt(D), or below about 1e-19, where only a tiny eps keeps the scale: zero rows
-// too), sends the row down the double path below; rows of ordinary scale never go there.
+// about 1.8e19/sqrt(D), or below about 1e-19 where only a tiny eps keeps the scale), sends the row
+// down the double path below; rows of ordinary scale never go there.
+// Whether a row's fp32 sum of squares ss cannot be used as it is. A zero sum (a zero row, or every
+// |x| below ~2.6e-23) only matters against an eps below 1e-15: zero rows stay on the fast path.
+inline bool sum_unsafe(double ss, float eps) {
+    return !std::isfinite(ss) || (ss < double(FLT_MIN) && (ss != 0.0 || eps < 1e-15f));
+}
+
 inline bool fp32_unsafe(double c) {
     const double a = std::fabs(c);
     return a != 0.0 && (a < double(FLT_MIN) || a > double(FLT_MAX));
@@ -99,7 +105,7 @@ void forward_rows(const T* x, Y* y, idx D, float eps, bool inside, float gain, i
     for (idx r = r0; r < r1; ++r) {
         const T* xr = x + r * D;
         double ss = dot(xr, xr, D);
-        const bool wide = !(ss >= double(FLT_MIN) && std::isfinite(ss));  // (also squares lost to underflow)
+        const bool wide = sum_unsafe(ss, eps);
         if (wide) ss = dot_wide(xr, xr, D);
         const double a = double(gain) * coefs(ss, D, eps, inside).scale;
         if (wide || fp32_unsafe(a)) axpby_wide(a, xr, 0.0, xr, y + r * D, D);
@@ -114,7 +120,7 @@ void backward_rows(const T* x, const Y* dy, T* dx, idx D, float eps, bool inside
         const T* xr = x + r * D;
         const Y* gr = dy + r * D;
         double ss = dot(xr, xr, D), d = dot(gr, xr, D);
-        const bool wide = !(ss >= double(FLT_MIN) && std::isfinite(ss)) || !std::isfinite(d);
+        const bool wide = sum_unsafe(ss, eps) || !std::isfinite(d);
         if (wide) ss = dot_wide(xr, xr, D), d = dot_wide(gr, xr, D);
         const Coefs c = coefs(ss, D, eps, inside);
         const double a = double(gain) * c.scale, b = -double(gain) * c.dscale * d;
