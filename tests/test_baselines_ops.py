@@ -327,6 +327,12 @@ def test_chunk_prefix_kernel_matches_its_torch_forms(dtype, G, n):
         ref = ref_fn(x.double(), scales.double())
         assert got.dtype == dtype
         assert rel_err(got.double(), ref) < (1e-6 if dtype == torch.float32 else 4e-3)
+    # states near the top of the range: the unscaled running sum had overflowed in fp32 (inf
+    # entries) where every scaled prefix is finite
+    big = (torch.rand(2, G, n, dtype=torch.float64) * 1e37).to(dtype)
+    got = _native.chunk_prefix(big, scales, reverse=False)
+    ref = _prefix(big.double(), scales.double())
+    assert torch.isfinite(got).all() and rel_err(got.double(), ref) < (1e-6 if dtype == torch.float32 else 4e-3)
 
 
 def test_flash_under_bf16_autocast_close_to_fp64():

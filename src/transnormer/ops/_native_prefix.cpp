@@ -1,6 +1,7 @@
 // FLASH's causal global prefix over chunks, in one pass: P_g = scale_g * sum_{h<g} S_h and its
 // adjoint dS_h = sum_{g>h} scale_g dP_g, for chunk states in the product dtype (bf16 under
-// autocast) with the running sums in fp32.
+// autocast) with the running sums in double (an fp32 sum of unscaled states overflowed for states
+// within a factor G of FLT_MAX, whose scaled prefixes are finite).
 //
 // Why this file exists: in PyTorch the prefix is an upcast of the states to fp32, a [G, G]
 // lower-triangular product (cumsum over the chunk dim runs a slow strided loop) and a cast back
@@ -12,7 +13,7 @@
 // Layouts: x, y [B, G, n] contiguous (n = s e, a chunk's state flattened); scales [G] fp32.
 //   forward  (reverse = 0): y_g = scale_g * sum_{h<g} x_h          (y_0 = 0)
 //   adjoint  (reverse = 1): y_h = sum_{g>h} scale_g x_g            (y_{G-1} = 0)
-// Each sum is accumulated in fp32 in chunk order and rounded once.
+// Each sum is accumulated in double in chunk order and rounded once.
 
 #include "_native_common.h"
 
@@ -20,27 +21,27 @@ namespace {
 
 using namespace tn;
 
-constexpr idx kCols = 256;  // columns per block: the fp32 sums stay in registers / L1
+constexpr idx kCols = 256;  // columns per block: the sums stay in L1
 
 template <typename T>
 void prefix_cols(const T* x, T* y, const float* scales, idx G, idx n, bool reverse, idx c0, idx c1) {
-    float acc[kCols];
+    double acc[kCols];
     for (idx b0 = c0; b0 < c1; b0 += kCols) {
         const idx w = std::min(kCols, c1 - b0);
-        for (idx j = 0; j < w; ++j) acc[j] = 0.0f;
+        for (idx j = 0; j < w; ++j) acc[j] = 0.0;
         for (idx k = 0; k < G; ++k) {
             const idx g = reverse ? G - 1 - k : k;
             const T* xr = x + g * n + b0;
             T* yr = y + g * n + b0;
-            const float sc = scales[g];
+            const double sc = scales[g];
             if (reverse) {  // y_g is the sum of the later chunks; then this chunk joins it, scaled
                 for (idx j = 0; j < w; ++j) {
-                    from_float(acc[j], yr + j);
+                    from_float(float(acc[j]), yr + j);
                     acc[j] += sc * to_float(xr[j]);
                 }
             } else {  // y_g is the scaled sum of the earlier chunks; then this chunk joins it
                 for (idx j = 0; j < w; ++j) {
-                    from_float(sc * acc[j], yr + j);
+                    from_float(float(sc * acc[j]), yr + j);
                     acc[j] += to_float(xr[j]);
                 }
             }
