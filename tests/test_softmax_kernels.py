@@ -148,6 +148,7 @@ def test_inputs_the_kernel_does_not_take_run_the_torch_forms(mode, kernel_calls)
     softmax_attn(q, q, q, causal=True, key_padding_mask=mask)
     softmax_attn(q, q, q, causal=True, dropout_p=0.1)
     softmax_attn(q, q, q, causal=True, scale=-1.0)  # the kernel's running max assumes scale > 0
+    softmax_attn(q, q, q, causal=True, scale=1e-46)  # 0 as the kernels' fp32: it had failed in the kernel
     softmax_attn(q.double(), q.double(), q.double(), causal=True)
     block_attn(q.float(), q.float(), q.float(), block_size=32, causal=True)  # fp32 windows: multiples of 64
     softmax_attn(q[..., :48], q[..., :48], q[..., :48], causal=True)  # D not a multiple of 32
@@ -215,6 +216,10 @@ def test_one_token_of_several_sequences(layout, dtype):
 
 @needs_bf16_kernel
 def test_kernel_rejects_shapes_it_cannot_tile():
+    for bad in (1e-46, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be finite and > 0 in fp32"):
+            _native.native_softmax_attn(torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1, 64),
+                                        torch.zeros(1, 64, 1, 64), causal=True, scale=bad)
     q = torch.zeros(1, 64, 1, 48, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="failed with code 1"):
         _native.native_softmax_attn(q, q, q, causal=True, scale=0.1)

@@ -496,11 +496,17 @@ def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(dtype) if x.device.type == "cpu" and x.dtype == torch.float32 else x for x in xs)
 
 
+def _fp32_positive(x: float) -> bool:
+    """Whether x is a finite number whose fp32 rounding is > 0 (a ctypes float argument)."""
+    return math.isfinite(x) and ctypes.c_float(x).value > 0
+
+
 def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor | None:
     """o from a fused softmax-attention kernel, or None where none takes these inputs (the caller's
     PyTorch form runs then). Inputs are cast as CPU autocast would first (:func:`autocast_inputs`);
-    scale must be > 0 (the kernels keep the running max of the unscaled scores)."""
-    if scale <= 0 or _mode == "torch" or torch.compiler.is_compiling():
+    scale must be > 0 (the kernels keep the running max of the unscaled scores) and an fp32 above
+    0 (the kernels take it as one: 1e-46 had reached them as 0 and failed)."""
+    if not _fp32_positive(scale) or _mode == "torch" or torch.compiler.is_compiling():
         # (before anything that loads the library: its lock breaks a fullgraph torch.compile trace)
         return None
     q, k, v = autocast_inputs(q, k, v)
@@ -528,6 +534,8 @@ def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0)
 
     Query i sees all keys (``window`` 0) or those of its block of ``window`` tokens, and only
     keys j <= i when ``causal``."""
+    if not _fp32_positive(float(scale)):
+        raise ValueError(f"scale must be finite and > 0 in fp32 (the kernels take an fp32), got {scale!r}")
     q, k, v = (x if token_rows_ok(x) else x.contiguous() for x in (q, k, v))
     return NativeSoftmaxAttn.apply(q, k, v, causal, float(scale), window)
 
