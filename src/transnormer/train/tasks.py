@@ -276,6 +276,7 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         return build_lra_task_data(cfg, info, autocast)
     if cfg.task in ("clm", "mlm"):
         corpus, tok, tokens = _token_splits(cfg, info)
+
         def windows():  # the training windows, made at first use (LazyBatches)
             return LMBatchIterator(_split_tokens(cfg, tokens, "train", cfg.seq_len + 1), cfg.seq_len,
                                    cfg.batch_size, seed=cfg.seed, rank=info.rank, world_size=info.world_size)
@@ -345,10 +346,9 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         collate = ClassificationCollator(tok.pad_id)
         eval_split = "valid" if "valid" in datasets else "train"
         truncated = {split: ds.num_truncated for split, ds in datasets.items() if ds.num_truncated}
-        for split, n in truncated.items():  # a cut example reads as a different one: say so
-            if info.is_main:
-                print(f"cls: truncated {n} of {len(datasets[split])} {split} examples to seq_len={cfg.seq_len} "
-                      "tokens (--no-truncate refuses them instead)")
+        for split, n in truncated.items() if info.is_main else ():  # a cut example reads as another: say so
+            print(f"cls: truncated {n} of {len(datasets[split])} {split} examples to seq_len={cfg.seq_len} "
+                  "tokens (--no-truncate refuses them instead)")
 
         def evaluate(model, split=eval_split, max_batches=None):
             if split not in datasets:
