@@ -338,9 +338,9 @@ def test_cli_train_under_torchrun_scores_the_splits_once_over_the_ranks(listops_
 
 @pytest.mark.slow
 def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_root, tmp_path):
-    """--sync-batch-norm: 2 processes x 2 examples train as 1 process x 4 (the same losses; per
-    process batch statistics, the default and the authors', give others), under DDP's own
-    gradient all-reduces."""
+    """Batch norm synced over the processes (lra train's default, the authors' SyncBatchNorm): 2
+    processes x 2 examples train as 1 process x 4 (the same losses, under DDP's own gradient
+    all-reduces); per process statistics (--no-sync-batch-norm) give others."""
     import os
     import subprocess
     import sys
@@ -354,7 +354,7 @@ def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_r
     subprocess.run([sys.executable, str(script), *common, "--out", str(tmp_path / "one")], check=True, env=env,
                    timeout=300, capture_output=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(script)]
-    for name, flags in (("sync", ["--sync-batch-norm"]), ("local", [])):
+    for name, flags in (("sync", []), ("local", ["--no-sync-batch-norm"])):
         subprocess.run([*torchrun, *common, "--out", str(tmp_path / name), *flags], check=True, env=env,
                        timeout=300, capture_output=True)
 
@@ -365,6 +365,15 @@ def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_r
     one, sync, local = losses("one"), losses("sync"), losses("local")
     assert len(one) == 3 and sync == pytest.approx(one, rel=0, abs=1e-5)
     assert max(abs(a - b) for a, b in zip(one, local)) > 1e-3
+    assert json.loads((tmp_path / "sync" / "lra_result.json").read_text())["training"]["sync_batch_norm"] is True
+    # a model without batch norm runs without it (the default), and is refused it when asked
+    common[common.index("--max-steps") + 1] = "1"
+    srms = ["--set", "norm_type=simple_rms", "--out", str(tmp_path / "srms")]
+    subprocess.run([sys.executable, str(script), *common, *srms], check=True, env=env, timeout=300,
+                   capture_output=True)
+    bad = subprocess.run([sys.executable, str(script), *common, *srms, "--sync-batch-norm"], env=env, timeout=300,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs norm_type 'batch'" in bad.stderr
 
 
 @pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--seq-len", "0"], ["--epochs", "-5"],

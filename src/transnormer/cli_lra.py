@@ -13,6 +13,7 @@ data; otherwise it is named after its data.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -284,14 +285,20 @@ def run_train(args) -> dict:
         warmup = min(warmup, max(0, max_steps // 2))  # short (CPU) runs: warmup never exceeds half the run
     out = Path(args.out or f"runs/lra/{task}-{preset}")
     seed = args.seed if args.seed is not None else defaults["seed"]
+    overrides = parse_overrides(args.set)
+    sync_bn = args.sync_batch_norm
+    if sync_bn is None:  # the authors' SyncBatchNorm wherever the model has batch norm (lra.md §3)
+        from .presets import get_config
+
+        sync_bn = get_config(preset, **overrides).norm_type == "batch"
     cfg = TrainConfig(
-        task="cls", preset=preset, overrides=parse_overrides(args.set), data=_spec(task, args.root),
+        task="cls", preset=preset, overrides=overrides, data=_spec(task, args.root),
         cls_read_kwargs=opts, seq_len=seq_len, batch_size=rank_batch, grad_accum=args.grad_accum,
         max_steps=max_steps, budget=budget, lr=lr, min_lr_ratio=defaults["min_lr_ratio"], warmup=warmup,
         schedule=defaults["schedule"], weight_decay=defaults["weight_decay"], betas=tuple(defaults["betas"]),
         clip=defaults["clip"] if args.clip is None else args.clip, dtype=args.dtype, device=args.device, seed=seed,
         out_dir=str(out), eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-        resume=args.resume, progress=args.progress, sync_batch_norm=args.sync_batch_norm,
+        resume=args.resume, progress=args.progress, sync_batch_norm=sync_bn,
     )
     # Under torchrun one process group serves the training and the evaluations after it: each rank
     # scores its share of the splits, and rank 0 writes the result files.
@@ -322,6 +329,7 @@ def run_train(args) -> dict:
         "training": {"batch_size": batch, "lr": lr, "warmup": warmup, "schedule": cfg.schedule,
                      "min_lr_ratio": cfg.min_lr_ratio, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
                      "betas": list(cfg.betas), "seed": seed, "max_steps": max_steps, "budget": budget,
+                     "sync_batch_norm": sync_bn,
                      "authors_settings": defaults, "model_row": LRA_MODELS[base].__dict__ if base in LRA_MODELS
                      else None},
         "overrides": cfg.overrides,
@@ -545,9 +553,9 @@ def register(sub) -> None:
     q.add_argument("--lr", type=float)
     q.add_argument("--warmup", type=int, help="default: the authors' warmup (capped at half of --max-steps)")
     q.add_argument("--clip", type=float, help="gradient clipping (default: off, as the authors)")
-    q.add_argument("--sync-batch-norm", action="store_true",
-                   help="under torchrun, batch norm statistics over every process (default: per process, as the "
-                        "authors' per-GPU BatchNorm)")
+    q.add_argument("--sync-batch-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="under torchrun, batch norm statistics over every process, as the authors' SyncBatchNorm "
+                        "(default: on when the model has batch norm; --no-sync-batch-norm: per process)")
     q.add_argument("--seed", type=int, help="default: 2222 (the authors')")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     q.add_argument("--out", help="run folder (default: runs/lra/TASK-PRESET)")
