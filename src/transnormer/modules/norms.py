@@ -97,8 +97,8 @@ class MaskedBatchNorm(nn.Module):
     """BatchNorm over channels whose statistics use valid positions only (LRA, spec §12 item 6).
 
     x: [B, T, d]; mask: [B, T]. In eval mode the running statistics are used. Training statistics
-    are this process's batch (as the authors' per-GPU BatchNorm), or, after
-    :func:`sync_batch_norm`, the valid positions of every process's batch (two all-reduces per
+    are this process's batch, or, after :func:`sync_batch_norm` (the authors' SyncBatchNorm;
+    ``lra train``'s default), the valid positions of every process's batch (two all-reduces per
     forward, differentiable: the result is that of one process holding the global batch).
     """
 

@@ -131,8 +131,8 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp", *, sync_
 
     FSDP2 replaces the parameters by sharded DTensors in place: make the optimizer afterwards.
     ``sync_batch_norm``: the model's batch norms pool their statistics over the processes (the
-    result of one process holding the global batch); the default keeps them per process, as the
-    authors' LRA runs had them. A model without batch norm is refused."""
+    result of one process holding the global batch, as the authors' LRA SyncBatchNorm); without
+    it they stay per process. A model without batch norm is refused."""
     check_strategy(info, strategy)
     if sync_batch_norm:
         from ..modules.norms import sync_batch_norm as sync_norms
