@@ -506,7 +506,7 @@ def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) 
     PyTorch form runs then). Inputs are cast as CPU autocast would first (:func:`autocast_inputs`);
     scale must be > 0 (the kernels keep the running max of the unscaled scores) and an fp32 above
     0 (the kernels take it as one: 1e-46 had reached them as 0 and failed)."""
-    if not _fp32_positive(scale) or _mode == "torch" or torch.compiler.is_compiling():
+    if _mode == "torch" or torch.compiler.is_compiling() or not _fp32_positive(scale):
         # (before anything that loads the library: its lock breaks a fullgraph torch.compile trace)
         return None
     q, k, v = autocast_inputs(q, k, v)
