@@ -278,6 +278,42 @@ def test_activation_checkpointing_takes_hfs_options():
         assert torch.allclose(p.grad, ref[n], atol=1e-6), n
 
 
+def test_checkpointed_blocks_compile(monkeypatch):
+    """torch.compile traces a checkpointed block without call state into its checkpoint: the call
+    counter and scopes had made dynamo give up on it, and every block ran eagerly (its fused CPU
+    kernels, ~60 calls a step, which a traced block never makes)."""
+    from transnormer.ops import _native
+
+    model, x, ref = _model_and_unchecked_grads()
+    model.activation_checkpointing_enable()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    calls = []
+    real = _native._call
+    monkeypatch.setattr(_native, "_call", lambda name, *a: calls.append(name) or real(name, *a))
+    compiled(x, labels=x).loss.backward()
+    assert calls == []
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref[n], atol=1e-5), n
+
+
+def test_a_masked_call_compiled_with_a_dynamic_length():
+    """A constant-width mask beside ids of a dynamic length: dynamo's `width in (T, T)` compared a
+    constant with symbols as unequal, and the compiled model raised 'attention_mask must be [B, T]
+    = (2, 40), got (2, 40)'."""
+    torch.manual_seed(0)
+    model = build_model(get_config("t2-roberta-tiny", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                   vocab_size=97), task="cls").eval()
+    ids, mask = torch.randint(1, 97, (2, 40)), torch.ones(2, 40, dtype=torch.long)
+    mask[1, 30:] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    torch._dynamo.maybe_mark_dynamic(ids, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
+                                   model(input_ids=ids, attention_mask=mask).logits)
+
+
 @pytest.mark.parametrize("preset,task", [("performer-lm-tiny", "clm"), ("t2-lra-listops-tiny", "cls")])
 def test_gradient_checkpointing_has_no_second_side_effects(preset, task):
     """The recomputation in the backward must not redraw Performer's features (the gradient would be

@@ -37,6 +37,8 @@ class Performer(KernelLinearAttention):
             (None or 0: never). Evaluation and decoding never redraw.
     """
 
+    has_call_state = True  # the redraw counter and the features a checkpointed call must replay
+
     def __init__(
         self,
         hidden_size: int,

@@ -285,7 +285,10 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if attention_mask is not None:
             # HF passes past + current columns while decoding; otherwise the mask is exactly [B, T]
             width = T + (cache.length if decoding else 0)
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, width):
+            # (two comparisons, not `in (T, width)`: under torch.compile with a dynamic T, dynamo's
+            # containment test compared the mask's constant width with symbols as unequal)
+            if (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                    or (attention_mask.shape[1] != T and attention_mask.shape[1] != width)):
                 want = f"[B, T] = {(B, T)}" + (f" or [B, past + T] = {(B, width)}" if decoding else "")
                 raise ValueError(f"attention_mask must be {want}, got {tuple(attention_mask.shape)}")
             mask = padding_mask(attention_mask[:, -T:])  # HF passes past + current columns while decoding
@@ -352,13 +355,19 @@ class TransNormerModel(TransNormerPreTrainedModel):
     def _checkpoint(self, layer, x, mask, positions):
         from torch.utils.checkpoint import checkpoint
 
-        calls, remembered = 0, {}
+        if any(getattr(m, "has_call_state", False) for m in layer.modules()):
+            calls, remembered = 0, {}
 
-        def run(x):
-            nonlocal calls
-            calls += 1  # the second call is the backward's recomputation: no side effects again, and
-            # the state the first call used (modules/recompute.py)
-            with recompute_scope(remembered) if calls > 1 else record_scope(remembered):
+            def run(x):
+                nonlocal calls
+                calls += 1  # the second call is the backward's recomputation: no side effects again,
+                # and the state the first call used (modules/recompute.py)
+                with recompute_scope(remembered) if calls > 1 else record_scope(remembered):
+                    return layer(x, attention_mask=mask, positions=positions)[0]
+        else:
+            # nothing to keep from running twice: a pure function, which torch.compile traces into
+            # the checkpoint (the counter and scopes had made it run every block eagerly)
+            def run(x):
                 return layer(x, attention_mask=mask, positions=positions)[0]
 
         # HF's activation_checkpointing_enable(kwargs, offload=...) sets the function to call (its

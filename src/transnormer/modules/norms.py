@@ -102,6 +102,8 @@ class MaskedBatchNorm(nn.Module):
     forward, differentiable: the result is that of one process holding the global batch).
     """
 
+    has_call_state = True  # running statistics: updated once per step, not again when recomputed
+
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__()
         self.dim, self.eps, self.momentum = dim, eps, momentum

@@ -8,6 +8,10 @@ A module whose forward reads state that a later forward may change (Performer's 
 redrawn every so many calls) :func:`remember` s what the first call used, and the recomputation
 gets it back with :func:`replayed`: a loss of two forwards with a redraw between them had had the
 first one's gradient computed with the second one's features.
+
+Such a module sets the class attribute ``has_call_state = True``: the checkpoint wrapper opens
+the scopes only for blocks that hold one (a block without is a pure function, which
+torch.compile traces into the checkpoint).
 """
 
 from __future__ import annotations
