@@ -76,8 +76,10 @@ inline Coefs coefs(double ss, idx D, double eps, bool inside) {
 // A coefficient outside fp32's normal range, or a sum of squares outside it (rows of RMS above
 // about 1.8e19/sqrt(D), or below about 1e-19 where only a tiny eps keeps the scale), sends the row
 // down the double path below; rows of ordinary scale never go there.
-// Whether a row's fp32 sum of squares ss cannot be used as it is. A zero sum (a zero row, or every
-// |x| below ~2.6e-23) only matters against an eps below 1e-15: zero rows stay on the fast path.
+//
+// sum_unsafe: whether a row's fp32 sum of squares cannot be used as it is. A zero sum (a zero row,
+// or every |x| below ~2.6e-23) only matters against an eps below 1e-15: zero rows stay on the
+// fast path.
 inline bool sum_unsafe(double ss, float eps) {
     return !std::isfinite(ss) || (ss < double(FLT_MIN) && (ss != 0.0 || eps < 1e-15f));
 }
