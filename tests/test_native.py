@@ -31,11 +31,18 @@ def test_kernel_builds_when_a_compiler_exists():
     assert _native.load() is not None, _native._error
 
 
+# AVX2 + FMA (the GEMM's 256-bit micro-kernel), and neither (the plain loops)
+_NO_AVX512 = ("-mno-avx512f",)
+_NO_AVX2 = ("-mno-avx512f", "-mno-avx2", "-mno-fma")
+
+
+@pytest.mark.parametrize("flags", [_NO_AVX512, _NO_AVX2], ids=["avx2", "plain"])
 @pytest.mark.parametrize("preset", ["t1-lm-tiny", "t2-lm-tiny", "flash-lm-tiny", "vanilla-lm-tiny"])
-def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_forms(monkeypatch, preset):
-    """The portable loops, as a CPU without AVX-512 builds them (-mno-avx512f): the library must
-    build (tn_bmm_f32 named an AVX-512-only constant, and the whole library had been lost there,
-    silently) and every kernel a model's step reaches must agree with the PyTorch forms."""
+def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_forms(monkeypatch, preset, flags):
+    """The library as a CPU without AVX-512 builds it (-mno-avx512f: AVX2 where -march=native has
+    it; with -mno-avx2 -mno-fma too: plain loops) must build (tn_bmm_f32 named an AVX-512-only
+    constant, and the whole library had been lost there, silently) and every kernel a model's step
+    reaches must agree with the PyTorch forms."""
     from conftest import model_loss_and_grads
     from transnormer.models import TransNormerForCausalLM
     from transnormer.presets import get_config
@@ -43,10 +50,10 @@ def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_
     if _native.load() is None:
         pytest.skip("no kernels on this machine")
     try:
-        lib = _native.load_variant(("-mno-avx512f",))
+        lib = _native.load_variant(flags)
     except (RuntimeError, OSError) as exc:
         if "unrecognized" in str(exc) or "unknown" in str(exc):
-            pytest.skip(f"the compiler does not take -mno-avx512f: {exc}")
+            pytest.skip(f"the compiler does not take {' '.join(flags)}: {exc}")
         raise
     torch.manual_seed(0)
     model = TransNormerForCausalLM(get_config(preset, num_hidden_layers=2, hidden_size=64, num_attention_heads=2,

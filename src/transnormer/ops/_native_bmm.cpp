@@ -32,13 +32,6 @@ int tn_bmm_f32(const float* a, idx a_bs, idx ars, idx acs, const float* b, idx b
                idx ldc, idx nb, idx M, idx N, idx K, int accumulate, int nthreads) {
     using namespace tn;
     if (nb < 0 || M < 0 || N < 0 || K < 0) return 1;
-#if !defined(__AVX512F__)
-    // no micro-kernel to call (tn_bmm_ready() is 0: ops/_native.py never calls this here); the
-    // library must still build, or every kernel of a CPU without AVX-512 is lost
-    (void)a, (void)a_bs, (void)ars, (void)acs, (void)b, (void)bbs, (void)ldb, (void)c, (void)cbs, (void)ldc;
-    (void)accumulate, (void)nthreads;
-    return 2;
-#else
     // work items: (product, band of rows); a few products get split into bands so that every
     // thread has work, each band a multiple of the micro-kernel's rows
     const idx bands = std::max<idx>(1, std::min<idx>((nthreads + nb - 1) / std::max<idx>(nb, 1),
@@ -54,7 +47,6 @@ int tn_bmm_f32(const float* a, idx a_bs, idx ars, idx acs, const float* b, idx b
         }
     });
     return 0;
-#endif
 }
 
 }  // extern "C"

@@ -1,6 +1,7 @@
 // The small fp32/fp64 GEMM of the fused kernels (_native_linear_attn.cpp: linear attention;
 // _native_softmax.cpp: fp32 softmax attention): C[M x N] (= or +=) A B on tiles that stay in
-// L1/L2, with a register-blocked AVX-512 micro-kernel and a portable fallback.
+// L1/L2, with a register-blocked micro-kernel on AVX-512 or AVX2+FMA vectors and a portable
+// fallback.
 #pragma once
 
 #include <algorithm>
@@ -8,7 +9,14 @@
 #include "_native_common.h"
 #include "_native_simd.h"
 
+// The vector width of the micro-kernel: 512 (AVX-512, 32 registers) or 256 (AVX2 with FMA, 16
+// registers: e.g. AMD Zen 2/3, Intel before Skylake-X). Without either, plain loops.
 #if defined(__AVX512F__)
+#define TN_GEMM_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TN_GEMM_SIMD 256
+#endif
+#if defined(TN_GEMM_SIMD)
 #include <immintrin.h>
 #endif
 
@@ -28,13 +36,15 @@
 //   kAUpper    A is upper-triangular: row i sums over k >= i only
 enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
 
-#if defined(__AVX512F__)
+#if defined(TN_GEMM_SIMD)
 template <typename T> struct Vec;
 
+#if TN_GEMM_SIMD == 512
 template <> struct Vec<float> {
     typedef __m512 reg;
     typedef __mmask16 mask;
     static constexpr int W = 16;
+    static mask tail(int n) { return mask((1u << n) - 1); }  // lanes [0, n), 1 <= n <= W
     static reg zero() { return _mm512_setzero_ps(); }
     static reg bcast(float x) { return _mm512_set1_ps(x); }
     static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -49,6 +59,7 @@ template <> struct Vec<double> {
     typedef __m512d reg;
     typedef __mmask8 mask;
     static constexpr int W = 8;
+    static mask tail(int n) { return mask((1u << n) - 1); }
     static reg zero() { return _mm512_setzero_pd(); }
     static reg bcast(double x) { return _mm512_set1_pd(x); }
     static reg load(const double* p) { return _mm512_loadu_pd(p); }
@@ -61,6 +72,44 @@ template <> struct Vec<double> {
 
 constexpr int kMR = 6;  // rows of C per micro-kernel call: 6 x 4 accumulators + 4 B + 1 A = 29 regs
 constexpr int kNV = 4;  // vectors of C per row
+#else
+// AVX2: the masks are vectors (lanes all ones or zero) for vmaskmov, which leaves the other lanes
+// of a load zero and those of a store untouched, as AVX-512's masked moves do.
+template <> struct Vec<float> {
+    typedef __m256 reg;
+    typedef __m256i mask;
+    static constexpr int W = 8;
+    static mask tail(int n) {
+        return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    }
+    static reg zero() { return _mm256_setzero_ps(); }
+    static reg bcast(float x) { return _mm256_set1_ps(x); }
+    static reg load(const float* p) { return _mm256_loadu_ps(p); }
+    static reg loadm(const float* p, mask m) { return _mm256_maskload_ps(p, m); }
+    static void store(float* p, reg r) { _mm256_storeu_ps(p, r); }
+    static void stream(float* p, reg r) { _mm256_stream_ps(p, r); }
+    static void storem(float* p, reg r, mask m) { _mm256_maskstore_ps(p, m, r); }
+    static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+template <> struct Vec<double> {
+    typedef __m256d reg;
+    typedef __m256i mask;
+    static constexpr int W = 4;
+    static mask tail(int n) { return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)); }
+    static reg zero() { return _mm256_setzero_pd(); }
+    static reg bcast(double x) { return _mm256_set1_pd(x); }
+    static reg load(const double* p) { return _mm256_loadu_pd(p); }
+    static reg loadm(const double* p, mask m) { return _mm256_maskload_pd(p, m); }
+    static void store(double* p, reg r) { _mm256_storeu_pd(p, r); }
+    static void stream(double* p, reg r) { _mm256_stream_pd(p, r); }
+    static void storem(double* p, reg r, mask m) { _mm256_maskstore_pd(p, m, r); }
+    static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_pd(a, b, c); }
+};
+
+constexpr int kMR = 6;  // 6 x 2 accumulators + 2 B + 1 A = 15 of the 16 registers
+constexpr int kNV = 2;
+#endif
 
 template <typename T, int MR, int NV>
 static inline void micro(idx K, const T* __restrict a, idx ars, idx acs, const T* __restrict b, idx ldb,
@@ -102,9 +151,10 @@ static inline void micro_nv(int nv, idx K, const T* a, idx ars, idx acs, const T
                             bool accumulate, typename Vec<T>::mask last, bool stream, T* out, idx ldo) {
     switch (nv) {
         case 1: micro<T, MR, 1>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
-        case 2: micro<T, MR, 2>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
-        case 3: micro<T, MR, 3>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
-        default: micro<T, MR, 4>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        // nv <= kNV (a panel is kNV vectors wide): the min only keeps wider blocks from being built
+        case 2: micro<T, MR, std::min(2, kNV)>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        case 3: micro<T, MR, std::min(3, kNV)>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
+        default: micro<T, MR, kNV>(K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
     }
 }
 
@@ -114,7 +164,7 @@ static inline void block(idx mr, idx nn, idx K, const T* a, idx ars, idx acs, co
     typedef Vec<T> V;
     const int nv = (int)((nn + V::W - 1) / V::W);
     const int tail = (int)(nn - (idx)(nv - 1) * V::W);
-    const typename V::mask last = (typename V::mask)((tail == V::W) ? ((1u << V::W) - 1) : ((1u << tail) - 1));
+    const typename V::mask last = V::tail(tail);
     switch (mr) {
         case 6: micro_nv<T, 6>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
         case 5: micro_nv<T, 5>(nv, K, a, ars, acs, b, ldb, c, ldc, accumulate, last, stream, out, ldo); break;
@@ -176,7 +226,8 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
     if (pf) pf->issue(pf->rows);
 }
 #else
-// Portable fallback (no AVX-512): plain loops the compiler vectorises along n.
+// Portable fallback (neither AVX-512 nor AVX2+FMA): plain loops the compiler vectorises along n.
+constexpr int kMR = 6;  // rows per band of tn_bmm's split over threads
 
 template <typename T>
 static bool stream_ok(const T*, idx, idx) { return false; }
