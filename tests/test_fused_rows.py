@@ -465,13 +465,14 @@ def test_silu_gate_kernel_with_bias_and_transposed_copy(dtype, N, F_):
 
 @needs_kernel
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-input"])
-def test_glu_projected_gate_matches_the_composed_form(monkeypatch, mode):
+def test_glu_projected_gate_matches_the_composed_form(monkeypatch, backend_mode, mode):
     """GLU's input side through _ProjectedSiluGate (one product on [W1 | W2]ᵀ, biases in the gate,
     d(ab)ᵀ for the weights' gradient) against F.linear on the concatenated weights and the gate:
     output and the gradients of x and of every parameter."""
     import transnormer.ops.rowwise as rowwise
     from transnormer.modules.ffn import GLU
 
+    backend_mode("native")  # "auto" runs the composed form on a build without AVX-512
     torch.manual_seed(0)
     glu = GLU(48, 72)
     x = torch.randn(2, 37, 48)
@@ -887,3 +888,31 @@ def test_block_attn_with_zero_width_heads():
     v = torch.randn(1, 5, 2, 3)
     o = block_attn(q, q, v, block_size=4, causal=True)  # was ZeroDivisionError (scale = D^-1/2)
     assert torch.allclose(o, block_attn_reference(q, q, v, block_size=4, causal=True))
+
+
+@needs_kernel
+def test_auto_skips_row_kernels_slower_than_torch_on_a_build_without_avx512(monkeypatch, backend_mode):
+    """On a build whose SiLU loops do not vectorize (no AVX-512), "auto" runs the PyTorch forms of
+    the SiLU gate and of fp32 LRPE (faster there); "native" still runs them; bf16 LRPE and the
+    other row kernels stay fused; an AVX-512 build fuses them all."""
+    from transnormer.ops.lrpe import lrpe_feature_map
+
+    cpu = torch.device("cpu")
+    for avx512, fused in ((0, False), (1, True)):
+        monkeypatch.setattr(_native, "_build_flags", {"tn_rows_avx512": avx512 == 1})
+        backend_mode("auto")
+        assert _native.rows_usable(torch.float32, cpu, "silu") is fused
+        assert _native.rows_usable(torch.bfloat16, cpu, "silu") is fused
+        assert _native.rows_usable(torch.float32, cpu, "lrpe") is fused
+        assert _native.rows_usable(torch.bfloat16, cpu, "lrpe") and _native.rows_usable(torch.float32, cpu)
+        calls = []
+        real = _native._call
+        monkeypatch.setattr(_native, "_call", lambda name, *a, _c=calls, _r=real: _c.append(name) or _r(name, *a))
+        silu_gate(torch.randn(3, 8))
+        T, D = 5, 8
+        lrpe_feature_map(torch.randn(1, T, 2, D), torch.ones(1, T, D // 2), torch.zeros(1, T, D // 2), None,
+                         kernel="1+elu")
+        assert any("silu_gate" in c for c in calls) is fused and any("lrpe" in c for c in calls) is fused
+        backend_mode("native")
+        assert _native.rows_usable(torch.float32, cpu, "silu") and _native.rows_usable(torch.float32, cpu, "lrpe")
+        monkeypatch.setattr(_native, "_call", real)

@@ -543,11 +543,23 @@ def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0)
 # ------------------------------------------------------------------------------------------------
 # Row kernels (fp32 or bf16 storage, fp32 arithmetic): LM loss rows, LRPE, SRMSNorm, SiLU gate
 # ------------------------------------------------------------------------------------------------
-def rows_usable(dtype: torch.dtype, device: torch.device) -> bool:
+# Row-kernel families whose portable loops (a library built without AVX-512) ran slower than their
+# PyTorch forms, fwd+bwd, on an AVX2 CPU (AMD EPYC Zen 3; benchmarks/fused_rows.py, PyTorch / fused):
+# the SiLU gate 0.42x fp32 / 0.24x bf16, the split SiLU 0.19x / 0.15x, LRPE 0.78x in fp32 (7.1x in
+# bf16, kept). Their loops do not vectorize there (docs/benchmarks.md, twenty-second round). "auto"
+# runs the PyTorch forms for them on such a build; "native" still runs the kernels (the tests' way).
+_SLOW_WITHOUT_AVX512 = {"silu": (torch.float32, torch.bfloat16), "lrpe": (torch.float32,)}
+
+
+def rows_usable(dtype: torch.dtype, device: torch.device, family: str | None = None) -> bool:
     """Whether the row kernels run for tensors of this dtype and device (CPU fp32/bf16, the library
-    built, backend mode not "torch", not being traced by torch.compile)."""
-    return (_mode != "torch" and not torch.compiler.is_compiling() and device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16) and load() is not None)
+    built, backend mode not "torch", not being traced by torch.compile). ``family`` ("silu",
+    "lrpe"): also not a kernel that this build runs slower than its PyTorch form, in "auto" mode."""
+    ok = (_mode != "torch" and not torch.compiler.is_compiling() and device.type == "cpu"
+          and dtype in (torch.float32, torch.bfloat16) and load() is not None)
+    if ok and _mode == "auto" and dtype in _SLOW_WITHOUT_AVX512.get(family, ()):
+        return _build_flag("tn_rows_avx512")
+    return ok
 
 
 

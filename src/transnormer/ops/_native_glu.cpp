@@ -139,6 +139,16 @@ void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t
 
 extern "C" {
 
+// 1 where the row kernels' loops are AVX-512 code; without it their portable loops with a select
+// per element do not vectorize, and some run slower than PyTorch (ops/_native.py, rows_usable)
+int tn_rows_avx512() {
+#if defined(TN_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* bias: fp32 [2F] (b1 | b2) or null; dbias: [parts, 2F] zeroed (or null), part p summing the rows \
    [N p / parts, N (p + 1) / parts); dab_t: d(ab)ᵀ [2F, N] with rows ldt >= N apart, or null */        \
 #define TN_GLU_DEFINE(SUFFIX, T)                                                                        \
