@@ -20,6 +20,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from .._files import atomic_write_text, check_output
-from ..runtime import build_cpu_kernels
+from ..runtime import build_cpu_kernels, cpu_has_bf16_products
 from .checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
@@ -488,7 +489,11 @@ def param_groups(model, weight_decay: float, *, decay_all: bool = False):
 
 
 def autocast_factory(device: torch.device, dtype: str):
-    """A zero-argument context factory: bf16 autocast on ``device`` when ``dtype == "bf16"``."""
+    """A zero-argument context factory: bf16 autocast on ``device`` when ``dtype == "bf16"``
+    (with a warning on a CPU without bf16 products, where it is far slower than fp32)."""
+    if dtype == "bf16" and device.type == "cpu" and not cpu_has_bf16_products():
+        warnings.warn("dtype bf16 on a CPU without AVX512-BF16 or AMX: PyTorch multiplies bf16 matrices "
+                      "hundreds of times slower than fp32 there; use dtype fp32 (--dtype fp32)", stacklevel=2)
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
