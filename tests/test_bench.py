@@ -453,3 +453,34 @@ def test_bench_peers_alternates_its_rounds(monkeypatch, tmp_path):
     ratio = {r["preset"]: r["vs_peer"] for r in res["rows"]}
     assert ratio["flash-lm"] == pytest.approx(2.5 / 1.1) and ratio["t2-lm"] == pytest.approx(2.5 / 0.9)
     assert [v[:4] for v in res["verdicts"][1:]] == ["PASS", "PASS"]
+
+
+@pytest.mark.parametrize("bf16_products", [True, False])
+def test_bench_measures_bf16_by_default_only_where_the_cpu_multiplies_it(monkeypatch, tmp_path, capsys,
+                                                                         bf16_products):
+    """Without AVX512-BF16 or AMX, PyTorch's bf16 matmul is a fallback hundreds of times slower than
+    fp32: `bench all` measures fp32 alone there (and skips the bf16-only long step, saying so);
+    --dtypes bf16 still insists."""
+    import transnormer.cli_bench as cli_bench
+    from transnormer.bench import suite
+    from transnormer.cli import main
+
+    seen = {}
+
+    def part(name):
+        def run(out, **kw):
+            seen[name] = kw.get("dtypes")
+            return {"rows": [], "verdicts": [], "files": []}
+        return run
+
+    for name in ("ops", "train", "memory", "long", "peers"):
+        monkeypatch.setattr(suite, f"bench_{name}", part(name))
+    monkeypatch.setattr(cli_bench, "_print", lambda res: None)
+    monkeypatch.setattr(cli_bench, "cpu_has_bf16_products", lambda: bf16_products)
+    assert main(["bench", "all", "--out", str(tmp_path / "a")]) == 0
+    want = ["fp32", "bf16"] if bf16_products else ["fp32"]
+    assert seen == {"ops": want, "train": want, "memory": want, "peers": want, **({"long": None} if bf16_products else {})}
+    assert ("SKIP  long" in capsys.readouterr().out) is not bf16_products
+    seen.clear()
+    assert main(["bench", "ops", "--dtypes", "bf16", "--out", str(tmp_path / "b")]) == 0
+    assert seen == {"ops": ["bf16"]}

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from .cli import positive_float, positive_int
+from .runtime import cpu_has_bf16_products
 
 
 def _print(res: dict) -> None:
@@ -54,11 +55,20 @@ def cmd_bench(args) -> int:
         os.environ["TRANSNORMER_THREADS"] = str(args.threads)  # every measurement runs in a spawned child
     out = Path(args.out)
     what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
+    all_verdicts = []
+    if args.dtypes is None:
+        args.dtypes = ["fp32", "bf16"]
+        if not cpu_has_bf16_products():  # PyTorch's bf16 matmul is a slow fallback there (runtime.py)
+            args.dtypes = ["fp32"]
+            print("this CPU has no bf16 products (AVX512-BF16 or AMX): measuring fp32 only (--dtypes bf16 to insist)")
+            if "long" in what and len(what) > 1:
+                what.remove("long")
+                all_verdicts.append("SKIP  long: its target is a bf16 step, and this CPU has no bf16 products "
+                                    "(bench long to insist)")
     args.presets = args.presets or ["t2-lm", "vanilla-lm"]
     args.vocab_size = args.vocab_size or 32768
     args.rounds = args.rounds or 1
     args.tokens_per_step = args.tokens_per_step or 16384
-    all_verdicts = []
     for w in what:
         print(f"\n## {w}", flush=True)
         if w == "ops":
@@ -90,8 +100,9 @@ def register(sub) -> None:
                    help="for train/infer (memory, long and peers use their own; default t2-lm vanilla-lm): the "
                         "first is compared with the last; peers as peer:NAME")
     p.add_argument("--lengths", type=positive_int, nargs="+", help="ops, train, infer")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                   help="(long: bf16 only, the target's)")
+    p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"],
+                   help="default fp32 bf16, or fp32 alone on a CPU without bf16 products (AVX512-BF16 or AMX); "
+                        "long: bf16 only, the target's")
     p.add_argument("--vocab-size", type=positive_int,
                    help="train, infer, memory, peers (default 32,768; long uses 8,192, what fits at T = 65,536 in "
                         "24 GB)")
