@@ -126,6 +126,20 @@ def backend(request):
     _native.set_backend(before)
 
 
+@pytest.fixture
+def native_kernels():
+    """The fused CPU kernels wherever they apply: "auto" leaves some to PyTorch on a build without
+    AVX-512 (ops/_native.py, rows_usable), and a test of a kernel must still run it there."""
+    from transnormer.ops import _native
+
+    if _native.load() is None:
+        pytest.skip("fused CPU kernels unavailable (no C++ compiler)")
+    before = _native.backend()
+    _native.set_backend("native")
+    yield
+    _native.set_backend(before)
+
+
 def sharpen_gau(model, beta_std: float | None = None):
     """Unit-scale GAU/FLASH weights: the N(0, 0.02²) init keeps their outputs ~1e-3 of the
     residual, too small for an atol test to see a wrong term; with these every branch moves the

@@ -253,17 +253,14 @@ def test_errors():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-input"])
 @pytest.mark.parametrize("T, C, rel_bias", [(64, 16, "toeplitz"), (96, 32, "none"), (16, 16, "toeplitz")])
-def test_flash_layer_fused_mixer_matches_composed_ops(monkeypatch, dtype, T, C, rel_bias):
+def test_flash_layer_fused_mixer_matches_composed_ops(monkeypatch, native_kernels, dtype, T, C, rel_bias):
     """A causal FLASH layer through _CausalFlashMixer (the projection inside, its gradient's
     transposed copy written by the kernels; the gate read from the pre-activation, u never
     written) against the same layer through F.linear, silu_split, the heads, the core and u * o:
     output and the gradients of x and of every parameter. bf16-input: a bf16 x under autocast,
     as a pre-norm block feeds it."""
     import transnormer.ops.flash as flash_mod
-    from transnormer.ops import _native
 
-    if not _native.rows_usable(torch.float32, torch.device("cpu")):
-        pytest.skip("fused CPU kernels unavailable")
     torch.manual_seed(0)
     layer = FLASH(48, causal=True, chunk_size=C, qk_dim=32, rel_bias=rel_bias)
     with torch.no_grad():
