@@ -98,10 +98,10 @@ struct Scratch {
 // 256-byte row, and the call costs more than the copy.
 template <typename T>
 static inline void copy_rows(idx R, idx C, const T* __restrict src, idx ld_s, T* __restrict dst, idx ld_d) {
-#if defined(__AVX512F__)
+#if defined(TN_GEMM_SIMD)
     typedef Vec<T> V;
     const idx Cv = C / V::W * V::W;
-    const typename V::mask tail = (typename V::mask)((1u << (C - Cv)) - 1);
+    const typename V::mask tail = V::tail(int(C - Cv));  // (used only when C - Cv > 0)
     for (idx r = 0; r < R; ++r) {
         const T* a = src + r * ld_s;
         T* b = dst + r * ld_d;
@@ -119,7 +119,7 @@ static void pack(idx R, idx C, const T* src, idx ld, T* dst) { copy_rows(R, C, s
 // op is bound by memory traffic). An sfence ends the walk (Worker's destructor).
 template <typename T>
 static void unpack(idx R, idx C, const T* src, T* dst, idx ld) {
-#if defined(__AVX512F__)
+#if defined(TN_GEMM_SIMD)
     typedef Vec<T> V;
     if (!((reinterpret_cast<uintptr_t>(dst) | uintptr_t(ld * sizeof(T)) | uintptr_t(C * sizeof(T))) & 63)) {
         for (idx r = 0; r < R; ++r)
@@ -139,8 +139,8 @@ struct Worker {
     idx lo, hi;
     Scratch<T> w;
     Worker(const Shape& s_, idx lo_, idx hi_) : s(s_), lo(lo_), hi(hi_), w(s_) {}
-#if defined(__AVX512F__)
-    ~Worker() { _mm_sfence(); }  // the streamed output rows
+#if defined(TN_GEMM_SIMD)
+    ~Worker() { _mm_sfence(); }  // the streamed output rows (gemm and unpack stream on both widths)
 #endif
 
     idx ldd() const { return s.H * s.D; }
