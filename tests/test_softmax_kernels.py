@@ -430,3 +430,15 @@ def test_bf16_without_bf16_kernel_runs_the_fp32_kernel_on_copies(monkeypatch, ca
     assert not _native.softmax_upcast_usable(q, k, v, window=64)  # blocks: the PyTorch bf16 form
     monkeypatch.setattr(_native, "bf16_ready", lambda: True)
     assert not _native.softmax_upcast_usable(q, k, v)  # the bf16 kernel runs instead
+
+
+def test_a_scale_past_the_fp32_range_is_refused_before_any_kernel():
+    """3.5e38 is finite in Python but rounds to inf as the kernels' fp32 argument: it had passed the
+    check ('finite and > 0 in fp32') and reached them; the fused path declines it too."""
+    assert not _native._fp32_positive(3.5e38) and not _native._fp32_positive(1e39)
+    assert _native._fp32_positive(3.0e38) and _native._fp32_positive(1e-44)
+    q = torch.zeros(1, 64, 1, 64)
+    for bad in (3.5e38, 1e39, 1e-46):
+        with pytest.raises(ValueError, match="scale must be finite and > 0 in fp32"):
+            _native.native_softmax_attn(q, q, q, causal=True, scale=bad)
+        assert _native.fused_softmax_attn(q, q, q, causal=True, scale=bad) is None

@@ -497,8 +497,12 @@ def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _fp32_positive(x: float) -> bool:
-    """Whether x is a finite number whose fp32 rounding is > 0 (a ctypes float argument)."""
-    return math.isfinite(x) and ctypes.c_float(x).value > 0
+    """Whether x is a finite number whose fp32 rounding is finite and > 0 (a ctypes float argument:
+    3.5e38 rounds to inf there)."""
+    if not math.isfinite(x):
+        return False
+    v = ctypes.c_float(x).value
+    return math.isfinite(v) and v > 0
 
 
 def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor | None:
@@ -821,8 +825,9 @@ def relu2_bwd_(da: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def bmm_ready() -> bool:
-    """Whether :func:`bmm` runs the register-blocked AVX-512 GEMM (else plain loops, slower than
-    PyTorch's bmm)."""
+    """Whether :func:`bmm` is the faster path: a build with the AVX-512 micro-kernel. (It computes on
+    every build, on AVX2 vectors or plain loops, but there PyTorch's bmm, MKL's AVX2 code, is the
+    path FLASH takes.)"""
     return _build_flag("tn_bmm_ready")
 
 
