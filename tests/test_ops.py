@@ -337,3 +337,19 @@ def test_simple_rms_norm_of_no_features():
     y = simple_rms_norm(x, 1e-8)
     y.sum().backward()
     assert y.shape == (3, 0) and x.grad.shape == (3, 0)
+
+
+@pytest.mark.parametrize("G", [0, 1, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_two_prefix_scans_agree_on_any_chunk_count(G, reverse):
+    """The cumsum scan (off CPU) against the loop (CPU), with an initial state; G = 0 had left the
+    cumsum form one chunk of output where there is none."""
+    from transnormer.ops import _chunked
+
+    g = torch.Generator().manual_seed(G)
+    x = torch.randn(2, G, 3, 4, dtype=torch.float64, generator=g)
+    init = torch.randn(2, 3, 4, dtype=torch.float64, generator=g)
+    out_loop, total_loop = _chunked._exclusive_scan(x, init, reverse)
+    out_cumsum, total_cumsum = _chunked._exclusive_scan_cumsum(x, init, reverse)
+    assert out_cumsum.shape == out_loop.shape == x.shape
+    assert torch.allclose(out_cumsum, out_loop) and torch.allclose(total_cumsum, total_loop)

@@ -697,6 +697,24 @@ def test_sampler_refuses_a_state_from_other_data():
             StepBatchSampler(n, **kw).load_state_dict(state)
     with pytest.raises(ValueError, match=r"state\['step'\] must be >= 0"):  # numpy had raised at the next batch
         StepBatchSampler(100, 4, seed=1, world_size=2).load_state_dict({**state, "step": -3})
+    for bad in (None, [1, 2], {"seed": 1}):  # None and a list had failed inside the key loop, unexplained
+        with pytest.raises(TypeError, match="state must be a dict from StepBatchSampler.state_dict"):
+            StepBatchSampler(100, 4, seed=1, world_size=2).load_state_dict(bad)
+
+
+def test_a_short_split_is_named_with_what_needs_it():
+    """The message says what the split was for, not what its name suggests (an eval of the train
+    split had read 'fewer than the 2 training needs')."""
+    from types import SimpleNamespace
+
+    from transnormer.train.tasks import _split_tokens
+
+    cfg = SimpleNamespace(data="tiny")
+    with pytest.raises(ValueError, match="train split of 'tiny' has 1 tokens, fewer than the 2 evaluation needs"):
+        _split_tokens(cfg, {"train": [5]}, "train", 2, "evaluation")
+    with pytest.raises(ValueError, match="fewer than the 9 training needs"):
+        _split_tokens(cfg, {"train": [5]}, "train", 9, "training")
+    assert _split_tokens(cfg, {"valid": [1, 2]}, "valid", 2, "evaluation") == [1, 2]
 
 
 def test_cli_model_dir_skips_a_corrupt_newest_checkpoint(corpus_dir, tmp_path):

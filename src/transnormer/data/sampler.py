@@ -57,10 +57,10 @@ class StepBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Restore the position; the order it continues must be the one it was saved in (same seed,
         items and global batch; the world size may change with the per-rank batch)."""
+        if not isinstance(state, dict) or "step" not in state:
+            raise TypeError("state must be a dict from StepBatchSampler.state_dict()")
         mine = self.state_dict()
         for key in ("seed", "global_batch_size", "num_items"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"sampler state does not match this data ({key} {state[key]} saved, {mine[key]} now)")
-        if not isinstance(state, dict) or "step" not in state:
-            raise TypeError("state must be a dict from StepBatchSampler.state_dict()")
         self.step = _check_pos_int("state['step']", state["step"], 0)

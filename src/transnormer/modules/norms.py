@@ -113,7 +113,7 @@ class MaskedBatchNorm(nn.Module):
         self.register_buffer("running_var", torch.ones(dim))
         self.synced = False  # statistics over every process (sync_batch_norm)
 
-    def _batch_stats(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _batch_stats(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """(mean, biased var, count) over the rows of flat [n, d], pooled over the processes when
         synced: the global mean first, then the squared deviations from it (no E[x²] − E[x]²
         cancellation)."""
@@ -123,12 +123,13 @@ class MaskedBatchNorm(nn.Module):
             return (flat.mean(0), flat.var(0, unbiased=False), n) if n else (None, None, 0)
         from torch.distributed.nn.functional import all_reduce  # differentiable: its backward sums too
 
-        count = flat.new_full((1,), float(flat.shape[0]))
-        total = all_reduce(torch.cat([flat.sum(0), count]))
+        # in fp64: the count is exact past fp32's 2^24 positions, and the sums lose nothing either
+        count = flat.new_full((1,), float(flat.shape[0]), dtype=torch.float64)
+        total = all_reduce(torch.cat([flat.sum(0, dtype=torch.float64), count]))
         n = int(total[-1].item())
         if n == 0:  # (every rank: each saw the same total)
             return None, None, 0
-        mean = total[:-1] / n
+        mean = (total[:-1] / n).to(flat.dtype)
         var = all_reduce(((flat - mean) ** 2).sum(0)) / n
         return mean, var, n
 

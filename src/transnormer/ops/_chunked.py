@@ -42,7 +42,7 @@ def _exclusive_scan_cumsum(x: torch.Tensor, init: torch.Tensor | None, reverse: 
     if init is not None:
         inclusive = inclusive + init.unsqueeze(1)
     first = torch.zeros_like(x[:, :1]) if init is None else init.unsqueeze(1)
-    out = torch.cat([first, inclusive[:, :-1]], 1)
+    out = torch.cat([first, inclusive[:, :-1]], 1)[:, :x.shape[1]]  # (G = 0: no chunk, as the loop)
     total = inclusive[:, -1] if x.shape[1] else first[:, 0].clone()
     return (out.flip(1) if reverse else out), total
 

@@ -54,6 +54,9 @@ def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr
     if kind == "inverse_sqrt":
         return math.sqrt(max(warmup, 1)) / math.sqrt(s)
     if kind == "polynomial":
+        # fairseq sets the lr after each update from the updates done, so update s decays from s - 1
+        # (the last update is not at lr 0). The warmup here reaches the peak at update `warmup` and
+        # the decay starts from it, so the peak runs two updates (in fairseq the first warmup value does).
         return 1.0 - decay_progress(s - 1, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
                                     refit_progress=refit_progress)
     progress = decay_progress(s, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
