@@ -36,6 +36,16 @@ _NO_AVX512 = ("-mno-avx512f",)
 _NO_AVX2 = ("-mno-avx512f", "-mno-avx2", "-mno-fma")
 
 
+def _variant(flags):
+    """The library built with these extra flags; the test is skipped where the compiler refuses them."""
+    try:
+        return _native.load_variant(flags)
+    except (RuntimeError, OSError) as exc:
+        if "unrecognized" in str(exc) or "unknown" in str(exc):
+            pytest.skip(f"the compiler does not take {' '.join(flags)}: {exc}")
+        raise
+
+
 @pytest.mark.parametrize("flags", [_NO_AVX512, _NO_AVX2], ids=["avx2", "plain"])
 @pytest.mark.parametrize("preset", ["t1-lm-tiny", "t2-lm-tiny", "flash-lm-tiny", "vanilla-lm-tiny"])
 def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_forms(monkeypatch, preset, flags):
@@ -49,12 +59,7 @@ def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_
 
     if _native.load() is None:
         pytest.skip("no kernels on this machine")
-    try:
-        lib = _native.load_variant(flags)
-    except (RuntimeError, OSError) as exc:
-        if "unrecognized" in str(exc) or "unknown" in str(exc):
-            pytest.skip(f"the compiler does not take {' '.join(flags)}: {exc}")
-        raise
+    lib = _variant(flags)
     torch.manual_seed(0)
     model = TransNormerForCausalLM(get_config(preset, num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                                               vocab_size=97, dropout=0.0, attention_dropout=0.0))
@@ -144,12 +149,7 @@ def test_builds_without_avx512_match_reference_fp64(native, monkeypatch, flags):
     """The GEMM of a build without AVX-512 (the AVX2 micro-kernel, whose masked tails and 16-column
     panels differ from AVX-512's, or plain loops), causal and bidirectional, fp64 at odd lengths
     and head dims that leave vector tails: on an AVX-512 machine only this test reaches it."""
-    try:
-        lib = _native.load_variant(flags)
-    except (RuntimeError, OSError) as exc:
-        if "unrecognized" in str(exc) or "unknown" in str(exc):
-            pytest.skip(f"the compiler does not take {' '.join(flags)}: {exc}")
-        raise
+    lib = _variant(flags)
     monkeypatch.setattr(_native, "_lib", lib)
     monkeypatch.setattr(_native, "_build_flags", {})
     calls = []
