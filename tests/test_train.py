@@ -709,12 +709,12 @@ def test_a_short_split_is_named_with_what_needs_it():
 
     from transnormer.train.tasks import _split_tokens
 
-    cfg = SimpleNamespace(data="tiny")
+    cfg = SimpleNamespace(data="tiny", seq_len=8)
     with pytest.raises(ValueError, match="train split of 'tiny' has 1 tokens, fewer than the 2 evaluation needs"):
-        _split_tokens(cfg, {"train": [5]}, "train", 2, "evaluation")
+        _split_tokens(cfg, {"train": [5]}, "train", "evaluation")
     with pytest.raises(ValueError, match="fewer than the 9 training needs"):
-        _split_tokens(cfg, {"train": [5]}, "train", 9, "training")
-    assert _split_tokens(cfg, {"valid": [1, 2]}, "valid", 2, "evaluation") == [1, 2]
+        _split_tokens(cfg, {"train": [5]}, "train", "training")
+    assert _split_tokens(cfg, {"valid": [1, 2]}, "valid", "evaluation") == [1, 2]
 
 
 def test_cli_model_dir_skips_a_corrupt_newest_checkpoint(corpus_dir, tmp_path):

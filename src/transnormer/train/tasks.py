@@ -158,11 +158,12 @@ def _token_splits(cfg, info: DistInfo):
     return corpus, tok, tokens
 
 
-def _split_tokens(cfg, tokens: dict, split: str, minimum: int, purpose: str):
+def _split_tokens(cfg, tokens: dict, split: str, purpose: str):
     """One split's token stream, checked when a job first uses it (``purpose`` "training": a window
     of seq_len + 1 tokens; "evaluation": 2 tokens, as a shorter split is scored in one window)."""
     if split not in tokens:
         raise ValueError(f"split must be one of {sorted(tokens)}, got {split!r}")
+    minimum = cfg.seq_len + 1 if purpose == "training" else 2
     if len(tokens[split]) < minimum:
         raise ValueError(f"data: the {split} split of {cfg.data!r} has {len(tokens[split])} tokens, "
                          f"fewer than the {minimum} {purpose} needs")
@@ -278,14 +279,14 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         corpus, tok, tokens = _token_splits(cfg, info)
 
         def windows():  # the training windows, made at first use (LazyBatches)
-            return LMBatchIterator(_split_tokens(cfg, tokens, "train", cfg.seq_len + 1, "training"), cfg.seq_len,
+            return LMBatchIterator(_split_tokens(cfg, tokens, "train", "training"), cfg.seq_len,
                                    cfg.batch_size, seed=cfg.seed, rank=info.rank, world_size=info.world_size)
 
         if cfg.task == "clm":
             train = LazyBatches(windows)
 
             def evaluate(model, split="valid", max_batches=None):
-                return _eval_lm(model, eval_batches(_split_tokens(cfg, tokens, split, 2, "evaluation"), cfg.seq_len, cfg.batch_size,
+                return _eval_lm(model, eval_batches(_split_tokens(cfg, tokens, split, "evaluation"), cfg.seq_len, cfg.batch_size,
                                                     stride=cfg.eval_stride, rank=info.rank,
                                                     world_size=info.world_size),
                                 info, max_batches, autocast, shift=True)
@@ -301,14 +302,14 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                                             world_size=info.world_size)  # (makes its blocks at first use)
 
                 def split_rows(split):
-                    return eval_block_batches(_split_tokens(cfg, tokens, split, 2, "evaluation"), is_end, cfg.seq_len,
+                    return eval_block_batches(_split_tokens(cfg, tokens, split, "evaluation"), is_end, cfg.seq_len,
                                               cfg.batch_size, bos_id=tok.bos_id, pad_id=tok.pad_id, rank=info.rank,
                                               world_size=info.world_size)
             else:
                 source = LazyBatches(windows)
 
                 def split_rows(split):
-                    return eval_batches(_split_tokens(cfg, tokens, split, 2, "evaluation"), cfg.seq_len, cfg.batch_size,
+                    return eval_batches(_split_tokens(cfg, tokens, split, "evaluation"), cfg.seq_len, cfg.batch_size,
                                         rank=info.rank, world_size=info.world_size, with_index=True)
             train = MLMBatches(source, tok, cfg.seed, info.rank)
             masker = MLMBatches(source, tok, cfg.seed + 1_000_003, info.rank)
