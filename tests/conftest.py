@@ -156,3 +156,61 @@ def sharpen_gau(model, beta_std: float | None = None):
                 if beta_std is not None:
                     mod.beta.normal_(0.0, beta_std)
     return model
+
+
+def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 300,
+                  capture_output: bool = False) -> None:
+    """Run ``python *args`` as ranks 0 and 1 of a two-process group on this host, with the
+    environment ``torchrun --standalone --nproc_per_node 2`` gives its workers (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: all that ``setup_distributed`` reads).
+
+    For the tests of training under DDP/FSDP, whose subject is the training, not the launcher:
+    torchrun's agent process (its own torch import and rendezvous) added ~3.5 s to each launch on 2
+    cores. The tests named ``..._under_torchrun`` keep the real launcher. If one rank fails the other
+    is killed (it would wait in a collective) and CalledProcessError is raised with the failed
+    rank's output."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    with socket.socket() as s:  # a free port, as torchrun --standalone picks one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**(os.environ if env is None else env), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    logs = [tempfile.TemporaryFile() if capture_output else None for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, *args], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=logs[r], stderr=subprocess.STDOUT if capture_output else None)
+             for r in range(2)]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # every rank polled (any() would stop at the first running)
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            running = None in codes
+            if failed or not running or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if failed or running:
+            for p in procs:
+                p.kill()
+                p.wait()
+            r = failed[0] if failed else 0
+            out = b""
+            if logs[r] is not None:
+                logs[r].seek(0)
+                out = logs[r].read()
+            if not failed:
+                raise subprocess.TimeoutExpired(args, timeout, output=out)
+            raise subprocess.CalledProcessError(procs[r].returncode, args, output=out)
+    finally:
+        for p in procs:  # none left behind, whatever ended the wait (a Ctrl-C too)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            if f is not None:
+                f.close()

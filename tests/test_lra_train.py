@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from conftest import run_two_ranks
 from transnormer.cli import main
 from transnormer.data.lra import TASKS, prepare
 from transnormer.layers import LAYER_TYPES
@@ -337,7 +338,7 @@ def test_cli_train_under_torchrun_scores_the_splits_once_over_the_ranks(listops_
 
 
 @pytest.mark.slow
-def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_root, tmp_path):
+def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_root, tmp_path, capsys):
     """Batch norm synced over the processes (lra train's default, the authors' SyncBatchNorm): 2
     processes x 2 examples train as 1 process x 4 (the same losses, under DDP's own gradient
     all-reduces); per process statistics (--no-sync-batch-norm) give others."""
@@ -353,10 +354,8 @@ def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_r
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(script), *common, "--out", str(tmp_path / "one")], check=True, env=env,
                    timeout=300, capture_output=True)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", str(script)]
     for name, flags in (("sync", []), ("local", ["--no-sync-batch-norm"])):
-        subprocess.run([*torchrun, *common, "--out", str(tmp_path / name), *flags], check=True, env=env,
-                       timeout=300, capture_output=True)
+        run_two_ranks([str(script), *common, "--out", str(tmp_path / name), *flags], env=env, capture_output=True)
 
     def losses(name):
         return [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
@@ -369,11 +368,10 @@ def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_r
     # a model without batch norm runs without it (the default), and is refused it when asked
     common[common.index("--max-steps") + 1] = "1"
     srms = ["--set", "norm_type=simple_rms", "--out", str(tmp_path / "srms")]
-    subprocess.run([sys.executable, str(script), *common, *srms], check=True, env=env, timeout=300,
-                   capture_output=True)
-    bad = subprocess.run([sys.executable, str(script), *common, *srms, "--sync-batch-norm"], env=env, timeout=300,
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "needs norm_type 'batch'" in bad.stderr
+    assert main([*common, *srms]) == 0
+    capsys.readouterr()
+    assert main([*common, *srms, "--sync-batch-norm"]) == 2
+    assert "needs norm_type 'batch'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--batch-size", "0"], ["--seq-len", "0"], ["--epochs", "-5"],

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import run_two_ranks
 from transnormer.modules import GLU, LRPE, LearnedPositions, SimpleRMSNorm, build_ffn, build_lrpe, build_norm
 
 
@@ -67,14 +68,11 @@ def test_synced_batch_norm_over_two_processes_is_one_process_with_the_global_bat
     processes x 2 rows equal one process's on the 4 rows (fp64); a rank with no valid position
     takes the others' statistics."""
     import os
-    import subprocess
-    import sys
 
     script = tmp_path / "sync_bn.py"
     script.write_text(_SYNC_BN_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                    str(script)], check=True, env=env, timeout=300, capture_output=True)
+    run_two_ranks([str(script)], env=env, capture_output=True)
 
 
 def test_sync_batch_norm_is_refused_for_a_model_without_batch_norm():
