@@ -472,7 +472,7 @@ def test_glu_projected_gate_matches_the_composed_form(monkeypatch, backend_mode,
     import transnormer.ops.rowwise as rowwise
     from transnormer.modules.ffn import GLU
 
-    backend_mode("native")  # "auto" runs the composed form on a build without AVX-512
+    backend_mode("native")  # the fused form wherever it applies, whatever "auto" would choose
     torch.manual_seed(0)
     glu = GLU(48, 72)
     x = torch.randn(2, 37, 48)
@@ -892,19 +892,21 @@ def test_block_attn_with_zero_width_heads():
 
 @needs_kernel
 def test_auto_skips_row_kernels_slower_than_torch_on_a_build_without_avx512(monkeypatch, backend_mode):
-    """On a build whose SiLU loops do not vectorize (no AVX-512), "auto" runs the PyTorch forms of
-    the SiLU gate and of fp32 LRPE (faster there); "native" still runs them; bf16 LRPE and the
-    other row kernels stay fused; an AVX-512 build fuses them all."""
+    """On a build without AVX-512 "auto" runs FLASH's composed mixer (faster there) and "native"
+    still the fused one; the other row kernels (the SiLU gates, LRPE) are fused on every build;
+    an AVX-512 build fuses them all."""
+    from transnormer.ops.flash import flash_mixer_usable
     from transnormer.ops.lrpe import lrpe_feature_map
 
     cpu = torch.device("cpu")
+    x, w, b = torch.randn(1, 4, 8), torch.randn(40, 8), torch.zeros(40)
     for avx512, fused in ((0, False), (1, True)):
         monkeypatch.setattr(_native, "_build_flags", {"tn_rows_avx512": avx512 == 1})
         backend_mode("auto")
-        assert _native.rows_usable(torch.float32, cpu, "silu") is fused
-        assert _native.rows_usable(torch.bfloat16, cpu, "silu") is fused
-        assert _native.rows_usable(torch.float32, cpu, "lrpe") is fused
-        assert _native.rows_usable(torch.bfloat16, cpu, "lrpe") and _native.rows_usable(torch.float32, cpu)
+        assert _native.rows_usable(torch.float32, cpu, "flash_mixer") is fused
+        assert _native.rows_usable(torch.bfloat16, cpu, "flash_mixer") is fused
+        assert flash_mixer_usable(x, w, b) is fused
+        assert _native.rows_usable(torch.float32, cpu) and _native.rows_usable(torch.bfloat16, cpu)
         calls = []
         real = _native._call
         monkeypatch.setattr(_native, "_call", lambda name, *a, _c=calls, _r=real: _c.append(name) or _r(name, *a))
@@ -912,7 +914,7 @@ def test_auto_skips_row_kernels_slower_than_torch_on_a_build_without_avx512(monk
         T, D = 5, 8
         lrpe_feature_map(torch.randn(1, T, 2, D), torch.ones(1, T, D // 2), torch.zeros(1, T, D // 2), None,
                          kernel="1+elu")
-        assert any("silu_gate" in c for c in calls) is fused and any("lrpe" in c for c in calls) is fused
+        assert any("silu_gate" in c for c in calls) and any("lrpe" in c for c in calls)
         backend_mode("native")
-        assert _native.rows_usable(torch.float32, cpu, "silu") and _native.rows_usable(torch.float32, cpu, "lrpe")
+        assert _native.rows_usable(torch.float32, cpu, "flash_mixer") and flash_mixer_usable(x, w, b)
         monkeypatch.setattr(_native, "_call", real)

@@ -46,8 +46,13 @@ _SOURCES = tuple(Path(__file__).with_name(f) for f in (
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_native_simd.h", "_native_amx.h",
                                                       "_native_gemm.h", "_native_softmax_walk.h"))
 # -fno-tree-loop-distribute-patterns: keep the tile copies inline (GCC would call memcpy per row).
+# -fno-trapping-math: the kernels never read floating-point exception flags, so the compiler may
+# compute both sides of a select; without it GCC leaves every loop with a select on floats (exp's
+# clamp, sigmoid's sign) scalar, and the row kernels' portable loops (the path of a CPU without
+# AVX-512) ran 1.3-5x slower than PyTorch. It does not change any result.
 _FLAGS_TRIED_FIRST = ("-fopenmp", "-march=native")
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns",
+          "-fno-trapping-math"]
 _ABI = 12
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -547,18 +552,20 @@ def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0)
 # ------------------------------------------------------------------------------------------------
 # Row kernels (fp32 or bf16 storage, fp32 arithmetic): LM loss rows, LRPE, SRMSNorm, SiLU gate
 # ------------------------------------------------------------------------------------------------
-# Row-kernel families whose portable loops (a library built without AVX-512) ran slower than their
-# PyTorch forms, fwd+bwd, on an AVX2 CPU (AMD EPYC Zen 3; benchmarks/fused_rows.py, PyTorch / fused):
-# the SiLU gate 0.42x fp32 / 0.24x bf16, the split SiLU 0.19x / 0.15x, LRPE 0.78x in fp32 (7.1x in
-# bf16, kept). Their loops do not vectorize there (docs/benchmarks.md, twenty-second round). "auto"
-# runs the PyTorch forms for them on such a build; "native" still runs the kernels (the tests' way).
-_SLOW_WITHOUT_AVX512 = {"silu": (torch.float32, torch.bfloat16), "lrpe": (torch.float32,)}
+# Row-kernel families that run slower than their PyTorch forms on a library built without AVX-512.
+# The row kernels' portable loops vectorize there (AVX2: -fno-trapping-math, no branch in a loop)
+# and beat PyTorch (benchmarks/fused_rows.py on an AVX2 EPYC, fp32: SiLU gate 2.55x, split SiLU
+# 1.15x, LRPE 2.44x). FLASH's fused mixer does not: one flash-lm layer fwd+bwd at 4k fp32 took
+# ~565 ms fused against ~526 ms composed (docs/benchmarks.md, twenty-third round). "auto" runs
+# the composed form for it on such a build; "native" still runs the kernel (the tests' way).
+_SLOW_WITHOUT_AVX512 = {"flash_mixer": (torch.float32, torch.bfloat16)}
 
 
 def rows_usable(dtype: torch.dtype, device: torch.device, family: str | None = None) -> bool:
     """Whether the row kernels run for tensors of this dtype and device (CPU fp32/bf16, the library
-    built, backend mode not "torch", not being traced by torch.compile). ``family`` ("silu",
-    "lrpe"): also not a kernel that this build runs slower than its PyTorch form, in "auto" mode."""
+    built, backend mode not "torch", not being traced by torch.compile). ``family``
+    ("flash_mixer"): also not a kernel that this build runs slower than its PyTorch form, in "auto"
+    mode."""
     ok = (_mode != "torch" and not torch.compiler.is_compiling() and device.type == "cpu"
           and dtype in (torch.float32, torch.bfloat16) and load() is not None)
     if ok and _mode == "auto" and dtype in _SLOW_WITHOUT_AVX512.get(family, ()):

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <thread>
 #include <vector>
 
@@ -33,15 +34,12 @@ inline float to_float(bf16 x) {
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, bf16* dst) {
     // round to nearest even, as PyTorch's float -> bfloat16 conversion; a NaN stays a quiet NaN
-    // (the rounding add could carry its payload into the exponent)
+    // (the rounding add could carry its payload into the exponent). A select, not a branch, so
+    // that loops storing bf16 vectorize.
     uint32_t u;
     std::memcpy(&u, &x, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-        dst->bits = uint16_t((u >> 16) | 0x0040u);
-        return;
-    }
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    dst->bits = uint16_t(u >> 16);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x0040u;
+    dst->bits = uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
 // exp(x) for x <= 0 without a library call, so loops over a row vectorize: x = n ln2 + r,
@@ -55,7 +53,9 @@ struct ExpParts {
 };
 
 inline ExpParts exp_parts(float x) {
-    x = std::max(x, -104.0f);  // e^-104 < 2^-149: 0 after the scaling
+    // e^-104 < 2^-149: 0 after the scaling. (Not std::max: it returns a reference, which GCC
+    // turns into a branch that keeps the loops calling this from vectorizing.)
+    x = x < -104.0f ? -104.0f : x;
     const float t = x * 1.44269504088896341f;
     const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
     float r = x - n * 0.693145751953125f;
@@ -95,6 +95,14 @@ inline float sigmoid(float a) {
     const float e = exp_nonpositive(-std::fabs(a));
     const float r = 1.0f / (1.0f + e);
     return a >= 0.0f ? r : e * r;
+}
+
+// f(std::true_type{}) if flag, else f(std::false_type{}): inside f the flag is a constant, so a loop
+// that tests it (an optional bias, say) compiles to two loops without a branch, which vectorize.
+template <typename F>
+inline void with_flag(bool flag, F f) {
+    if (flag) f(std::true_type{});
+    else f(std::false_type{});
 }
 
 // std::vector storage on 64-byte (cache-line) boundaries. The kernels' scratch buffers need it:

@@ -35,8 +35,10 @@ inline void rows_with_transpose(idx r0, idx r1, const T* dst, idx ldd, idx w, T*
 #if defined(TN_AVX512)
         transpose_rows(dst + rb * ldd, ldd, nr, w, dst_t + rb, ldt);
 #else
-        for (idx r = rb; r < rb + nr; ++r)
-            for (idx j = 0; j < w; ++j) dst_t[j * ldt + r] = dst[r * ldd + j];
+        // column by column: each column's nr values are one whole line of dst_t, written at once
+        // (row by row, each store went to another of w lines)
+        for (idx j = 0; j < w; ++j)
+            for (idx r = rb; r < rb + nr; ++r) dst_t[j * ldt + r] = dst[r * ldd + j];
 #endif
     }
 #if defined(TN_AVX512)
@@ -107,30 +109,53 @@ void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t
     });
 }
 #else
+// The portable loops: with_flag makes "is there a bias" and "sum the bias gradient" constants
+// inside them, so they have no branch and vectorize (AVX2: 8 lanes).
 template <typename T>
 void forward_rows(const T* ab, const float* bias, T* h, idx F, idx r0, idx r1) {
-    for (idx r = r0; r < r1; ++r)
-        for (idx j = 0; j < F; ++j) {
-            const float a = to_float(ab[r * 2 * F + j]) + (bias ? bias[j] : 0.0f);
-            const float b = to_float(ab[r * 2 * F + F + j]) + (bias ? bias[F + j] : 0.0f);
-            from_float(a * sigmoid(a) * b, h + r * F + j);
+    with_flag(bias != nullptr, [&](auto has_bias) {
+        for (idx r = r0; r < r1; ++r) {
+            const T *a = ab + r * 2 * F, *b = a + F;
+            T* o = h + r * F;
+            for (idx j = 0; j < F; ++j) {
+                const float av = to_float(a[j]) + (has_bias ? bias[j] : 0.0f);
+                const float bv = to_float(b[j]) + (has_bias ? bias[F + j] : 0.0f);
+                from_float(av * sigmoid(av) * bv, o + j);
+            }
         }
+    });
+}
+
+// one row; restrict: with seven pointers that might overlap GCC gave up on the runtime checks
+// and left the bf16 loop scalar
+template <bool HasBias, bool SumDb, typename T>
+inline void backward_row(const T* __restrict a, const T* __restrict b, const T* __restrict g,
+                         const float* __restrict bias, T* __restrict da, T* __restrict dbr, float* __restrict db,
+                         idx F) {
+    for (idx j = 0; j < F; ++j) {
+        const float av = to_float(a[j]) + (HasBias ? bias[j] : 0.0f);
+        const float bv = to_float(b[j]) + (HasBias ? bias[F + j] : 0.0f);
+        const float gv = to_float(g[j]), s = sigmoid(av);
+        const float ga = gv * bv * s * (1.0f + av * (1.0f - s)), gb = gv * av * s;
+        from_float(ga, da + j);
+        from_float(gb, dbr + j);
+        if (SumDb) db[j] += ga, db[F + j] += gb;
+    }
 }
 
 template <typename T>
 void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t, idx ldt, float* db, idx F, idx r0,
                    idx r1) {
-    rows_with_transpose(r0, r1, dab, 2 * F, 2 * F, dab_t, ldt, [&](idx ra, idx rb) {
-        for (idx r = ra; r < rb; ++r)
-            for (idx j = 0; j < F; ++j) {
-                const float a = to_float(ab[r * 2 * F + j]) + (bias ? bias[j] : 0.0f);
-                const float b = to_float(ab[r * 2 * F + F + j]) + (bias ? bias[F + j] : 0.0f);
-                const float g = to_float(dh[r * F + j]), s = sigmoid(a);
-                const float ga = g * b * s * (1.0f + a * (1.0f - s)), gb = g * a * s;
-                from_float(ga, dab + r * 2 * F + j);
-                from_float(gb, dab + r * 2 * F + F + j);
-                if (db) db[j] += ga, db[F + j] += gb;
-            }
+    with_flag(bias != nullptr, [&](auto has_bias) {
+        with_flag(db != nullptr, [&](auto sum_db) {
+            rows_with_transpose(r0, r1, dab, 2 * F, 2 * F, dab_t, ldt, [&](idx ra, idx rb) {
+                for (idx r = ra; r < rb; ++r) {
+                    const T* a = ab + r * 2 * F;
+                    backward_row<has_bias, sum_db>(a, a + F, dh + r * F, bias, dab + r * 2 * F, dab + r * 2 * F + F,
+                                                   db, F);
+                }
+            });
+        });
     });
 }
 #endif
@@ -139,8 +164,9 @@ void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t
 
 extern "C" {
 
-// 1 where the row kernels' loops are AVX-512 code; without it their portable loops with a select
-// per element do not vectorize, and some run slower than PyTorch (ops/_native.py, rows_usable)
+// 1 where the row kernels' loops are AVX-512 code; without it they are portable loops the compiler
+// vectorizes, and FLASH's fused mixer runs slower than its composed form (ops/_native.py,
+// rows_usable)
 int tn_rows_avx512() {
 #if defined(TN_AVX512)
     return 1;
@@ -205,11 +231,14 @@ inline void write_grad_rows(idx r0, idx r1, idx w, T* dst, idx ldd, float* db, T
                 if (db) _mm512_mask_storeu_ps(db + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, db + j), d));
             }
 #else
-            for (idx j = 0; j < w; ++j) {
-                const float d = grad(r, j);
-                from_float(d, dst + r * ldd + j);
-                if (db) db[j] += d;
-            }
+            if (db)  // two loops, neither with a branch: both vectorize
+                for (idx j = 0; j < w; ++j) {
+                    const float d = grad(r, j);
+                    from_float(d, dst + r * ldd + j);
+                    db[j] += d;
+                }
+            else
+                for (idx j = 0; j < w; ++j) from_float(grad(r, j), dst + r * ldd + j);
 #endif
         }
     });
@@ -226,10 +255,11 @@ inline void silu_row(const T* src, const float* bias, idx w, T* dst) {
         store16(dst + j, _mm512_mul_ps(a, sigmoid16(a)), k);
     }
 #endif
-    for (; j < w; ++j) {
-        const float a = to_float(src[j]) + (bias ? bias[j] : 0.0f);
-        from_float(a * sigmoid(a), dst + j);
-    }
+    auto put = [&](idx i, float a) { from_float(a * sigmoid(a), dst + i); };
+    if (bias)
+        for (; j < w; ++j) put(j, to_float(src[j]) + bias[j]);
+    else
+        for (; j < w; ++j) put(j, to_float(src[j]));
 }
 
 template <typename T>
@@ -261,15 +291,21 @@ void silu_split_bwd_rows(const T* pre, idx ldp, const float* bias, int ng, const
             const __m512 a = load_biased16(p + r * ldp + j, b ? b + j : nullptr, k);
             return _mm512_mul_ps(load16(go + r * w + j, k), silu_grad16(a, sigmoid16(a)));
         };
-#else
-        auto grad = [&](idx r, idx j) {
-            if (!go) return 0.0f;
-            const float a = to_float(p[r * ldp + j]) + (b ? b[j] : 0.0f), s = sigmoid(a);
-            return to_float(go[r * w + j]) * s * (1.0f + a * (1.0f - s));
-        };
-#endif
         write_grad_rows(r0, r1, w, dpre + c, ldd, db ? db + c : nullptr, dpre_t ? dpre_t + c * ldt : nullptr, ldt,
                         grad);
+#else
+        auto write = [&](auto grad) {
+            write_grad_rows(r0, r1, w, dpre + c, ldd, db ? db + c : nullptr, dpre_t ? dpre_t + c * ldt : nullptr, ldt,
+                            grad);
+        };
+        if (!go) write([](idx, idx) { return 0.0f; });
+        else with_flag(b != nullptr, [&](auto has_bias) {
+            write([&](idx r, idx j) {
+                const float a = to_float(p[r * ldp + j]) + (has_bias ? b[j] : 0.0f), s = sigmoid(a);
+                return to_float(go[r * w + j]) * s * (1.0f + a * (1.0f - s));
+            });
+        });
+#endif
         c += w;
     }
 }
@@ -333,10 +369,11 @@ void silu_mul_rows(const T* pre, idx ldp, const float* bias, const T* o, T* y, i
             store16(yr + j, _mm512_mul_ps(_mm512_mul_ps(a, sigmoid16(a)), load16(orow + j, k)), k);
         }
 #endif
-        for (; j < F; ++j) {
-            const float a = to_float(p[j]) + (bias ? bias[j] : 0.0f);
-            from_float(a * sigmoid(a) * to_float(orow[j]), yr + j);
-        }
+        auto put = [&](idx i, float a) { from_float(a * sigmoid(a) * to_float(orow[i]), yr + i); };
+        if (bias)
+            for (; j < F; ++j) put(j, to_float(p[j]) + bias[j]);
+        else
+            for (; j < F; ++j) put(j, to_float(p[j]));
     }
 }
 
@@ -350,15 +387,17 @@ void silu_mul_bwd_rows(const T* pre, idx ldp, const float* bias, const T* o, con
         store16(dout + r * F + j, _mm512_mul_ps(gv, _mm512_mul_ps(a, s)), k);
         return _mm512_mul_ps(_mm512_mul_ps(gv, load16(o + r * F + j, k)), silu_grad16(a, s));
     };
-#else
-    auto grad = [&](idx r, idx j) {
-        const float a = to_float(pre[r * ldp + j]) + (bias ? bias[j] : 0.0f), s = sigmoid(a);
-        const float gv = to_float(dy[r * F + j]);
-        from_float(gv * a * s, dout + r * F + j);
-        return gv * to_float(o[r * F + j]) * s * (1.0f + a * (1.0f - s));
-    };
-#endif
     write_grad_rows(r0, r1, F, dpre, ldd, db, dpre_t, ldt, grad);
+#else
+    with_flag(bias != nullptr, [&](auto has_bias) {
+        write_grad_rows(r0, r1, F, dpre, ldd, db, dpre_t, ldt, [&](idx r, idx j) {
+            const float a = to_float(pre[r * ldp + j]) + (has_bias ? bias[j] : 0.0f), s = sigmoid(a);
+            const float gv = to_float(dy[r * F + j]);
+            from_float(gv * a * s, dout + r * F + j);
+            return gv * to_float(o[r * F + j]) * s * (1.0f + a * (1.0f - s));
+        });
+    });
+#endif
 }
 
 }  // namespace

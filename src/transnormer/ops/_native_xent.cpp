@@ -60,13 +60,33 @@ void row_scale(const float* e, idx V, float scale, T* g) {
     }
 }
 #else
+// The portable path keeps 16 partial maxima and sums, as the AVX-512 one does, in fixed-width
+// inner loops the compiler vectorizes (AVX2: two vectors of 8), with exp by the polynomial of
+// _native_common.h. (A sequential double sum with std::exp did not vectorize: on an AVX2 CPU the
+// fused LM loss ran 20% slower than PyTorch's, 4.81 against 4.00 s at 4k x 32k fp32.)
+constexpr int kLanes = 16;
+
 template <typename T>
 void row_exp(const T* x, idx V, float* e, float& mx, float& sum) {
-    mx = -INFINITY;
-    for (idx j = 0; j < V; ++j) mx = std::max(mx, to_float(x[j]));
-    double acc = 0.0;  // one sequential sum over the row: in double, so V terms do not add up rounding
-    for (idx j = 0; j < V; ++j) acc += (e[j] = std::exp(to_float(x[j]) - mx));
-    sum = float(acc);
+    float m[kLanes], s[kLanes];
+    for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY, s[l] = 0.0f;
+    const idx Vb = V / kLanes * kLanes;
+    for (idx j = 0; j < Vb; j += kLanes)
+        for (int l = 0; l < kLanes; ++l) {
+            const float v = to_float(x[j + l]);
+            m[l] = v > m[l] ? v : m[l];
+        }
+    for (idx j = Vb; j < V; ++j) {
+        const float v = to_float(x[j]);
+        m[j - Vb] = v > m[j - Vb] ? v : m[j - Vb];
+    }
+    mx = m[0];
+    for (int l = 1; l < kLanes; ++l) mx = m[l] > mx ? m[l] : mx;
+    for (idx j = 0; j < Vb; j += kLanes)
+        for (int l = 0; l < kLanes; ++l) s[l] += (e[j + l] = exp_nonpositive(to_float(x[j + l]) - mx));
+    for (idx j = Vb; j < V; ++j) s[j - Vb] += (e[j] = exp_nonpositive(to_float(x[j]) - mx));
+    sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += s[l];
 }
 
 template <typename T>

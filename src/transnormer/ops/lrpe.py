@@ -89,7 +89,7 @@ def lrpe_feature_map(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, u: t
     """
     _check(x, cos, sin, u, kernel)
     others = (cos, sin) if u is None else (cos, sin, u)
-    if (x.numel() and _native.rows_usable(x.dtype, x.device, "lrpe") and kernel in _native.LRPE_KERNELS
+    if (x.numel() and _native.rows_usable(x.dtype, x.device) and kernel in _native.LRPE_KERNELS
             and all(t.device == x.device for t in others) and not (u is not None and u.requires_grad)):
         shape = (x.shape[0], x.shape[1], x.shape[-1] // 2)
         cos, sin = (t.float().expand(shape).contiguous() for t in (cos, sin))

@@ -130,7 +130,7 @@ def silu_gate(ab: torch.Tensor) -> torch.Tensor:
     """The GLU gate silu(a) * b of ab [..., 2F] = [a | b] (the two input projections side by side)."""
     if ab.shape[-1] % 2:
         raise ValueError(f"ab must have an even last dim [a | b], got {tuple(ab.shape)}")
-    if ab.numel() and _native.rows_usable(ab.dtype, ab.device, "silu"):
+    if ab.numel() and _native.rows_usable(ab.dtype, ab.device):
         return _FusedSiluGate.apply(ab.contiguous())
     return silu_gate_reference(ab)
 
@@ -194,7 +194,7 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
     if (b1 is None) != (b2 is None):
         raise ValueError("b1 and b2 must both be given or both be None")
     if (b1 is not None and b1.dtype == b2.dtype == torch.float32 and x.numel()
-            and w1.dtype == w2.dtype and _native.rows_usable(projection_dtype(x), x.device, "silu")
+            and w1.dtype == w2.dtype and _native.rows_usable(projection_dtype(x), x.device)
             and fused_projection_ok(x, w1)):
         return _ProjectedSiluGate.apply(x, w1, w2, b1, b2, projection_dtype(x))
     bias = None if b1 is None else torch.cat((b1, b2))
@@ -242,7 +242,7 @@ def silu_split(pre: torch.Tensor, widths: list[int], bias: torch.Tensor | None =
         raise ValueError(f"widths must be positive and sum to pre's last dim {pre.shape[-1]}, got {widths}")
     if bias is not None and bias.shape != (pre.shape[-1],):
         raise ValueError(f"bias must have shape [{pre.shape[-1]}], got {tuple(bias.shape)}")
-    if (pre.numel() and _native.rows_usable(pre.dtype, pre.device, "silu")
+    if (pre.numel() and _native.rows_usable(pre.dtype, pre.device)
             and (bias is None or (bias.dtype == torch.float32 and bias.device == pre.device))):
         return _FusedSiluSplit.apply(pre.contiguous(), None if bias is None else bias.contiguous(), widths)
     return silu_split_reference(pre, widths, bias)
