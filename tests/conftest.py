@@ -167,8 +167,8 @@ def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 
     For the tests of training under DDP/FSDP, whose subject is the training, not the launcher:
     torchrun's agent process (its own torch import and rendezvous) added ~3.5 s to each launch on 2
     cores. The tests named ``..._under_torchrun`` keep the real launcher. If one rank fails the other
-    is killed (it would wait in a collective) and CalledProcessError is raised with the failed
-    rank's output."""
+    is killed (it would wait in a collective) and CalledProcessError is raised, with both ranks'
+    last lines of output attached when ``capture_output``."""
     import os
     import socket
     import subprocess
@@ -198,14 +198,17 @@ def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 
             for p in procs:
                 p.kill()
                 p.wait()
-            r = failed[0] if failed else 0
-            out = b""
-            if logs[r] is not None:
-                logs[r].seek(0)
-                out = logs[r].read()
-            if not failed:
-                raise subprocess.TimeoutExpired(args, timeout, output=out)
-            raise subprocess.CalledProcessError(procs[r].returncode, args, output=out)
+            outs = []
+            for f in logs:
+                if f is not None:
+                    f.seek(0)
+                    outs.append(f.read())
+            err = (subprocess.CalledProcessError(procs[failed[0]].returncode, args) if failed
+                   else subprocess.TimeoutExpired(args, timeout))
+            for r, out in enumerate(outs):  # both: the root cause is often in the rank that did not fail
+                err.add_note(f"--- rank {r} (exit code {procs[r].returncode}), last lines:\n"
+                             + "\n".join(out.decode(errors="replace").splitlines()[-30:]))
+            raise err
     finally:
         for p in procs:  # none left behind, whatever ended the wait (a Ctrl-C too)
             if p.poll() is None:

@@ -911,10 +911,13 @@ def test_auto_skips_row_kernels_slower_than_torch_on_a_build_without_avx512(monk
         real = _native._call
         monkeypatch.setattr(_native, "_call", lambda name, *a, _c=calls, _r=real: _c.append(name) or _r(name, *a))
         silu_gate(torch.randn(3, 8))
+        silu_split(torch.randn(3, 10), [6, 4])
         T, D = 5, 8
-        lrpe_feature_map(torch.randn(1, T, 2, D), torch.ones(1, T, D // 2), torch.zeros(1, T, D // 2), None,
-                         kernel="1+elu")
-        assert any("silu_gate" in c for c in calls) and any("lrpe" in c for c in calls)
+        for dtype in (torch.float32, torch.bfloat16):
+            lrpe_feature_map(torch.randn(1, T, 2, D, dtype=dtype), torch.ones(1, T, D // 2),
+                             torch.zeros(1, T, D // 2), None, kernel="1+elu")
+        assert any("silu_gate" in c for c in calls) and any("silu_split" in c for c in calls)
+        assert sum("lrpe" in c for c in calls) == 2, calls
         backend_mode("native")
         assert _native.rows_usable(torch.float32, cpu, "flash_mixer") and flash_mixer_usable(x, w, b)
         monkeypatch.setattr(_native, "_call", real)

@@ -284,10 +284,11 @@ def test_compare_under_torchrun_keeps_one_process_group(corpus_dir, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_two_processes_train_as_one_and_resume_exactly(corpus_dir, tmp_path):
-    """FSDP2 on CPU (gloo): 2 processes x batch 2, stopped at step 3 and resumed, follow 1 process x
-    batch 4. (The optimizer had been made before fully_shard replaced the parameters: it stepped
-    parameters without gradients and the weights never changed.) A one-process checkpoint (its
-    optimizer state numbered, not named) resumes sharded on two (it had raised a KeyError)."""
+    """FSDP2 on CPU (gloo): 2 processes x batch 2 follow 1 process x batch 4, and a run stopped at
+    step 3 resumes to the same losses. (The optimizer had been made before fully_shard replaced
+    the parameters: it stepped parameters without gradients and the weights never changed.) A
+    one-process checkpoint (its optimizer state numbered, not named) resumes sharded on two (it
+    had raised a KeyError)."""
     import json
 
     script = tmp_path / "run.py"
@@ -304,23 +305,25 @@ def test_fsdp_two_processes_train_as_one_and_resume_exactly(corpus_dir, tmp_path
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(script), args(4, "single")], check=True, env=env, timeout=300)
+    run_two_ranks([str(script), args(2, "fsdp", strategy="fsdp")], env=env)
     run_two_ranks([str(script), args(2, "part", strategy="fsdp", save_every=1, stop_after=3)], env=env)
     assert len(train_losses(tmp_path / "part")) == 3
     run_two_ranks([str(script), args(2, "part", strategy="fsdp", save_every=1, resume=True)], env=env)
     subprocess.run([sys.executable, str(script), args(4, "mixed", strategy="fsdp", save_every=1, stop_after=3)],
                    check=True, env=env, timeout=300)
     run_two_ranks([str(script), args(2, "mixed", strategy="fsdp", save_every=1, resume=True)], env=env)
-    one, two, mixed = (train_losses(tmp_path / d) for d in ("single", "part", "mixed"))
-    assert len(one) == len(two) == len(mixed) == 5
+    one, two, resumed, mixed = (train_losses(tmp_path / d) for d in ("single", "fsdp", "part", "mixed"))
+    assert len(one) == len(two) == len(resumed) == len(mixed) == 5
     assert one[-1] < one[0] - 0.05  # it learns
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
+    assert resumed == pytest.approx(two, rel=0, abs=1e-6)  # tighter: the same two-process run, resumed
     assert mixed == pytest.approx(one, rel=0, abs=1e-5)
     from transnormer.cli import resolve_model_dir
     from transnormer.models import TransNormerForCausalLM
 
     # the checkpoint holds the whole model, gathered from the shards
     whole = TransNormerForCausalLM.from_pretrained(resolve_model_dir(tmp_path / "single"))
-    gathered = TransNormerForCausalLM.from_pretrained(resolve_model_dir(tmp_path / "part"))
+    gathered = TransNormerForCausalLM.from_pretrained(resolve_model_dir(tmp_path / "fsdp"))
     for (name, a), b in zip(whole.state_dict().items(), gathered.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
 

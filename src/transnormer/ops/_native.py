@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -101,6 +102,25 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
+def _build(compiler: str, flags: list[str], out: str) -> subprocess.CompletedProcess:
+    """Compile each source to an object file, as many at once as there are cores (the largest
+    first), then link them into ``out``; returns the first failed step's result, else the link's.
+    In one compiler process the sources took 32 s on 2 cores of an AVX2 EPYC: every first use of
+    the library, and three builds in each clean test run."""
+    with tempfile.TemporaryDirectory(dir=Path(out).parent) as objdir:
+        sources = sorted(_SOURCES, key=lambda f: f.stat().st_size, reverse=True)
+        objects = [str(Path(objdir) / f"{src.stem}.o") for src in sources]
+
+        def one(src: Path, obj: str) -> subprocess.CompletedProcess:
+            return subprocess.run([compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            for proc in list(pool.map(one, sources, objects)):
+                if proc.returncode != 0:
+                    return proc
+        return subprocess.run([compiler, *flags, *objects, "-o", out], capture_output=True, text=True)
+
+
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """Build the library at ``out``. With ``extra_flags`` (a variant build) only builds for this
     CPU (-march=native) plus those are tried: a failure raises rather than falling back to a
@@ -118,8 +138,7 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
         attempts = ([*_FLAGS_TRIED_FIRST, *extra_flags], ["-march=native", *extra_flags]) if extra_flags else (
             list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], [])
         for extra in attempts:
-            proc = subprocess.run([compiler, *_FLAGS, *extra, *map(str, _SOURCES), "-o", tmp], capture_output=True,
-                                  text=True)
+            proc = _build(compiler, [*_FLAGS, *extra], tmp)
             if proc.returncode == 0:
                 break
             first_error = first_error or proc.stderr

@@ -151,8 +151,9 @@ void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t
             rows_with_transpose(r0, r1, dab, 2 * F, 2 * F, dab_t, ldt, [&](idx ra, idx rb) {
                 for (idx r = ra; r < rb; ++r) {
                     const T* a = ab + r * 2 * F;
-                    backward_row<has_bias, sum_db>(a, a + F, dh + r * F, bias, dab + r * 2 * F, dab + r * 2 * F + F,
-                                                   db, F);
+                    // (decltype: a captured flag is not a constant expression for every compiler)
+                    backward_row<decltype(has_bias)::value, decltype(sum_db)::value>(
+                        a, a + F, dh + r * F, bias, dab + r * 2 * F, dab + r * 2 * F + F, db, F);
                 }
             });
         });
@@ -244,7 +245,7 @@ inline void write_grad_rows(idx r0, idx r1, idx w, T* dst, idx ldd, float* db, T
     });
 }
 
-// silu of one group row: src[0..w) (+ bias) -> dst (vectorized where AVX-512 is there)
+// silu of one group row: src[0..w) (+ bias) -> dst
 template <typename T>
 inline void silu_row(const T* src, const float* bias, idx w, T* dst) {
     idx j = 0;
