@@ -5,13 +5,16 @@ from __future__ import annotations
 import gzip
 import hashlib
 import lzma
+import re
 import sys
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transnormer.data import corpus as corpus_mod
-from transnormer.data import default_cache_dir, load_corpus, split_documents, split_into_documents
+from transnormer.data import default_cache_dir, load_corpus, split_documents, split_into_documents, stdlib_docs
 
 
 def _sha(docs: list[str]) -> str:
@@ -331,3 +334,27 @@ def test_corpus_type_checks():
     with pytest.raises(KeyError, match="split 'dev'"):
         c["dev"]
     assert "x" in repr(c)
+
+
+def _prose_by_characters(text: str) -> bool:
+    """looks_like_english_prose's rule, counted character by character (its oracle)."""
+    words = text.split()
+    if len(words) < 3 or len(text) < 15:
+        return False
+    non_space = [c for c in text if not c.isspace()]
+    if sum(not c.isascii() for c in text) > 0.05 * len(text):
+        return False
+    if sum(c.isascii() and c.isalpha() for c in non_space) < 0.5 * len(non_space):
+        return False
+    if len(words) >= 8:
+        tokens = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
+        if sum(t in stdlib_docs._FUNCTION_WORDS for t in tokens) < 0.05 * max(1, len(tokens)):
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["the", "of", "a", "Return", "x1", "==", "é", "ß", "λ", "\u00a0", "\u2003", "\x1c",
+                                 "\t", "\n", " ", "  ", "it's", "αβγ", "0x1F", "ok."]), max_size=60).map("".join))
+def test_prose_filter_counts_as_the_per_character_rule(text):
+    assert stdlib_docs.looks_like_english_prose(text) == _prose_by_characters(text)
