@@ -1,3 +1,6 @@
+import contextlib
+import json
+
 import pytest
 import torch
 
@@ -83,6 +86,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@contextlib.contextmanager
+def on_threads(n: int):
+    """torch's intra-op threads set to ``n`` for the block: a one-process reference run in the test
+    process on one thread, as each rank of a two-process run trains (OMP_NUM_THREADS=1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def on_one_and_two_threads(run):
     """(run() on one thread, run() on two): the kernels split heads or rows over threads and must
     give bitwise the same result."""
@@ -158,17 +173,55 @@ def sharpen_gau(model, beta_std: float | None = None):
     return model
 
 
-def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 300,
-                  capture_output: bool = False) -> None:
-    """Run ``python *args`` as ranks 0 and 1 of a two-process group on this host, with the
-    environment ``torchrun --standalone --nproc_per_node 2`` gives its workers (RANK, WORLD_SIZE,
-    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: all that ``setup_distributed`` reads).
+# The ranks of run_two_ranks are forked from one server process per test session that has imported
+# torch, transformers and the package once (multiprocessing's "forkserver", its modules preloaded):
+# a rank started as a fresh interpreter spent ~4 s per process importing them on 2 cores, several
+# times the tiny training the DDP/FSDP tests run. The server forks before any torch op (no thread
+# pool yet), and each rank then sets its own environment and threads, as a fresh process would.
+_RANK_PRELOAD = ["torch", "torch.distributed", "transnormer.models", "transnormer.train", "transnormer.cli"]
+_rank_context = None
 
-    For the tests of training under DDP/FSDP, whose subject is the training, not the launcher:
-    torchrun's agent process (its own torch import and rendezvous) added ~3.5 s to each launch on 2
-    cores. The tests named ``..._under_torchrun`` keep the real launcher. If one rank fails the other
-    is killed (it would wait in a collective) and CalledProcessError is raised, with both ranks'
-    last lines of output attached when ``capture_output``."""
+
+def _forked_rank_context():
+    global _rank_context
+    if _rank_context is None:
+        import multiprocessing
+
+        _rank_context = multiprocessing.get_context("forkserver")
+        _rank_context.set_forkserver_preload(_RANK_PRELOAD)
+    return _rank_context
+
+
+def _run_as_main(args: list[str], env: dict, log: str) -> None:
+    """A rank: ``python *args`` in this forked process, its output to the file ``log``."""
+    import os
+    import runpy
+    import sys
+
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # read at the server's torch import, not at this fork's start
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = list(args)
+    runpy.run_path(args[0], run_name="__main__")
+
+
+def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 300) -> None:
+    """Run the Python script ``args[0]`` (its arguments ``args[1:]``) as ranks 0 and 1 of a
+    two-process group on this host, with the environment ``torchrun --standalone --nproc_per_node
+    2`` gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
+    all that ``setup_distributed`` reads).
+
+    For the tests of training under DDP/FSDP, whose subject is the training, not the launcher: the
+    ranks are forked from a server that has the libraries imported (above), and the tests named
+    ``..._under_torchrun`` keep the real launcher (whose agent alone added ~3.5 s a launch). If one
+    rank fails the other is killed (it would wait in a collective) and CalledProcessError is raised
+    with both ranks' last lines of output attached; on success their output is printed (pytest
+    shows it with a failure later in the test, or under -s)."""
     import os
     import socket
     import subprocess
@@ -181,39 +234,71 @@ def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 
         port = s.getsockname()[1]
     base = {**(os.environ if env is None else env), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    logs = [tempfile.TemporaryFile() if capture_output else None for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, *args], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=logs[r], stderr=subprocess.STDOUT if capture_output else None)
-             for r in range(2)]
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [p.poll() for p in procs]  # every rank polled (any() would stop at the first running)
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            running = None in codes
-            if failed or not running or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if failed or running:
-            for p in procs:
-                p.kill()
-                p.wait()
-            outs = []
-            for f in logs:
-                if f is not None:
-                    f.seek(0)
-                    outs.append(f.read())
-            err = (subprocess.CalledProcessError(procs[failed[0]].returncode, args) if failed
-                   else subprocess.TimeoutExpired(args, timeout))
-            for r, out in enumerate(outs):  # both: the root cause is often in the rank that did not fail
-                err.add_note(f"--- rank {r} (exit code {procs[r].returncode}), last lines:\n"
-                             + "\n".join(out.decode(errors="replace").splitlines()[-30:]))
-            raise err
-    finally:
-        for p in procs:  # none left behind, whatever ended the wait (a Ctrl-C too)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            if f is not None:
-                f.close()
+    ctx = _forked_rank_context()
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [os.path.join(tmp, f"rank{r}.log") for r in range(2)]
+        procs = []
+        try:
+            for r in range(2):
+                open(logs[r], "w").close()
+                procs.append(ctx.Process(target=_run_as_main,
+                                         args=(args, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, logs[r])))
+                procs[-1].start()
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [p.exitcode for p in procs]  # every rank looked at (any() would stop at the first running)
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                running = None in codes
+                if failed or not running or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:  # none left behind, whatever ended the wait (a Ctrl-C too)
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+        outs = [open(f, errors="replace").read() for f in logs]
+    if failed or running:
+        err = (subprocess.CalledProcessError(procs[failed[0]].exitcode, args) if failed
+               else subprocess.TimeoutExpired(args, timeout))
+        for r, out in enumerate(outs):  # both: the root cause is often in the rank that did not fail
+            err.add_note(f"--- rank {r} (exit code {procs[r].exitcode}), last lines:\n"
+                         + "\n".join(out.splitlines()[-30:]))
+        raise err
+    for r, out in enumerate(outs):
+        sys.stdout.write(f"--- rank {r}:\n{out}")
+
+
+# Each rank of run_runs_on_two_ranks: the runs in turn in one process, the group made once around
+# them (as `compare` and `lra train` make it): one launch, one process group and one first-run warm-up
+# for several runs. A run that resumes another is a fresh process's work only if its checkpoint came
+# from another launch: the tests put such runs in a later launch.
+_RUNS_SCRIPT = """\
+import json, sys
+from transnormer.train.distributed import cleanup, setup_distributed
+info = setup_distributed("cpu")
+for kind, arg in json.loads(sys.argv[1]):
+    if kind == "train":
+        from transnormer.train import TrainConfig, train
+        train(TrainConfig(**arg))
+    else:
+        from transnormer.cli import main
+        rc = main(arg)
+        if rc:
+            sys.exit(rc)
+cleanup(info)
+"""
+
+
+def run_runs_on_two_ranks(tmp_path, runs: list[tuple[str, object]], **kwargs) -> None:
+    """Run ``runs`` in turn on ranks 0 and 1 of one two-process launch (:func:`run_two_ranks`, its
+    keyword arguments; one thread per rank unless ``env`` says otherwise). Each run is ("train",
+    a TrainConfig or its dict) or ("cli", the argv of ``transnormer``)."""
+    import dataclasses
+    import os
+
+    script = tmp_path / "runs_on_two_ranks.py"
+    script.write_text(_RUNS_SCRIPT)
+    spec = [(kind, dataclasses.asdict(arg) if dataclasses.is_dataclass(arg) else arg) for kind, arg in runs]
+    kwargs.setdefault("env", {**os.environ, "OMP_NUM_THREADS": "1"})
+    run_two_ranks([str(script), json.dumps(spec)], **kwargs)

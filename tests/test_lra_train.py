@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_two_ranks
+from conftest import on_threads, run_runs_on_two_ranks
 from transnormer.cli import main
 from transnormer.data.lra import TASKS, prepare
 from transnormer.layers import LAYER_TYPES
@@ -316,21 +316,13 @@ def test_cli_train_epochs_count_optimizer_steps_of_the_global_batch(listops_root
 
 
 @pytest.mark.slow
-def test_cli_train_under_torchrun_scores_the_splits_once_over_the_ranks(listops_root, tmp_path):
+def test_cli_train_on_two_processes_scores_the_splits_once_over_the_ranks(listops_root, tmp_path):
     """Each rank scores its share of val and test in the training's process group; rank 0 writes.
     (Every rank had evaluated both whole splits alone and written the same files.)"""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "run.py"
-    script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                    str(script), "lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root",
-                    str(listops_root), "--max-steps", "2", "--batch-size", "4", "--lr", "1e-3", "--out", str(run),
-                    "--no-progress", "--eval-batches", "1"],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    run_runs_on_two_ranks(tmp_path, [("cli", ["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root",
+                                              str(listops_root), "--max-steps", "2", "--batch-size", "4", "--lr",
+                                              "1e-3", "--out", str(run), "--no-progress", "--eval-batches", "1"])])
     rec = json.loads((run / "lra_result.json").read_text())
     assert rec["val"]["n"] == 24 and rec["test"]["n"] == 24
     # --batch-size is the total (as the authors' batches are): each of the 2 processes takes 2
@@ -342,20 +334,13 @@ def test_cli_train_with_synced_batch_norm_on_two_processes_follows_one(listops_r
     """Batch norm synced over the processes (lra train's default, the authors' SyncBatchNorm): 2
     processes x 2 examples train as 1 process x 4 (the same losses, under DDP's own gradient
     all-reduces); per process statistics (--no-sync-batch-norm) give others."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "run.py"
-    script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     common = ["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
               "--max-steps", "3", "--batch-size", "4", "--lr", "1e-3", "--no-progress", "--eval-batches", "1",
               "--test-batches", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), *common, "--out", str(tmp_path / "one")], check=True, env=env,
-                   timeout=300, capture_output=True)
-    for name, flags in (("sync", []), ("local", ["--no-sync-batch-norm"])):
-        run_two_ranks([str(script), *common, "--out", str(tmp_path / name), *flags], env=env, capture_output=True)
+    with on_threads(1):  # the one-process run here, on one thread as each rank
+        assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    run_runs_on_two_ranks(tmp_path, [("cli", [*common, "--out", str(tmp_path / name), *flags])
+                                     for name, flags in (("sync", []), ("local", ["--no-sync-batch-norm"]))])
 
     def losses(name):
         return [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())

@@ -72,7 +72,7 @@ def test_synced_batch_norm_over_two_processes_is_one_process_with_the_global_bat
     script = tmp_path / "sync_bn.py"
     script.write_text(_SYNC_BN_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run_two_ranks([str(script)], env=env, capture_output=True)
+    run_two_ranks([str(script)], env=env)
 
 
 def test_sync_batch_norm_is_refused_for_a_model_without_batch_norm():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_two_ranks
+from conftest import on_threads, run_runs_on_two_ranks, run_two_ranks
 from transnormer.train import CheckpointError, TrainConfig, latest_valid_checkpoint, train, verify_checkpoint
 from transnormer.train.distributed import DistInfo
 from transnormer.train.loop import build_model_for, special_token_ids
@@ -219,33 +219,26 @@ def test_sequence_longer_than_model_allows(corpus_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["clm", "mlm"])
-def test_ddp_two_processes_match_one(corpus_dir, tmp_path, task):
-    """MLM too: its masks are keyed by each row's place in the global batch and its loss weighs
-    micro-batches by their masked tokens, so 2x2 matches 1x4 (it had differed by 1e-2)."""
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import sys, json\n"
-        "from transnormer.train import TrainConfig, train\n"
-        "cfg = TrainConfig(**json.loads(sys.argv[1]))\n"
-        "train(cfg)\n"
-    )
-    import json
-
-    def args(bs, out):
+def test_ddp_two_processes_match_one(corpus_dir, tmp_path):
+    """2 processes x batch 2 train as 1 process x batch 4, for the causal LM and the MLM. MLM too:
+    its masks are keyed by each row's place in the global batch and its loss weighs micro-batches
+    by their masked tokens, so 2x2 matches 1x4 (it had differed by 1e-2)."""
+    def cfg(task, bs, out):
         c = cfg_for(corpus_dir, tmp_path, batch_size=bs, max_steps=5, out_dir=str(tmp_path / out), clip=0.0,
                     task=task, preset="t2-lm-tiny" if task == "clm" else "t2-roberta-tiny")
         c.overrides = {**c.overrides, "dropout": 0.0, "attention_dropout": 0.0}
-        d = {k: getattr(c, k) for k in c.__dataclass_fields__}
-        return json.dumps(d)
+        return c
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), args(4, "single")], check=True, env=env, timeout=300)
-    run_two_ranks([str(script), args(2, "ddp")], env=env)
-    one, two = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
-    assert len(one) == len(two) == 5
-    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (one, two)
-    assert torch.tensor(one).isfinite().all()
+    tasks = ("clm", "mlm")
+    with on_threads(1):  # the one-process references here, on one thread as each rank
+        for task in tasks:
+            train(cfg(task, 4, f"single-{task}"))
+    run_runs_on_two_ranks(tmp_path, [("train", cfg(task, 2, f"ddp-{task}")) for task in tasks])
+    for task in tasks:
+        one, two = train_losses(tmp_path / f"single-{task}"), train_losses(tmp_path / f"ddp-{task}")
+        assert len(one) == len(two) == 5, task
+        assert max(abs(a - b) for a, b in zip(one, two)) < 1e-5, (task, one, two)
+        assert torch.tensor(one).isfinite().all()
 
 
 def test_cleanup_leaves_a_process_group_it_did_not_create(tmp_path, monkeypatch):
@@ -289,29 +282,20 @@ def test_fsdp_two_processes_train_as_one_and_resume_exactly(corpus_dir, tmp_path
     the parameters: it stepped parameters without gradients and the weights never changed.) A
     one-process checkpoint (its optimizer state numbered, not named) resumes sharded on two (it
     had raised a KeyError)."""
-    import json
-
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import sys, json\n"
-        "from transnormer.train import TrainConfig, train\n"
-        "train(TrainConfig(**json.loads(sys.argv[1])))\n"
-    )
-
-    def args(bs, out, **kw):
+    def cfg(bs, out, **kw):
         c = cfg_for(corpus_dir, tmp_path, batch_size=bs, max_steps=5, out_dir=str(tmp_path / out), clip=1.0, **kw)
         c.overrides = {**c.overrides, "dropout": 0.0, "attention_dropout": 0.0}
-        return json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
+        return c
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), args(4, "single")], check=True, env=env, timeout=300)
-    run_two_ranks([str(script), args(2, "fsdp", strategy="fsdp")], env=env)
-    run_two_ranks([str(script), args(2, "part", strategy="fsdp", save_every=1, stop_after=3)], env=env)
+    with on_threads(1):  # the one-process runs here, on one thread as each rank
+        train(cfg(4, "single"))
+        train(cfg(4, "mixed", strategy="fsdp", save_every=1, stop_after=3))
+    # each resume in a later launch than the run it resumes: what carries over is what was saved
+    run_runs_on_two_ranks(tmp_path, [("train", cfg(2, "fsdp", strategy="fsdp")),
+                                     ("train", cfg(2, "part", strategy="fsdp", save_every=1, stop_after=3))])
     assert len(train_losses(tmp_path / "part")) == 3
-    run_two_ranks([str(script), args(2, "part", strategy="fsdp", save_every=1, resume=True)], env=env)
-    subprocess.run([sys.executable, str(script), args(4, "mixed", strategy="fsdp", save_every=1, stop_after=3)],
-                   check=True, env=env, timeout=300)
-    run_two_ranks([str(script), args(2, "mixed", strategy="fsdp", save_every=1, resume=True)], env=env)
+    run_runs_on_two_ranks(tmp_path, [("train", cfg(2, "part", strategy="fsdp", save_every=1, resume=True)),
+                                     ("train", cfg(2, "mixed", strategy="fsdp", save_every=1, resume=True))])
     one, two, resumed, mixed = (train_losses(tmp_path / d) for d in ("single", "fsdp", "part", "mixed"))
     assert len(one) == len(two) == len(resumed) == len(mixed) == 5
     assert one[-1] < one[0] - 0.05  # it learns
@@ -375,39 +359,42 @@ def test_ddp_ranks_draw_their_own_dropout_masks(corpus_dir, tmp_path):
     ranks of batch B were not one process of 2B. The weights still start the same on every rank."""
     import json
 
+    def cfg(bs, out, **kw):
+        c = cfg_for(corpus_dir, tmp_path, batch_size=bs, out_dir=str(tmp_path / out), **kw)
+        c.overrides = {**c.overrides, "dropout": 0.1, "attention_dropout": 0.0}
+        return {k: getattr(c, k) for k in c.__dataclass_fields__}
+
+    with on_threads(1):  # stopped after step 1 in one process; resumed below on two
+        train(TrainConfig(**cfg(4, "one", max_steps=3, save_every=1, stop_after=1)))
     script = tmp_path / "run.py"
     script.write_text(
         "import hashlib, json, os, sys\n"
         "import torch.nn.functional as F\n"
         "from transnormer.train import TrainConfig, train\n"
+        "from transnormer.train.distributed import cleanup, setup_distributed\n"
         "orig, seen = F.dropout, []\n"
         "def rec(x, p=0.5, training=True, inplace=False):\n"
         "    y = orig(x, p, training, inplace)\n"
         "    if training and p > 0:\n"
-        "        seen.append(hashlib.sha256((y == 0).numpy().tobytes()).hexdigest())\n"
+        "        seen[-1].append(hashlib.sha256((y == 0).numpy().tobytes()).hexdigest())\n"
         "    return y\n"
         "F.dropout = rec\n"
-        "train(TrainConfig(**json.loads(sys.argv[1])))\n"
-        "out = os.path.join(os.path.dirname(sys.argv[0]), f\"masks{os.environ.get('RANK', 'x')}.json\")\n"
-        "open(out, 'w').write(json.dumps(seen[:3]))\n"
+        "info = setup_distributed('cpu')\n"
+        "for c in json.loads(sys.argv[1]):\n"
+        "    seen.append([])\n"
+        "    train(TrainConfig(**c))\n"
+        "cleanup(info)\n"
+        "out = os.path.join(os.path.dirname(sys.argv[0]), f\"masks{os.environ['RANK']}.json\")\n"
+        "open(out, 'w').write(json.dumps([s[:3] for s in seen]))\n"
     )
-
-    def args(bs, out, **kw):
-        c = cfg_for(corpus_dir, tmp_path, batch_size=bs, out_dir=str(tmp_path / out), **kw)
-        c.overrides = {**c.overrides, "dropout": 0.1, "attention_dropout": 0.0}
-        return json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run_two_ranks([str(script), args(2, "run", max_steps=1)], env=env)
-    m0, m1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
-    assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
-    # resumed on another number of processes (the same global batch): rank 0's saved state, and the
-    # other ranks still a stream of their own
-    subprocess.run([sys.executable, str(script), args(4, "one", max_steps=3, save_every=1, stop_after=1)],
-                   check=True, env=env, timeout=300)
-    run_two_ranks([str(script), args(2, "one", max_steps=3, save_every=1, resume=True)], env=env)
-    m0, m1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
-    assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
+    # a fresh run; then the one-process run resumed on two processes (the same global batch): rank
+    # 0 takes the saved state, and the other ranks still a stream of their own
+    runs = [cfg(2, "run", max_steps=1), cfg(2, "one", max_steps=3, save_every=1, resume=True)]
+    run_two_ranks([str(script), json.dumps(runs)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r0, r1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
+    for m0, m1 in zip(r0, r1, strict=True):
+        assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
+    assert len(train_losses(tmp_path / "one")) == 3  # step 1 here, steps 2 and 3 resumed there
 
 
 @pytest.mark.slow
@@ -1027,8 +1014,6 @@ def test_ddp_resume_is_exact_when_ranks_draw_different_amounts(tmp_path):
     """cls pads each rank's batch to its own longest example, so dropout draws a different number
     of random numbers per rank: a resume that gave every rank rank 0's saved generators drifted
     (max |dW| 2e-4 after 3 steps)."""
-    import json
-
     from safetensors.torch import load_file
 
     rng = random.Random(5)
@@ -1036,19 +1021,14 @@ def test_ddp_resume_is_exact_when_ranks_draw_different_amounts(tmp_path):
         lines = ["sentence\tlabel"] + [f"{' '.join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))}\t{i % 2}"
                                        for i in range(n)]
         (tmp_path / f"{split}.tsv").write_text("\n".join(lines) + "\n")
-    script = tmp_path / "run.py"
-    script.write_text("import sys, json\nfrom transnormer.train import TrainConfig, train\n"
-                      "train(TrainConfig(**json.loads(sys.argv[1])))\n")
 
-    def run(out, **kw):
-        cfg = dict(task="cls", preset="t2-roberta-tiny", data=str(tmp_path), vocab_size=300, seq_len=16,
-                   batch_size=2, max_steps=6, save_every=3, eval_every=0, eval_batches=1, warmup=1,
-                   out_dir=str(tmp_path / out), progress=False, cache_dir=str(tmp_path / "cache"), **kw)
-        run_two_ranks([str(script), json.dumps(cfg)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    def cfg(out, **kw):
+        return ("train", dict(task="cls", preset="t2-roberta-tiny", data=str(tmp_path), vocab_size=300, seq_len=16,
+                              batch_size=2, max_steps=6, save_every=3, eval_every=0, eval_batches=1, warmup=1,
+                              out_dir=str(tmp_path / out), progress=False, cache_dir=str(tmp_path / "cache"), **kw))
 
-    run("full")
-    run("split", stop_after=3)
-    run("split", resume=True)
+    run_runs_on_two_ranks(tmp_path, [cfg("full"), cfg("split", stop_after=3)])
+    run_runs_on_two_ranks(tmp_path, [cfg("split", resume=True)])  # a later launch: only what was saved
     a, b = (load_file(str(tmp_path / r / "checkpoints" / "step-00000006" / "model.safetensors"))
             for r in ("full", "split"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
