@@ -302,3 +302,20 @@ def run_runs_on_two_ranks(tmp_path, runs: list[tuple[str, object]], **kwargs) ->
     spec = [(kind, dataclasses.asdict(arg) if dataclasses.is_dataclass(arg) else arg) for kind, arg in runs]
     kwargs.setdefault("env", {**os.environ, "OMP_NUM_THREADS": "1"})
     run_two_ranks([str(script), json.dumps(spec)], **kwargs)
+
+
+def write_small_corpus(root, docs: int = 300) -> str:
+    """A small generated corpus (``root``/{train,valid}.txt, random sentences of a 16-word vocabulary)
+    for the command tests whose subject is not the data: the default ``stdlib`` corpus takes seconds
+    to extract from a fresh cache."""
+    import random
+    from pathlib import Path
+
+    words = "the of a linear attention model norm block chunk state token layer kernel value query key".split()
+    rng = random.Random(0)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", docs), ("valid", max(10, docs // 10))):
+        text = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "." for _ in range(n)]
+        (root / f"{split}.txt").write_text("\n\n".join(text))
+    return str(root)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import write_small_corpus
 from transnormer.analysis import (
     DEFAULT_RS,
     AttentionMap,
@@ -270,9 +271,9 @@ def test_run_dilution_refuses_a_model_with_no_scorable_layer(tmp_path):
 def test_dilution_cli_seeds_the_presets_it_builds(tmp_path, capsys):
     from transnormer.cli import main
 
-    aucs = []
+    aucs, data = [], write_small_corpus(tmp_path / "data")
     for run in ("a", "b"):
-        assert main(["analyze", "dilution", "--models", "t1-lm-tiny", "--seq-len", "32", "--samples", "1",
+        assert main(["analyze", "dilution", "--models", "t1-lm-tiny", "--data", data, "--seq-len", "32", "--samples", "1",
                      "--vocab-size", "300", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / run)]) == 0
         aucs.append(json.loads((tmp_path / run / "dilution_summary_clip.json").read_text())["t1-lm-tiny"]["auc"])
     assert aucs[0] == aucs[1]  # had read 0.4739, then 0.5118
