@@ -207,6 +207,7 @@ def _run_as_main(args: list[str], env: dict, log: str) -> None:
     if env.get("OMP_NUM_THREADS"):  # read at the server's torch import, not at this fork's start
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = list(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as `python script` puts it first
     runpy.run_path(args[0], run_name="__main__")
 
 

@@ -244,10 +244,10 @@ def test_decode_equals_full_forward(variant, prompt_len):
     assert torch.allclose(torch.cat(logits, 1), full, atol=1e-4)
 
 
-def _model_and_unchecked_grads():
+def _model_and_unchecked_grads(**kw):
     """A small causal LM, a batch, and its gradients without checkpointing (then zeroed)."""
     torch.manual_seed(0)
-    model = TransNormerForCausalLM(small(dropout=0.0)).train()
+    model = TransNormerForCausalLM(small(dropout=0.0, **kw)).train()
     x = torch.randint(0, 97, (2, 20))
     model(x, labels=x).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -284,7 +284,8 @@ def test_checkpointed_blocks_compile(monkeypatch):
     kernels, ~60 calls a step, which a traced block never makes)."""
     from transnormer.ops import _native
 
-    model, x, ref = _model_and_unchecked_grads()
+    model, x, ref = _model_and_unchecked_grads(num_hidden_layers=2)  # a DiagAttention block and a NormAttention one
+    assert set(model.config.layer_types) == {"diag", "norm"}
     model.activation_checkpointing_enable()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
