@@ -175,9 +175,13 @@ def sharpen_gau(model, beta_std: float | None = None):
 
 # The ranks of run_two_ranks are forked from one server process per test session that has imported
 # torch, transformers and the package once (multiprocessing's "forkserver", its modules preloaded):
-# a rank started as a fresh interpreter spent ~4 s per process importing them on 2 cores, several
+# a rank started as a fresh interpreter spent ~4-8 s per process importing them on 2 cores, several
 # times the tiny training the DDP/FSDP tests run. The server forks before any torch op (no thread
-# pool yet), and each rank then sets its own environment and threads, as a fresh process would.
+# pool yet); each rank sets its environment, threads and Python/numpy random streams. What a fresh
+# interpreter reads only as it starts comes from the server instead (started from the environment
+# of the test that first needed it): the hash seed (the same on both ranks), allocator and OpenMP
+# variables other than OMP_NUM_THREADS, import-time TORCH_* settings; and a rank ends without
+# running atexit handlers. The `..._under_torchrun` tests keep fresh processes for all of that.
 _RANK_PRELOAD = ["torch", "torch.distributed", "transnormer.models", "transnormer.train", "transnormer.cli"]
 _rank_context = None
 
@@ -195,8 +199,11 @@ def _forked_rank_context():
 def _run_as_main(args: list[str], env: dict, log: str) -> None:
     """A rank: ``python *args`` in this forked process, its output to the file ``log``."""
     import os
+    import random
     import runpy
     import sys
+
+    import numpy
 
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
@@ -206,6 +213,8 @@ def _run_as_main(args: list[str], env: dict, log: str) -> None:
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS"):  # read at the server's torch import, not at this fork's start
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    random.seed()  # from the OS, as a fresh interpreter's streams are (forks share the server's)
+    numpy.random.seed()
     sys.argv = list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))  # as `python script` puts it first
     runpy.run_path(args[0], run_name="__main__")
@@ -264,21 +273,25 @@ def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 
                else subprocess.TimeoutExpired(args, timeout))
         for r, out in enumerate(outs):  # both: the root cause is often in the rank that did not fail
             err.add_note(f"--- rank {r} (exit code {procs[r].exitcode}), last lines:\n"
-                         + "\n".join(out.splitlines()[-30:]))
+                         + ("\n".join(out.splitlines()[-30:]) or "(none: it failed before its output went to "
+                            "its log, e.g. loading conftest in the fork; see the captured stderr of the test "
+                            "that started the fork server)"))
         raise err
     for r, out in enumerate(outs):
         sys.stdout.write(f"--- rank {r}:\n{out}")
 
 
-# Each rank of run_runs_on_two_ranks: the runs in turn in one process, the group made once around
-# them (as `compare` and `lra train` make it): one launch, one process group and one first-run warm-up
-# for several runs. A run that resumes another is a fresh process's work only if its checkpoint came
-# from another launch: the tests put such runs in a later launch.
+# Each rank of run_runs_on_two_ranks: the runs in turn in one process, several runs in one group
+# made around them (as `compare` and `lra train` make it), a single run in the group it makes (and
+# tears down) itself, as under torchrun: one launch and one first-run warm-up for several runs. A run
+# that resumes another is a fresh process's work only if its checkpoint came from another launch:
+# the tests put such runs in a later launch.
 _RUNS_SCRIPT = """\
 import json, sys
 from transnormer.train.distributed import cleanup, setup_distributed
-info = setup_distributed("cpu")
-for kind, arg in json.loads(sys.argv[1]):
+runs = json.loads(sys.argv[1])
+info = setup_distributed("cpu") if len(runs) > 1 else None
+for kind, arg in runs:
     if kind == "train":
         from transnormer.train import TrainConfig, train
         train(TrainConfig(**arg))
@@ -287,7 +300,8 @@ for kind, arg in json.loads(sys.argv[1]):
         rc = main(arg)
         if rc:
             sys.exit(rc)
-cleanup(info)
+if info is not None:
+    cleanup(info)
 """
 
 
@@ -302,6 +316,7 @@ def run_runs_on_two_ranks(tmp_path, runs: list[tuple[str, object]], **kwargs) ->
     script.write_text(_RUNS_SCRIPT)
     spec = [(kind, dataclasses.asdict(arg) if dataclasses.is_dataclass(arg) else arg) for kind, arg in runs]
     kwargs.setdefault("env", {**os.environ, "OMP_NUM_THREADS": "1"})
+    kwargs.setdefault("timeout", 300 * len(runs))
     run_two_ranks([str(script), json.dumps(spec)], **kwargs)
 
 
