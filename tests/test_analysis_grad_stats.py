@@ -136,9 +136,9 @@ def test_ablation_cli_under_torchrun(tmp_path):
     script.write_text("import sys\nfrom transnormer.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     out = tmp_path / "abl"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                    str(script), "analyze", "ablation", "--data", write_small_corpus(tmp_path / "data"), "--budget", "256",
-                    "--seq-len", "16", "--batch-size", "2",
-                    "--vocab-size", "300", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                    str(script), "analyze", "ablation", "--data", write_small_corpus(tmp_path / "data"),
+                    "--budget", "256", "--seq-len", "16", "--batch-size", "2", "--vocab-size", "300",
+                    "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert set(json.loads((out / "ablation.json").read_text())["stats"]) == {"norm", "linear_elu",
                                                                              "linear_elu_no_denom"}
