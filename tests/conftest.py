@@ -77,19 +77,10 @@ def bf16_engine(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds sync overhead on the shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @contextlib.contextmanager
 def on_threads(n: int):
-    """torch's intra-op threads set to ``n`` for the block: a one-process reference run in the test
-    process on one thread, as each rank of a two-process run trains (OMP_NUM_THREADS=1)."""
+    """torch's intra-op threads set to ``n`` for the block (e.g. a one-process reference run in the
+    test process on one thread, as each rank of a two-process run trains), then restored."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -98,17 +89,20 @@ def on_threads(n: int):
         torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: a second intra-op thread only adds sync overhead on the shared 2-core box."""
+    with on_threads(1):
+        yield
+
+
 def on_one_and_two_threads(run):
     """(run() on one thread, run() on two): the kernels split heads or rows over threads and must
     give bitwise the same result."""
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with on_threads(1):
         one = run()
-        torch.set_num_threads(2)
+    with on_threads(2):
         two = run()
-    finally:
-        torch.set_num_threads(n)
     return one, two
 
 
@@ -224,7 +218,8 @@ def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 
     """Run the Python script ``args[0]`` (its arguments ``args[1:]``) as ranks 0 and 1 of a
     two-process group on this host, with the environment ``torchrun --standalone --nproc_per_node
     2`` gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
-    all that ``setup_distributed`` reads).
+    all that ``setup_distributed`` reads) added to ``env`` (default: this process's environment
+    with OMP_NUM_THREADS=1, one thread per rank, as the two share the cores).
 
     For the tests of training under DDP/FSDP, whose subject is the training, not the launcher: the
     ranks are forked from a server that has the libraries imported (above), and the tests named
@@ -242,7 +237,7 @@ def run_two_ranks(args: list[str], *, env: dict | None = None, timeout: float = 
     with socket.socket() as s:  # a free port, as torchrun --standalone picks one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = {**(os.environ if env is None else env), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    base = {**({**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     ctx = _forked_rank_context()
     with tempfile.TemporaryDirectory() as tmp:
@@ -307,15 +302,13 @@ if info is not None:
 
 def run_runs_on_two_ranks(tmp_path, runs: list[tuple[str, object]], **kwargs) -> None:
     """Run ``runs`` in turn on ranks 0 and 1 of one two-process launch (:func:`run_two_ranks`, its
-    keyword arguments; one thread per rank unless ``env`` says otherwise). Each run is ("train",
-    a TrainConfig or its dict) or ("cli", the argv of ``transnormer``)."""
+    keyword arguments). Each run is ("train", a TrainConfig or its dict) or ("cli", the argv of
+    ``transnormer``)."""
     import dataclasses
-    import os
 
     script = tmp_path / "runs_on_two_ranks.py"
     script.write_text(_RUNS_SCRIPT)
     spec = [(kind, dataclasses.asdict(arg) if dataclasses.is_dataclass(arg) else arg) for kind, arg in runs]
-    kwargs.setdefault("env", {**os.environ, "OMP_NUM_THREADS": "1"})
     kwargs.setdefault("timeout", 300 * len(runs))
     run_two_ranks([str(script), json.dumps(spec)], **kwargs)
 

@@ -67,12 +67,9 @@ def test_synced_batch_norm_over_two_processes_is_one_process_with_the_global_bat
     """sync_batch_norm: outputs, input and parameter gradients and running statistics of 2 gloo
     processes x 2 rows equal one process's on the 4 rows (fp64); a rank with no valid position
     takes the others' statistics."""
-    import os
-
     script = tmp_path / "sync_bn.py"
     script.write_text(_SYNC_BN_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run_two_ranks([str(script)], env=env)
+    run_two_ranks([str(script)])
 
 
 def test_sync_batch_norm_is_refused_for_a_model_without_batch_norm():

@@ -349,8 +349,7 @@ def test_fsdp_evaluation_with_uneven_shards_neither_hangs_nor_crashes(tmp_path):
         "assert evaluate_lra(cls, Split(items), collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
         "cleanup(info)\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run_two_ranks([str(script)], env=env, timeout=120)
+    run_two_ranks([str(script)], timeout=120)
 
 
 @pytest.mark.slow
@@ -390,7 +389,7 @@ def test_ddp_ranks_draw_their_own_dropout_masks(corpus_dir, tmp_path):
     # a fresh run; then the one-process run resumed on two processes (the same global batch): rank
     # 0 takes the saved state, and the other ranks still a stream of their own
     runs = [cfg(2, "run", max_steps=1), cfg(2, "one", max_steps=3, save_every=1, resume=True)]
-    run_two_ranks([str(script), json.dumps(runs)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_two_ranks([str(script), json.dumps(runs)])
     r0, r1 = (json.loads((tmp_path / f"masks{r}.json").read_text()) for r in (0, 1))
     for m0, m1 in zip(r0, r1, strict=True):
         assert len(m0) == len(m1) == 3 and not set(m0) & set(m1)
@@ -416,8 +415,7 @@ def test_ddp_time_budget_stops_all_ranks_together(corpus_dir, tmp_path):
     c = cfg_for(corpus_dir, tmp_path, batch_size=2, max_steps=None, budget="4s", eval_every_s=1.0, eval_batches=1,
                 warmup=1, out_dir=str(tmp_path / "ddp"))
     d = json.dumps({k: getattr(c, k) for k in c.__dataclass_fields__})
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run_two_ranks([str(script), d, str(tmp_path / "steps")], env=env, timeout=240)
+    run_two_ranks([str(script), d, str(tmp_path / "steps")], timeout=240)
     steps = [json.loads((tmp_path / f"steps{r}").read_text()) for r in (0, 1)]
     assert steps[0] == steps[1] > 3
     evals = [r for r in read_metrics(tmp_path / "ddp" / "metrics.jsonl") if r.get("kind") == "eval"]
