@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +48,8 @@ def build(checkout: Path, out: Path) -> ctypes.CDLL:
     missing = [str(s) for s in sources if not s.is_file()]
     if missing:
         raise SystemExit(f"--base lacks kernel sources this checkout has: {', '.join(missing)}")
-    cmd = [_native._compiler(), *_native._FLAGS, "-fopenmp", "-march=native", *map(str, sources), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = _native._build(_native._compiler(), [*_native._FLAGS, "-fopenmp", "-march=native"], str(out),
+                          tuple(sources))
     if proc.returncode:
         raise SystemExit(f"compiling {ops} failed:\n{proc.stderr[-2000:]}")
     lib = ctypes.CDLL(str(out))

@@ -102,13 +102,15 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(compiler: str, flags: list[str], out: str) -> subprocess.CompletedProcess:
+def _build(compiler: str, flags: list[str], out: str,
+           sources: tuple[Path, ...] = _SOURCES) -> subprocess.CompletedProcess:
     """Compile each source to an object file, as many at once as there are cores (the largest
     first), then link them into ``out``; returns the first failed step's result, else the link's.
     In one compiler process the sources took 32 s on 2 cores of an AVX2 EPYC: every first use of
-    the library, and three builds in each clean test run."""
+    the library, and three builds in each clean test run. (``sources``: another checkout's, for
+    benchmarks/ab_kernels.py.)"""
     with tempfile.TemporaryDirectory(dir=Path(out).parent) as objdir:
-        sources = sorted(_SOURCES, key=lambda f: f.stat().st_size, reverse=True)
+        sources = sorted(sources, key=lambda f: f.stat().st_size, reverse=True)
         objects = [str(Path(objdir) / f"{src.stem}.o") for src in sources]
 
         def one(src: Path, obj: str) -> subprocess.CompletedProcess:
