@@ -489,13 +489,28 @@ def test_a_time_budgets_schedule_is_fitted_without_the_first_steps_one_off_costs
 
 
 def test_a_time_budgets_schedule_is_refitted_as_the_run_goes(corpus_dir, tmp_path, monkeypatch):
-    """Fitted once at step 5, a schedule kept whatever a slow spell there made of it."""
+    """Fitted once at step 5, a schedule kept whatever a slow spell there made of it. The loop's
+    clock is a fake one on which every step takes 50 ms: on the real clock a slow spell of the
+    shared machine (steps of ~0.4 s, once in a suite run) ended the 6 s budget before step 17."""
+    import time
+
     import transnormer.train.loop as loop
+
+    class FakeClock:  # the loop's `time` module, its perf_counter 50 ms later at every call
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 0.05
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(time, name)
 
     fits = []
     real_fit = loop.fit_total_steps
     monkeypatch.setattr(loop, "fit_total_steps", lambda *a: fits.append(a[0]) or real_fit(*a))
-    s = train(cfg_for(corpus_dir, tmp_path, max_steps=None, budget="6s", eval_batches=1))
+    monkeypatch.setattr(loop, "time", FakeClock())
+    s = train(cfg_for(corpus_dir, tmp_path, max_steps=None, budget="2s", eval_batches=1))
     assert fits[:3] == [5, 9, 17] and all(b == 2 * a - 1 for a, b in zip(fits, fits[1:])), fits
     assert s["steps"] > fits[-1]
     lrs = [(r["step"], r["lr"]) for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
