@@ -31,19 +31,9 @@ inline void rows_with_transpose(idx r0, idx r1, const T* dst, idx ldd, idx w, T*
     for (idx rb = r0; rb < r1; rb += kRows) {
         const idx nr = std::min<idx>(kRows, r1 - rb);
         write_rows(rb, rb + nr);
-        if (!dst_t) continue;
-#if defined(TN_AVX512)
-        transpose_rows(dst + rb * ldd, ldd, nr, w, dst_t + rb, ldt);
-#else
-        // column by column: each column's nr values are one whole line of dst_t, written at once
-        // (row by row, each store went to another of w lines)
-        for (idx j = 0; j < w; ++j)
-            for (idx r = rb; r < rb + nr; ++r) dst_t[j * ldt + r] = dst[r * ldd + j];
-#endif
+        if (dst_t) transpose_block(dst + rb * ldd, ldd, nr, w, dst_t + rb, ldt);
     }
-#if defined(TN_AVX512)
-    if (dst_t) _mm_sfence();  // the streamed lines are visible before the caller returns
-#endif
+    if (dst_t) transpose_fence();
 }
 
 #if defined(TN_AVX512)
@@ -166,10 +156,20 @@ void backward_rows(const T* ab, const float* bias, const T* dh, T* dab, T* dab_t
 extern "C" {
 
 // 1 where the row kernels' loops are AVX-512 code; without it they are portable loops the compiler
-// vectorizes, and FLASH's fused mixer runs slower than its composed form (ops/_native.py,
+// vectorizes, and FLASH's fused mixer runs its bf16 transposed copies column by column (ops/_native.py,
 // rows_usable)
 int tn_rows_avx512() {
 #if defined(TN_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// 1 where the fp32 transposed copies of the gradient kernels run on vectors (AVX-512 or AVX2,
+// transpose_block): without them FLASH's fused mixer ran slower than its composed form
+int tn_rows_avx2() {
+#if defined(TN_AVX512) || defined(__AVX2__)
     return 1;
 #else
     return 0;
@@ -378,6 +378,24 @@ void silu_mul_rows(const T* pre, idx ldp, const float* bias, const T* o, T* y, i
     }
 }
 
+#if !defined(TN_AVX512)
+// one row of the portable backward; restrict (as backward_row): through write_grad_rows' lambda,
+// with do stored beside d(pre), the loop had stayed scalar (32 ms a flash-lm layer's step at
+// T = 4096 on an AVX2 EPYC, against 11 ms for the split SiLU's wider backward)
+template <bool HasBias, bool SumDb, typename T>
+inline void silu_mul_bwd_row(const T* __restrict p, const float* __restrict bias, const T* __restrict o,
+                             const T* __restrict dy, T* __restrict dout, T* __restrict dp, float* __restrict db,
+                             idx F) {
+    for (idx j = 0; j < F; ++j) {
+        const float a = to_float(p[j]) + (HasBias ? bias[j] : 0.0f), s = sigmoid(a), gv = to_float(dy[j]);
+        const float d = gv * to_float(o[j]) * s * (1.0f + a * (1.0f - s));
+        from_float(gv * a * s, dout + j);
+        from_float(d, dp + j);
+        if (SumDb) db[j] += d;
+    }
+}
+#endif
+
 template <typename T>
 void silu_mul_bwd_rows(const T* pre, idx ldp, const float* bias, const T* o, const T* dy, T* dout, T* dpre, idx ldd,
                        T* dpre_t, idx ldt, float* db, idx F, idx r0, idx r1) {
@@ -391,11 +409,12 @@ void silu_mul_bwd_rows(const T* pre, idx ldp, const float* bias, const T* o, con
     write_grad_rows(r0, r1, F, dpre, ldd, db, dpre_t, ldt, grad);
 #else
     with_flag(bias != nullptr, [&](auto has_bias) {
-        write_grad_rows(r0, r1, F, dpre, ldd, db, dpre_t, ldt, [&](idx r, idx j) {
-            const float a = to_float(pre[r * ldp + j]) + (has_bias ? bias[j] : 0.0f), s = sigmoid(a);
-            const float gv = to_float(dy[r * F + j]);
-            from_float(gv * a * s, dout + r * F + j);
-            return gv * to_float(o[r * F + j]) * s * (1.0f + a * (1.0f - s));
+        with_flag(db != nullptr, [&](auto sum_db) {
+            rows_with_transpose(r0, r1, dpre, ldd, F, dpre_t, ldt, [&](idx ra, idx rb) {
+                for (idx r = ra; r < rb; ++r)
+                    silu_mul_bwd_row<decltype(has_bias)::value, decltype(sum_db)::value>(
+                        pre + r * ldp, bias, o + r * F, dy + r * F, dout + r * F, dpre + r * ldd, db, F);
+            });
         });
     });
 #endif
@@ -444,14 +463,9 @@ namespace {
 // rows [r0, r1) of src [R, C] into the columns [r0, r1) of dst [C, R]
 template <typename Ts, typename Td>
 void cast_transpose_rows(const Ts* src, idx R, idx C, Td* dst, idx r0, idx r1) {
-#if defined(TN_AVX512)
     constexpr idx kRows = 64 / sizeof(Td);
-    for (idx rb = r0; rb < r1; rb += kRows) transpose_rows(src + rb * C, C, std::min(kRows, r1 - rb), C, dst + rb, R);
-    _mm_sfence();
-#else
-    for (idx r = r0; r < r1; ++r)
-        for (idx c = 0; c < C; ++c) from_float(to_float(src[r * C + c]), dst + c * R + r);
-#endif
+    for (idx rb = r0; rb < r1; rb += kRows) transpose_block(src + rb * C, C, std::min(kRows, r1 - rb), C, dst + rb, R);
+    transpose_fence();
 }
 
 // each of nb matrices: dst[b] [C, R] = src[b] [R, C]ᵀ
