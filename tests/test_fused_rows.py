@@ -891,21 +891,23 @@ def test_block_attn_with_zero_width_heads():
 
 
 @needs_kernel
-def test_auto_skips_row_kernels_slower_than_torch_on_a_build_without_avx512(monkeypatch, backend_mode):
-    """On a build without AVX-512 "auto" runs FLASH's composed mixer (faster there) and "native"
-    still the fused one; the other row kernels (the SiLU gates, LRPE) are fused on every build;
-    an AVX-512 build fuses them all."""
+def test_auto_skips_the_fused_flash_mixer_on_builds_where_it_ran_slower(monkeypatch, backend_mode):
+    """"auto" runs FLASH's composed mixer where it is faster: bf16 on a build without AVX-512, fp32
+    on one without AVX2 either (the fused mixer's transposed copies are vector code on AVX2 for
+    fp32 only); "native" still runs the fused one; the other row kernels (the SiLU gates, LRPE) are
+    fused on every build."""
     from transnormer.ops.flash import flash_mixer_usable
     from transnormer.ops.lrpe import lrpe_feature_map
 
     cpu = torch.device("cpu")
     x, w, b = torch.randn(1, 4, 8), torch.randn(40, 8), torch.zeros(40)
-    for avx512, fused in ((0, False), (1, True)):
-        monkeypatch.setattr(_native, "_build_flags", {"tn_rows_avx512": avx512 == 1})
+    for avx512, avx2 in ((False, False), (False, True), (True, True)):
+        monkeypatch.setattr(_native, "_build_flags", {"tn_rows_avx512": avx512, "tn_rows_avx2": avx2})
         backend_mode("auto")
-        assert _native.rows_usable(torch.float32, cpu, "flash_mixer") is fused
-        assert _native.rows_usable(torch.bfloat16, cpu, "flash_mixer") is fused
-        assert flash_mixer_usable(x, w, b) is fused
+        assert _native.rows_usable(torch.float32, cpu, "flash_mixer") is avx2
+        assert _native.rows_usable(torch.bfloat16, cpu, "flash_mixer") is avx512
+        assert flash_mixer_usable(x, w, b) is avx2
+        assert flash_mixer_usable(x.bfloat16(), w.bfloat16(), b) is avx512
         assert _native.rows_usable(torch.float32, cpu) and _native.rows_usable(torch.bfloat16, cpu)
         calls = []
         real = _native._call

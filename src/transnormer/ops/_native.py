@@ -573,24 +573,28 @@ def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0)
 # ------------------------------------------------------------------------------------------------
 # Row kernels (fp32 or bf16 storage, fp32 arithmetic): LM loss rows, LRPE, SRMSNorm, SiLU gate
 # ------------------------------------------------------------------------------------------------
-# Row-kernel families that run slower than their PyTorch forms on a library built without AVX-512.
-# The row kernels' portable loops vectorize there (AVX2: -fno-trapping-math, no branch in a loop)
-# and beat PyTorch (benchmarks/fused_rows.py on an AVX2 EPYC, fp32: SiLU gate 2.55x, split SiLU
-# 1.15x, LRPE 2.44x). FLASH's fused mixer does not: one flash-lm layer fwd+bwd at 4k fp32 took
-# ~565 ms fused against ~526 ms composed (docs/benchmarks.md, twenty-third round). "auto" runs
-# the composed form for it on such a build; "native" still runs the kernel (the tests' way).
-_SLOW_WITHOUT_AVX512 = {"flash_mixer": (torch.float32, torch.bfloat16)}
+# Row-kernel families that run slower than their PyTorch forms on some builds, by dtype: the build
+# flag each needs in "auto". The row kernels' portable loops vectorize without AVX-512 (AVX2:
+# -fno-trapping-math, no branch in a loop) and beat PyTorch (benchmarks/fused_rows.py on an AVX2
+# EPYC, fp32: SiLU gate 2.55x, split SiLU 1.15x, LRPE 2.44x). FLASH's fused mixer also writes
+# d(pre)ᵀ for its weight gradient: column by column, before the AVX2 transposes, one flash-lm layer
+# fwd+bwd at 4k fp32 on that EPYC took ~565 ms fused against ~526 ms composed; with them, a
+# flash-lm step at 4k ran 0.97-0.98x the composed form's time (docs/benchmarks.md, twenty-fifth
+# round). Its bf16 copies are still a column loop without AVX-512 (and bf16 products are slow on
+# such CPUs): composed there. "native" still runs the kernels (the tests' way).
+_NEEDS_BUILD_FLAG = {"flash_mixer": {torch.float32: "tn_rows_avx2", torch.bfloat16: "tn_rows_avx512"}}
 
 
 def rows_usable(dtype: torch.dtype, device: torch.device, family: str | None = None) -> bool:
     """Whether the row kernels run for tensors of this dtype and device (CPU fp32/bf16, the library
     built, backend mode not "torch", not being traced by torch.compile). ``family``
     ("flash_mixer"): also not a kernel that this build runs slower than its PyTorch form, in "auto"
-    mode."""
+    mode (``_NEEDS_BUILD_FLAG``)."""
     ok = (_mode != "torch" and not torch.compiler.is_compiling() and device.type == "cpu"
           and dtype in (torch.float32, torch.bfloat16) and load() is not None)
-    if ok and _mode == "auto" and dtype in _SLOW_WITHOUT_AVX512.get(family, ()):
-        return _build_flag("tn_rows_avx512")
+    flag = _NEEDS_BUILD_FLAG.get(family, {}).get(dtype)
+    if ok and _mode == "auto" and flag:
+        return _build_flag(flag)
     return ok
 
 

@@ -366,9 +366,9 @@ def causal_flash_mixer(x, weight, bias, gamma, beta, cos, sin, local_bias, *, e:
 def flash_mixer_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`causal_flash_mixer` can take ``x`` [B, T, d] and the projection ``weight``,
     ``bias``: the CPU kernels for the compute dtype, fp32 or bf16 operands (of one dtype without
-    autocast, as F.linear needs), an fp32 bias. "auto" leaves it to the composed form on a build
-    without AVX-512 (_native.rows_usable, family "flash_mixer"): one flash-lm layer fwd+bwd at
-    T = 4096, fp32, on an AVX2 EPYC took ~565 ms fused against ~526 ms composed."""
+    autocast, as F.linear needs), an fp32 bias. "auto" leaves it to the composed form on builds
+    where it ran slower (_native.rows_usable, family "flash_mixer": bf16 without AVX-512, fp32
+    without AVX2)."""
     return (_FUSED_MIXER and bias is not None and bias.dtype == torch.float32 and x.numel() > 0
             and _native.rows_usable(projection_dtype(x), x.device, "flash_mixer") and fused_projection_ok(x, weight))
 
