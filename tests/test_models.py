@@ -576,6 +576,81 @@ def test_inputs_embeds_are_checked():
             model(inputs_embeds=bad)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused():
+    """An id past the vocabulary had been an IndexError inside the embedding (on CUDA a device-side
+    assert that poisons the context)."""
+    model = TransNormerForCausalLM(small()).eval()
+    for bad in (torch.full((1, 3), 97), torch.tensor([[5, -1, 7]])):
+        with pytest.raises(ValueError, match=r"input_ids must be token ids in \[0, vocab_size=97\)"):
+            model(bad)
+    model(torch.tensor([[0, 96]]))  # both ends of the range
+
+
+@pytest.mark.parametrize("task", ["clm", "mlm"])
+def test_labels_of_another_shape_or_dtype_are_refused(task):
+    model = (TransNormerForCausalLM(small()) if task == "clm" else TransNormerForMaskedLM(small(causal=False))).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    for return_logits in (True, False):
+        for bad in (ids[:, 1:], ids[:1], ids.reshape(-1)):
+            with pytest.raises(ValueError, match=r"labels must have the tokens' shape \[B, T\] = \[2, 9\]"):
+                model(ids, labels=bad, return_logits=return_logits)
+        with pytest.raises(TypeError, match="labels must be an integer tensor"):
+            model(ids, labels=ids.float(), return_logits=return_logits)
+
+
+def test_masked_lm_never_scores_a_padded_position():
+    """The causal LM dropped targets at padding; the masked LM scored whatever labels the padding had."""
+    torch.manual_seed(0)
+    model = TransNormerForMaskedLM(small(causal=False)).eval()
+    ids = torch.randint(3, 97, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = ids.clone()
+    labels[1, 6:] = -100
+    for return_logits in (True, False):
+        ref = model(ids, attention_mask=mask, labels=labels, return_logits=return_logits).loss
+        junk = labels.clone()
+        junk[1, 6:] = 5  # labels on the padding: ignored
+        got = model(ids, attention_mask=mask, labels=junk, return_logits=return_logits).loss
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_an_empty_input_runs_with_and_without_a_cache():
+    """T = 0 in eval mode (use_cache on by default) had failed in the block cache's amax."""
+    model = TransNormerForCausalLM(small()).eval()
+    for use_cache in (None, False):
+        out = model(torch.zeros(2, 0, dtype=torch.long), use_cache=use_cache)
+        assert out.logits.shape == (2, 0, 97)
+
+
+def test_a_cast_to_half_precision_keeps_the_lrpe_angles_in_fp32(tmp_path):
+    """model.to(bf16) had rounded θ to 8 bits: at position 2048 the first pair's angle moved by
+    radians. θ and u stay fp32 through a cast down (and a grad with them) and through
+    from_pretrained(dtype=bf16), which had rounded u; fp64 casts still apply."""
+    model = TransNormerForCausalLM(small())
+    model.save_pretrained(tmp_path)
+    loaded = TransNormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16
+    for m, ref in zip(loaded.modules(), model.modules(), strict=True):
+        if type(m).__name__ == "LRPE":
+            assert m.theta.dtype == m.u.dtype == torch.float32
+            assert torch.equal(m.theta, ref.theta) and torch.equal(m.u, ref.u)
+    lrpes = [m for m in model.modules() if type(m).__name__ == "LRPE"]
+    assert lrpes and all(m.u is not None for m in lrpes)
+    theta = [m.theta.detach().clone() for m in lrpes]
+    lrpes[0].theta.grad = torch.ones_like(lrpes[0].theta)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half()):
+        cast(model)
+        assert model.model.embed_tokens.weight.dtype != torch.float32
+        for m, t in zip(lrpes, theta, strict=True):
+            assert m.theta.dtype == m.u.dtype == torch.float32 and torch.equal(m.theta.detach(), t)
+        assert lrpes[0].theta.grad.dtype == torch.float32
+        model(torch.randint(0, 97, (1, 12)))  # runs with fp32 tables and half-precision activations
+        model.float()
+    model.double()
+    assert all(m.theta.dtype == m.u.dtype == torch.float64 for m in lrpes)
+
+
 def test_causal_lm_refuses_a_bidirectional_config():
     cfg = get_config("t2-roberta-tiny", vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=2)
     with pytest.raises(ValueError, match="needs a causal config"):

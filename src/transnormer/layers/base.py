@@ -175,7 +175,9 @@ def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -
         v = torch.cat([cache["v"], v], 1)
         positions = torch.cat([cache["pos"], positions], 1)
         valid = torch.cat([cache["valid"], valid], 1)
-    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(1)  # [B]
+    # [B]; -1 for a row with no tokens at all (an empty first segment: amax has nothing to reduce)
+    last = (torch.where(valid, positions, torch.full_like(positions, -1)).amax(1) if positions.shape[1]
+            else positions.new_full((B,), -1))
     # The block of the next token: if the last real token closed its block, the cache empties.
     next_block = (last + 1) // block
     keep = valid & (positions // block == next_block[:, None])

@@ -247,6 +247,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
                 raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
             if input_ids.is_floating_point():
                 raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+            check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             x = self.embed_tokens(input_ids)
         else:
             d = self.config.hidden_size
@@ -422,6 +423,8 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          position_ids=kwargs.get("position_ids"), return_dict=True)
         h = out.last_hidden_state
+        if labels is not None:
+            check_labels(labels, h.shape[:2])
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
             if labels is not None:
                 raise ValueError("logits_to_keep drops positions the labels score; pass one or the other")
@@ -556,6 +559,10 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)
         h = out.last_hidden_state
+        if labels is not None:
+            check_labels(labels, h.shape[:2])
+            if attention_mask is not None:  # a padded position is never a target, whatever its label
+                labels = labels.masked_fill(~padding_mask(attention_mask), -100)
         if labels is not None and not return_logits:
             picked = labels.reshape(-1) != -100
             sel = self.lm_head(h.reshape(-1, h.shape[-1])[picked])
@@ -619,12 +626,34 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless every id is in [0, vocab_size). Without the check an id out of range
+    is an IndexError deep in the embedding on CPU, and on CUDA a device-side assert that leaves the
+    context unusable. Skipped while torch.compile traces (a data-dependent branch)."""
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    lo, hi = torch.stack(ids.aminmax()).tolist()  # one device sync
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids must be token ids in [0, vocab_size={vocab_size}), got ids from {lo} to {hi} "
+                         "(a tokenizer with more tokens than the model? see resize_token_embeddings)")
+
+
+def check_labels(labels, shape) -> None:
+    """Raise unless ``labels`` is an integer tensor of the tokens' ``shape`` [B, T] (-100: not scored)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor of token ids (-100: not scored), got {labels.dtype}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"labels must have the tokens' shape [B, T] = {list(shape)}, got {list(labels.shape)}")
+
+
 def over_items(mean_loss: torch.Tensor, count, num_items_in_batch) -> torch.Tensor:
     """``mean_loss`` over ``count()`` targets as their sum over ``num_items_in_batch`` (HF Trainer's
     count of the step's targets over its accumulated micro-batches: labels other than -100, after the
     causal shift); unchanged when that is None. ``count`` is called only then: a plain training step
     does not count. Trainer's count must be of the targets the head scores: a collator gives padding
-    the label -100 (HF's do), as the heads never score a padded position."""
+    the label -100 (HF's do); the heads never score a padded position, whatever its label."""
     if num_items_in_batch is None:
         return mean_loss
     n = count()

@@ -75,10 +75,29 @@ class LRPE(nn.Module):
             self.register_buffer("theta", theta)
         if householder:
             g = torch.Generator().manual_seed(seed)
-            z = torch.randn(head_dim, generator=g)
+            z = torch.randn(head_dim, generator=g, dtype=torch.float32)  # fp32 under any default dtype
             self.register_buffer("u", z / z.norm())
         else:
             self.u = None
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's (``.to``, ``.half()``, ``.cuda()``, ...), except that θ and u keep at least
+        fp32: a model cast to bf16 had rounded θ to 8 bits, which moves the angle m·θ of a far position
+        by radians (θ_0 = 1 off by up to 2^-9: ~4 rad at m = 2048), a silent change of the encoding
+        the model was trained with; autocast keeps them fp32 as it is. The tables are cast where they
+        are used."""
+        # (.data: views of the storage as it is now; _apply then swaps in the converted tensors)
+        before = {name: (t.data, None if t.grad is None else t.grad.data)
+                  for name, t in (("theta", self.theta), ("u", self.u)) if t is not None}
+        super()._apply(fn, recurse)
+        for name, (data, grad) in before.items():
+            t = getattr(self, name)
+            if t.dtype.itemsize < 4 <= data.dtype.itemsize:  # a cast down: the same move at full precision
+                t.grad = None
+                t.data = data.to(t.device)
+                if grad is not None:
+                    t.grad = grad.to(t.device)
+        return self
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """The pair angles m·θ [B or 1, T, D/2] at positions [B, T] (or [T])."""
