@@ -172,8 +172,9 @@ NORM_TYPES = ("simple_rms", "rms", "layer", "scale", "batch")
 
 def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt: bool = False,
                feeds_autocast: bool = False) -> nn.Module:
-    """Build a norm by name: one of :data:`NORM_TYPES`. ``feeds_autocast``: see :class:`ScaleNorm`
-    (the only norm that uses it so far)."""
+    """Build a norm by name: one of :data:`NORM_TYPES`. ``eps_inside_sqrt``: SimpleRMSNorm's choice
+    (the other norms ignore it: RMSNorm and LayerNorm keep ε inside their roots).
+    ``feeds_autocast``: see :class:`ScaleNorm` (the only norm that uses it so far)."""
     if name == "simple_rms":
         return SimpleRMSNorm(dim, 1e-8 if eps is None else eps, eps_inside_sqrt)
     if name == "rms":
