@@ -578,10 +578,11 @@ def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0)
 # -fno-trapping-math, no branch in a loop) and beat PyTorch (benchmarks/fused_rows.py on an AVX2
 # EPYC, fp32: SiLU gate 2.55x, split SiLU 1.15x, LRPE 2.44x). FLASH's fused mixer also writes
 # d(pre)ᵀ for its weight gradient: column by column, before the AVX2 transposes, one flash-lm layer
-# fwd+bwd at 4k fp32 on that EPYC took ~565 ms fused against ~526 ms composed; with them, a
-# flash-lm step at 4k ran 0.97-0.98x the composed form's time (docs/benchmarks.md, twenty-fifth
-# round). Its bf16 copies are still a column loop without AVX-512 (and bf16 products are slow on
-# such CPUs): composed there. "native" still runs the kernels (the tests' way).
+# fwd+bwd at 4k fp32 on that EPYC took ~565 ms fused against ~526 ms composed; with them the two
+# are level (fused / composed 0.97-1.04 over five alternating runs, benchmarks/flash_mixer.py), and
+# the fused form keeps 11% less for the backward (125 against 141 MB a layer at 4k): fused there
+# (docs/benchmarks.md, twenty-fifth round). Its bf16 copies are still a column loop without AVX-512
+# (and bf16 products are slow on such CPUs): composed there. "native" still runs the kernels.
 _NEEDS_BUILD_FLAG = {"flash_mixer": {torch.float32: "tn_rows_avx2", torch.bfloat16: "tn_rows_avx512"}}
 
 
