@@ -1,27 +1,35 @@
-"""Evaluation metrics: classification accuracy / macro-F1 / Matthews correlation."""
+"""Evaluation metrics (accuracy, macro-F1, Matthews correlation) and a classifier evaluated over a split."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from .distributed import DistInfo, all_reduce_sum, forwards_to_match
 
-def classification_metrics(pred: torch.Tensor, gold: torch.Tensor) -> dict:
-    """Accuracy, macro F1 and Matthews correlation (multi-class R_K) of integer predictions [N]."""
+
+def classification_metrics(pred: torch.Tensor, gold: torch.Tensor, num_classes: int | None = None) -> dict:
+    """Accuracy, macro F1 and Matthews correlation (multi-class R_K) of integer predictions [N].
+
+    Macro F1 averages over the classes in the gold labels or the predictions (scikit-learn's
+    ``f1_score(average="macro")``: a class predicted but absent scores 0). ``num_classes`` (the
+    model's label count): a binary task reports ``f1_positive`` (GLUE's F1 of class 1) even when an
+    evaluation holds no class 1; without it, the classes are those seen."""
     pred, gold = pred.long().flatten(), gold.long().flatten()
     n = int(gold.numel())
     if n == 0:
         return {"accuracy": float("nan"), "f1": float("nan"), "mcc": float("nan"), "n": 0}
-    k = int(max(pred.max(), gold.max())) + 1
+    k = max(int(max(pred.max(), gold.max())) + 1, num_classes or 0)
     cm = torch.zeros(k, k, dtype=torch.float64)
     cm.index_put_((gold, pred), torch.ones(n, dtype=torch.float64), accumulate=True)
     tp = cm.diag()
     f1s = []
     for c in range(k):
         denom = 2 * tp[c] + (cm[c].sum() - tp[c]) + (cm[:, c].sum() - tp[c])
-        if cm[c].sum() > 0:  # classes present in the gold labels
-            f1s.append(float(2 * tp[c] / denom) if denom > 0 else 0.0)
+        if denom > 0:  # classes in the gold labels or the predictions
+            f1s.append(float(2 * tp[c] / denom))
     # Gorodkin's multi-class MCC; equals the binary MCC for k = 2
     t, p, c, s = cm.sum(1), cm.sum(0), float(tp.sum()), float(n)
     cov_xy = c * s - float((t * p).sum())
@@ -32,4 +40,64 @@ def classification_metrics(pred: torch.Tensor, gold: torch.Tensor) -> dict:
     if k == 2:  # GLUE reports the F1 of the positive class for binary tasks
         denom = 2 * tp[1] + (cm[1].sum() - tp[1]) + (cm[:, 1].sum() - tp[1])
         out["f1_positive"] = float(2 * tp[1] / denom) if denom > 0 else 0.0
+    return out
+
+
+@torch.no_grad()
+def evaluate_classifier(model, ds, collate, info: DistInfo, batch_size: int, max_batches: int | None, autocast, *,
+                        majority_class: int | None = None) -> dict:
+    """Loss / accuracy / F1 / MCC of a sequence classifier ``model`` on ``ds`` (rank-sharded), the
+    batches made by ``collate`` (every key but ``labels`` goes to the model: LRA's pair tasks give two
+    sequences); with ``majority_class``, that class's accuracy on the same items too.
+
+    With ``max_batches`` covering less than the split, the items are a fixed random subset (the
+    same at every call), not the first ones: classification files are often sorted by label (IMDB's
+    negative reviews come first), so a prefix would score one class (the GLUE-style ``--task cls``
+    path had scored its split's first rows). The metrics count the model's ``config.num_labels``
+    classes where it has one (:func:`classification_metrics`)."""
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be an int >= 1 or None (the whole split), got {max_batches!r}")
+    num_classes = getattr(getattr(model, "config", None), "num_labels", None)
+    was_training = model.training
+    model.eval()
+    preds, golds, loss_sum = [], [], 0.0
+    order = np.arange(len(ds))
+    if max_batches is not None and max_batches * batch_size * info.world_size < len(ds):
+        order = np.random.default_rng(0).permutation(len(ds))
+    idx = order[info.rank::info.world_size].tolist()
+    starts = list(range(0, len(idx), batch_size))[:max_batches]
+    extra = forwards_to_match(model, len(starts), info)
+    if extra:  # an FSDP rank in step with the others (results unused): its first batch, or the split's
+        filler = {k: v.to(info.device) for k, v in collate([ds[i] for i in (idx or order.tolist())[:1]]).items()
+                  if k != "labels"}
+    for start in starts + [None] * extra:
+        if start is None:
+            with autocast():
+                model(**filler, return_dict=True)
+            continue
+        batch = collate([ds[i] for i in idx[start:start + batch_size]])
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with autocast():
+            logits = model(**batch, return_dict=True).logits
+        preds.append(logits.argmax(-1).cpu())
+        golds.append(labels.cpu())
+        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
+    if was_training:
+        model.train()
+    p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+    y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
+    if info.enabled:
+        import torch.distributed as dist
+
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, (p, y))
+        p = torch.cat([g[0] for g in gathered])
+        y = torch.cat([g[1] for g in gathered])
+    (loss_sum,) = all_reduce_sum([loss_sum], info)
+    out = {"loss": loss_sum / len(y) if len(y) else float("nan"),  # nothing scored: NaN
+           **classification_metrics(p, y, num_classes=num_classes)}
+    if majority_class is not None:
+        out["majority_accuracy"] = float((y == majority_class).float().mean()) if len(y) else float("nan")
     return out

@@ -30,9 +30,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from .distributed import DistInfo, all_reduce_sum, forwards_to_match
+from .distributed import DistInfo
 from .tasks import ClsBatches, TaskData
 
 DEFAULT_ROOT = "data/lra"
@@ -227,60 +226,14 @@ def _labels_of(ds) -> np.ndarray:
     return np.asarray(ds.labels, dtype=np.int64)
 
 
-@torch.no_grad()
 def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batches: int | None, autocast, *,
                  majority_class: int | None = None) -> dict:
-    """Loss / accuracy / F1 / MCC of ``model`` on ``ds`` (rank-sharded; pair-aware).
+    """Loss / accuracy / F1 / MCC of ``model`` on an LRA split ``ds`` (rank-sharded; pair-aware through
+    its collate): :func:`~transnormer.train.evaluate.evaluate_classifier`."""
+    from .evaluate import evaluate_classifier
 
-    With ``max_batches`` covering less than the split, the items are a fixed random subset (the
-    same at every call), not the first ones: LRA files are often sorted by label (IMDB's negative
-    reviews come first), so a prefix would score one class."""
-    from .evaluate import classification_metrics
-
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches < 1):
-        raise ValueError(f"max_batches must be an int >= 1 or None (the whole split), got {max_batches!r}")
-    was_training = model.training
-    model.eval()
-    preds, golds, loss_sum = [], [], 0.0
-    order = np.arange(len(ds))
-    if max_batches is not None and max_batches * batch_size * info.world_size < len(ds):
-        order = np.random.default_rng(0).permutation(len(ds))
-    idx = order[info.rank::info.world_size].tolist()
-    starts = list(range(0, len(idx), batch_size))[:max_batches]
-    extra = forwards_to_match(model, len(starts), info)
-    if extra:  # an FSDP rank in step with the others (results unused): its first batch, or the split's
-        filler = {k: v.to(info.device) for k, v in collate([ds[i] for i in (idx or order.tolist())[:1]]).items()
-                  if k != "labels"}
-    for start in starts + [None] * extra:
-        if start is None:
-            with autocast():
-                model(**filler, return_dict=True)
-            continue
-        batch = collate([ds[i] for i in idx[start:start + batch_size]])
-        batch = {k: v.to(info.device) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        with autocast():
-            logits = model(**batch, return_dict=True).logits
-        preds.append(logits.argmax(-1).cpu())
-        golds.append(labels.cpu())
-        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
-    if was_training:
-        model.train()
-    p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
-    y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
-    if info.enabled:
-        import torch.distributed as dist
-
-        gathered = [None] * info.world_size
-        dist.all_gather_object(gathered, (p, y))
-        p = torch.cat([g[0] for g in gathered])
-        y = torch.cat([g[1] for g in gathered])
-    (loss_sum,) = all_reduce_sum([loss_sum], info)
-    out = {"loss": loss_sum / len(y) if len(y) else float("nan"), **classification_metrics(p, y)}  # nothing scored: NaN
-    if majority_class is not None:
-        out["majority_accuracy"] = float((y == majority_class).float().mean()) if len(y) else float("nan")
-    return out
+    return evaluate_classifier(model, ds, collate, info, batch_size, max_batches, autocast,
+                               majority_class=majority_class)
 
 
 def majority_class(ds) -> int:

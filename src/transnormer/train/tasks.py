@@ -230,43 +230,12 @@ def _find_cls_files(spec: str) -> dict[str, Path]:
     return files
 
 
-@torch.no_grad()
 def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batches, autocast) -> dict:
-    from .evaluate import classification_metrics
+    """The ``--task cls`` evaluation: :func:`~transnormer.train.evaluate.evaluate_classifier` (a fixed
+    random subset of the split when ``max_batches`` covers less of it)."""
+    from .evaluate import evaluate_classifier
 
-    model.eval()
-    preds, golds, loss_sum = [], [], 0.0
-    n = len(dataset)
-    idx = list(range(info.rank, n, info.world_size))
-    starts = list(range(0, len(idx), batch_size))[:max_batches]
-    extra = forwards_to_match(model, len(starts), info)
-    if extra:  # an FSDP rank in step with the others (results unused): its first example, or the split's
-        filler = {k: v.to(info.device) for k, v in collate([dataset[(idx or [0])[0]]]).items()}
-    for start in starts + [None] * extra:
-        if start is None:
-            with autocast():
-                model(input_ids=filler["input_ids"], attention_mask=filler["attention_mask"], return_dict=True)
-            continue
-        batch = collate([dataset[i] for i in idx[start:start + batch_size]])
-        batch = {k: v.to(info.device) for k, v in batch.items()}
-        with autocast():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_dict=True).logits
-        preds.append(logits.argmax(-1).cpu())
-        golds.append(batch["labels"].cpu())
-        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="sum"))
-    model.train()
-    # a rank can hold no example of a small split
-    p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
-    y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
-    if info.enabled:
-        import torch.distributed as dist
-
-        gathered = [None] * info.world_size
-        dist.all_gather_object(gathered, (p, y))
-        p = torch.cat([g[0] for g in gathered])
-        y = torch.cat([g[1] for g in gathered])
-    (loss_sum,) = all_reduce_sum([loss_sum], info)
-    return {"loss": loss_sum / len(y) if len(y) else float("nan"), **classification_metrics(p, y)}
+    return evaluate_classifier(model, dataset, collate, info, batch_size, max_batches, autocast)
 
 
 def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
@@ -291,6 +260,9 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                                                     world_size=info.world_size),
                                 info, max_batches, autocast, shift=True)
         else:
+            if tok.mask_id is None:  # (had failed at the first step, after the model was built)
+                raise ValueError(f"task 'mlm' masks tokens and the tokenizer {tok.name!r} has no mask token; "
+                                 "use a tokenizer with one (the library's own BPE has <mask>)")
             if cfg.mlm_packing in (None, "complete"):
                 # whole sentences, <s> first (fairseq's --sample-break-mode complete: spec §8)
                 if tok.pad_id is None:
