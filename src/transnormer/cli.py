@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -287,6 +288,8 @@ def cmd_eval(args) -> int:
 
     if args.stride is not None and args.task != "clm":  # mlm and cls windows do not slide
         raise ValueError(f"--stride applies to --task clm only, not --task {args.task}")
+    if args.stride is not None and args.stride > args.seq_len:  # (TrainConfig's message named eval_stride)
+        raise ValueError(f"--stride must be at most --seq-len ({args.seq_len}), got {args.stride}")
     read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
     _check_head_for(args.task, model_dir)
@@ -298,12 +301,15 @@ def cmd_eval(args) -> int:
     cfg.check()
     info = setup_distributed(args.device)
     autocast = autocast_factory(info.device, args.dtype)
-    data = build_task_data(cfg, info, autocast)
-    factory = data.extra.get("model_factory", build_model_for)
-    model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
-    name_classes(model, data.extra.get("label_set"))
-    model = model.to(info.device)
-    res = data.evaluate(model, args.split, args.max_batches)
+    # stdout carries the JSON result alone (`eval ... > res.json`): the data side's notes (e.g. how
+    # many examples were truncated) go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        data = build_task_data(cfg, info, autocast)
+        factory = data.extra.get("model_factory", build_model_for)
+        model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+        name_classes(model, data.extra.get("label_set"))
+        model = model.to(info.device)
+        res = data.evaluate(model, args.split, args.max_batches)
     cleanup(info)
     res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
            "seq_len": args.seq_len, "stride": args.stride, "max_batches": args.max_batches,

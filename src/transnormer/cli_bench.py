@@ -28,6 +28,8 @@ def _check_flags(args) -> None:
     for name, parts in _APPLIES.items():
         if getattr(args, name) is not None and args.what != "all" and args.what not in parts:
             raise ValueError(f"--{name.replace('_', '-')} applies to bench {', '.join(parts)}, not {args.what}")
+    if args.what == "long" and args.dtypes not in (None, ["bf16"]):  # (had been accepted and ignored)
+        raise ValueError(f"--dtypes: bench long measures its target's bf16 step only, got {args.dtypes}")
     for name in ("presets", "lengths", "dtypes"):
         values = getattr(args, name) or []
         if len(set(values)) != len(values):  # each had been measured twice

@@ -86,20 +86,30 @@ def _train_isolated(cfg: TrainConfig) -> dict:
     return call_in_fresh_process(train, cfg)
 
 
+# The evaluation columns by task: (heading, eval key, format). A classifier has no perplexity (its
+# table had shown ppl nan for every model, and no accuracy).
+_EVAL_COLUMNS = {
+    "cls": [("valid loss", "loss", ".4f"), ("accuracy", "accuracy", ".4f"), ("macro F1", "f1", ".4f"),
+            ("MCC", "mcc", ".4f")],
+    "lm": [("valid loss", "loss", ".4f"), ("valid ppl", "ppl", ".2f")],
+}
+
+
 def comparison_table(summaries: list[dict], base: TrainConfig) -> str:
+    columns = _EVAL_COLUMNS["cls" if base.task == "cls" else "lm"]
     rows = [
         f"Data `{base.data}`, budget {base.budget or f'{base.max_steps} steps'}, seq_len {base.seq_len}, "
         f"batch {base.batch_size}x{base.grad_accum}, seed {base.seed}, {base.dtype}.",
         "",
-        "| model | params | steps | tokens | tokens/s | peak mem (MB) | valid loss | valid ppl |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | params | steps | tokens | tokens/s | peak mem (MB) | " + " | ".join(c[0] for c in columns) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(columns),
     ]
     for s in summaries:
         ev = s.get("eval") or {}
         if s.get("diverged_at") is not None:
-            valid = f"diverged at step {s['diverged_at']} | — |"
+            valid = f"diverged at step {s['diverged_at']} |" + " — |" * (len(columns) - 1)
         else:
-            valid = f"{ev.get('loss', float('nan')):.4f} | {ev.get('ppl', float('nan')):.2f} |"
+            valid = " | ".join(format(ev.get(key, float("nan")), fmt) for _, key, fmt in columns) + " |"
         rows.append(f"| {s['name']} | {s['params'] / 1e6:.2f}M | {s['steps']} | {s['tokens']:,} | "
                     f"{s['tokens_per_s']:,.0f} | {s['peak_mem_mb']:,.0f} | {valid}")
     return "\n".join(rows)

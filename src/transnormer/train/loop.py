@@ -303,7 +303,10 @@ def parse_budget(budget: str) -> tuple[str, float]:
         raise ValueError(f"budget must be > 0, got {budget!r}")
     if unit in ("s", "sec"):
         return "seconds", x
-    if unit in ("m", "min"):
+    if unit == "m":  # '2m' read as 2 minutes had trained 2 minutes for a user who meant 2M tokens
+        raise ValueError(f"budget {budget!r} is ambiguous: write '{m.group(1)}min' (minutes) or "
+                         f"'{m.group(1)}M' (million tokens)")
+    if unit == "min":
         return "seconds", 60 * x
     if unit == "h":
         return "seconds", 3600 * x
@@ -341,6 +344,10 @@ def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, 
 
     extra = {"num_labels": num_labels} if num_labels else {}
     overrides = dict(cfg.overrides)
+    given = overrides.pop("num_labels", num_labels) if num_labels else num_labels
+    if given != num_labels:  # (had been get_config's "multiple values for num_labels", or silently dropped)
+        raise ValueError(f"overrides (--set): num_labels={given!r}, but the data's labels give {num_labels} classes; "
+                         "the count comes from the data (leave num_labels out)")
     overrides.setdefault("vocab_size", vocab_size)
     for name, value in special_ids.items():
         overrides.setdefault(name, value)
