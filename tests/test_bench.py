@@ -209,6 +209,7 @@ def test_bench_refuses_sizes_below_one(argv):
     (["bench", "ops", "--presets", "t2-lm"], "--presets applies to bench train, infer, not ops"),
     (["bench", "ops", "--max-mem-gb", "1"], "--max-mem-gb applies"),
     (["bench", "long", "--vocab-size", "300"], "--vocab-size applies"),
+    (["bench", "long", "--dtypes", "fp32"], "--dtypes: bench long measures its target's bf16 step only"),
     (["bench", "train", "--dtypes", "fp32", "fp32"], "--dtypes: each once"),  # had measured it twice
     (["bench", "train", "--presets", "t2-lm", "bogus-lm"], "bogus-lm"),  # had been found after the GEMM probe
     (["bench", "train", "--presets", "peer:nope"], "unknown peer 'peer:nope'"),

@@ -158,7 +158,7 @@ def _exit_code(argv) -> int:
     (["--max-batches", "-2"], "argument --max-batches: expected an integer >= 1, got -2"),
     (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
     (["--stride", "0"], "argument --stride: expected an integer >= 1, got 0"),
-    (["--stride", "64"], "eval_stride must be an int in [1, seq_len = 32]"),
+    (["--stride", "64"], "--stride must be at most --seq-len (32), got 64"),
     (["--task", "mlm", "--stride", "8"], "--stride applies to --task clm only"),
     (["--text-column", "0"], "apply to --task cls only"),
     # an LM scored as a classifier had loaded a fresh random head and printed its accuracy, rc 0
@@ -199,6 +199,12 @@ def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
     assert summary["eval"]["truncated"] == summary["truncated"]["valid"] > 0  # 20 words > 12 tokens
     assert summary["eval"]["n"] == sum(1 for line in (tmp_path / "dev.tsv").read_text().splitlines()
                                        if not line.endswith("\t-"))
+    # eval: stdout is the JSON result alone (the truncation note had come first), the note on stderr
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(tmp_path), "--seq-len", "12",
+                 "--cache-dir", str(tmp_path / "cache"), "--text-column", "0", "--label-column", "1",
+                 "--header", "no", "--drop-label", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["n"] == summary["eval"]["n"] and "cls: truncated" in captured.err
 
 
 def test_train_refuses_cls_flags_for_clm(run_dir, capsys):

@@ -193,6 +193,22 @@ def test_slow_tokenizer_refuses_special_token_text(tmp_path):
         slow.encode_batch(["hello", "world [MASK]"])
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # dynamo's import
+def test_a_compiled_causal_lms_checkpoint_keeps_the_causal_framing(bpe, tmp_path):
+    """save_checkpoint read the framing off the model's class name, and torch.compile's wrapper
+    (train --compile) is no ...ForCausalLM: its checkpoint's tokenizer framed prompts <s> A </s>."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from transnormer.presets import build_model
+    from transnormer.train.checkpoint import save_checkpoint
+
+    model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 1, torch.compile(model), {"step": 1}, tokenizer=bpe)
+    text = "Return the value of the key."
+    assert AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))(text)["input_ids"] == [2, *bpe.encode(text)]
+
+
 def test_causal_save_frames_text_after_eos_and_keeps_the_fingerprint(bpe, tmp_path):
     """HF-side calls (pipeline("text-generation")) applied <s> A </s>: every prompt ended with an end
     of document. A causal LM's tokenizer is saved framing text as its training stream does: </s> A."""

@@ -558,6 +558,8 @@ def test_schedules_and_budgets():
     assert parse_budget("200k") == ("tokens", 200_000) and parse_budget("2M") == ("tokens", 2_000_000)
     with pytest.raises(ValueError, match="budget"):
         parse_budget("soon")
+    with pytest.raises(ValueError, match=r"budget '2m' is ambiguous: write '2min' \(minutes\) or '2M'"):
+        parse_budget("2m")
     with pytest.raises(ValueError, match="schedule"):
         lr_multiplier(0, kind="linear", warmup=1, total_steps=2)
 
@@ -621,6 +623,29 @@ def test_logged_lr_is_the_one_the_step_used(corpus_dir, tmp_path):
     train(cfg)
     lrs = [r["lr"] for r in read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if r["kind"] == "train"]
     assert lrs[0] < lrs[1] == pytest.approx(cfg.lr)  # warm-up: step 1 at a fraction, step 2 at the peak
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc (Linux)")
+def test_a_checkpoint_reaches_the_disk_before_older_ones_are_pruned(tmp_path, monkeypatch):
+    """Atomic renames guard against a killed process, not a power loss: every file and folder of
+    the new checkpoint, the rename and `latest` are flushed (fsync), before pruning."""
+    import shutil
+
+    import transnormer.train.checkpoint as ck
+    from transnormer.presets import build_model
+
+    model = build_model("t2-lm-tiny", vocab_size=50, hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
+    root = tmp_path / "checkpoints"
+    ck.save_checkpoint(root, 1, model, {"step": 1}, keep_last=1)
+    events, real_fsync, real_rmtree = [], os.fsync, shutil.rmtree
+    monkeypatch.setattr(ck.os, "fsync", lambda fd: events.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(ck.shutil, "rmtree", lambda p, **kw: events.append(("pruned", str(p))) or real_rmtree(p, **kw))
+    final = ck.save_checkpoint(root, 2, model, {"step": 2}, keep_last=1)
+    pruned = events.index(("pruned", str(root / "step-00000001")))
+    synced = {Path(e).name for e in events[:pruned] if isinstance(e, str)}
+    written = {p.name for p in final.rglob("*")}
+    assert written <= synced and "checkpoints" in synced, written - synced  # the files and the root folder
+    assert any(n.startswith(".latest-") for n in synced)  # `latest` before its rename into place
 
 
 def test_overwriting_a_checkpoint_survives_a_kill(tmp_path, monkeypatch):
@@ -790,6 +815,21 @@ def test_the_last_step_is_logged_whatever_log_every(corpus_dir, tmp_path):
     assert every["real_tokens"] == every["tokens"] == 7 * 4 * 32  # no padding in LM windows
 
 
+def test_compare_tabulates_a_classifiers_accuracy_not_perplexity(tmp_path):
+    """compare --task cls had shown "valid ppl nan" for every model and no accuracy."""
+    from transnormer.train.compare import comparison_table
+
+    run = {"name": "t2-roberta-tiny", "params": 1e6, "steps": 5, "tokens": 640, "tokens_per_s": 100.0,
+           "peak_mem_mb": 300.0, "eval": {"loss": 0.5, "accuracy": 0.75, "f1": 0.7, "mcc": 0.5, "n": 8}}
+    lines = comparison_table([run, {**run, "diverged_at": 3}], TrainConfig(task="cls", max_steps=5)).splitlines()
+    assert lines[2].endswith("| valid loss | accuracy | macro F1 | MCC |") and "ppl" not in lines[2]
+    assert lines[4].endswith("| 0.5000 | 0.7500 | 0.7000 | 0.5000 |")
+    assert lines[5].endswith("| diverged at step 3 | — | — | — |")
+    assert {len(line.split("|")) for line in lines[2:]} == {len(lines[2].split("|"))}
+    lm = comparison_table([{**run, "eval": {"loss": 2.0, "ppl": 7.39}}], TrainConfig(task="clm", max_steps=5))
+    assert lm.splitlines()[4].endswith("| 2.0000 | 7.39 |")
+
+
 def test_compare_refuses_a_repeated_preset(tmp_path):
     from transnormer.train.compare import compare
 
@@ -936,6 +976,81 @@ def test_a_kill_before_the_final_evaluation_is_made_good_on_resume(corpus_dir, t
     s = train(cfg_for(corpus_dir, tmp_path, max_steps=3, resume=True))
     evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [3] and s["eval"]["loss"] == evals[0]["loss"]
+
+
+def test_classification_metrics_match_their_definitions():
+    from transnormer.train.evaluate import classification_metrics
+
+    # binary: TP 2, FP 1, TN 1, FN 1
+    m = classification_metrics(torch.tensor([1, 1, 0, 0, 1]), torch.tensor([1, 0, 0, 1, 1]))
+    assert m["accuracy"] == pytest.approx(3 / 5) and m["mcc"] == pytest.approx(1 / 6)
+    assert m["f1_positive"] == pytest.approx(4 / 6) and m["f1"] == pytest.approx((2 / 4 + 4 / 6) / 2)
+    # macro F1 over the gold and predicted classes (scikit-learn's): class 2, predicted once and never
+    # gold, scores 0 (it had been left out of the mean)
+    m = classification_metrics(torch.tensor([0, 0, 1, 2, 1, 0]), torch.tensor([0, 1, 1, 0, 1, 0]))
+    assert m["accuracy"] == pytest.approx(4 / 6) and m["f1"] == pytest.approx((2 / 3 + 4 / 5 + 0) / 3)
+    # a binary task whose evaluation holds no class 1 still reports the F1 of class 1
+    m = classification_metrics(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), num_classes=2)
+    assert m["f1_positive"] == 0.0 and m["f1"] == 1.0 and m["accuracy"] == 1.0
+    assert "f1_positive" not in classification_metrics(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+
+
+def test_cls_evaluation_of_part_of_a_label_sorted_split_sees_every_class():
+    """--task cls scored the split's first max_batches x batch rows: on a file sorted by label (negative
+    reviews first), one class. It now takes a fixed random subset, as the LRA evaluation does."""
+    from types import SimpleNamespace
+
+    from transnormer.train.tasks import _eval_cls
+
+    class AlwaysZero(torch.nn.Module):
+        config = SimpleNamespace(num_labels=2)
+
+        def forward(self, input_ids, attention_mask, return_dict=True):
+            return SimpleNamespace(logits=torch.tensor([[1.0, 0.0]]).expand(len(input_ids), 2))
+
+    items = [{"input_ids": torch.tensor([5, 6]), "label": int(i >= 20)} for i in range(40)]
+
+    def collate(rows):
+        return {"input_ids": torch.stack([r["input_ids"] for r in rows]),
+                "attention_mask": torch.ones(len(rows), 2, dtype=torch.long),
+                "labels": torch.tensor([r["label"] for r in rows])}
+
+    part = _eval_cls(AlwaysZero(), items, collate, DistInfo(), 4, 2, contextlib.nullcontext)
+    assert part["n"] == 8 and 0.0 < part["accuracy"] < 1.0  # a prefix: 1.0 (class 0 only)
+    assert part == _eval_cls(AlwaysZero(), items, collate, DistInfo(), 4, 2, contextlib.nullcontext)  # fixed
+    whole = _eval_cls(AlwaysZero(), items, collate, DistInfo(), 4, None, contextlib.nullcontext)
+    assert whole["n"] == 40 and whole["accuracy"] == 0.5
+
+
+def test_mlm_with_a_tokenizer_without_a_mask_token_is_refused_up_front(monkeypatch, tmp_path):
+    """--task mlm --tokenizer gpt2 had failed at the first step, after the model was built, with
+    "mask_id must be an int ..., got None"."""
+    from types import SimpleNamespace
+
+    import transnormer.train.tasks as tasks
+
+    tok = SimpleNamespace(name="no-mask", mask_id=None, pad_id=1)
+    monkeypatch.setattr(tasks, "_token_splits", lambda cfg, info: (None, tok, {}))
+    cfg = TrainConfig(task="mlm", preset="t2-roberta-tiny", data=str(tmp_path), max_steps=1)
+    with pytest.raises(ValueError, match="tokenizer 'no-mask' has no mask token"):
+        tasks.build_task_data(cfg, DistInfo(), contextlib.nullcontext)
+
+
+def test_a_num_labels_override_must_agree_with_the_data(tmp_path):
+    """--set num_labels=N passed the checks, then failed in get_config ("multiple values"), or with
+    --config was silently replaced by the data's count."""
+    from transnormer.train.loop import model_config_for
+
+    def cfg(**kw):
+        return TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path), max_steps=1, **kw)
+
+    with pytest.raises(ValueError, match=r"num_labels=3, but the data's labels give 2 classes"):
+        model_config_for(cfg(overrides={"num_labels": 3}), 300, 2, {})
+    assert model_config_for(cfg(overrides={"num_labels": 2}), 300, 2, {}).num_labels == 2
+    path = tmp_path / "config.json"
+    model_config_for(cfg(), 300, 2, {}).to_json_file(path)
+    with pytest.raises(ValueError, match="num_labels=5"):
+        model_config_for(cfg(config_file=str(path), overrides={"num_labels": 5}), 300, 2, {})
 
 
 def test_cls_without_a_dev_file_evaluates_its_train_split(tmp_path):

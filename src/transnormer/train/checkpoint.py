@@ -87,25 +87,30 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             # a causal LM's tokenizer frames HF-side calls (pipelines) as its training text: </s> A
-            causal = {"causal": True} if type(model).__name__.endswith("ForCausalLM") else {}
+            # (the model itself, not torch.compile's wrapper, which had saved the framing of other models)
+            causal = {"causal": True} if type(getattr(model, "_orig_mod", model)).__name__.endswith("ForCausalLM") else {}
             tokenizer.save(tmp / "tokenizer", **causal)  # (other tokenizers, e.g. LRA's vocabularies, take no flag)
         torch.save(trainer_state, tmp / STATE)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+        _flush_to_disk(tmp)
         # Overwriting: the old directory is moved aside first and removed only after the new one
         # is in place, so a kill at any instant leaves one complete step-N (the old or the new).
         aside = root / f".old-step-{step:08d}-{_writer_id()}"
         if final.exists():
             os.replace(final, aside)
         os.replace(tmp, final)
+        _flush_to_disk(root, recursive=False)  # the rename itself, before anything older is pruned
         shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     latest_tmp = root / f".latest-{os.getpid()}"
     latest_tmp.write_text(final.name + "\n")
+    _flush_to_disk(latest_tmp, recursive=False)
     os.replace(latest_tmp, root / "latest")
+    _flush_to_disk(root, recursive=False)
     if keep_last > 0:
         # Keep the one just written and the newest keep_last - 1 before it that verify. A folder
         # named after a later step (a run resumed from an earlier checkpoint, or a corrupt one)
@@ -117,6 +122,24 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         for old in drop:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _flush_to_disk(path: Path, *, recursive: bool = True) -> None:
+    """fsync ``path`` (a file, or a folder and, with ``recursive``, everything under it). The renames
+    make a checkpoint atomic against a killed process; after a power loss or a node crash the
+    kernel may not have written a renamed folder's files yet, and pruning had already removed the
+    older checkpoints (with keep_last 1, nothing to fall back to). Folders are skipped where the OS
+    cannot open them (Windows)."""
+    paths = ([*sorted(path.rglob("*"), reverse=True), path] if recursive and path.is_dir() else [path])
+    for p in paths:  # files before the folders that name them
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except (IsADirectoryError, PermissionError):
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _verifies(path: Path) -> bool:
