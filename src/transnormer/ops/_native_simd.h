@@ -274,7 +274,8 @@ inline void transpose8(__m256 r[8]) {
 
 // transpose_rows (above) for fp32 on AVX2: nr <= 16 rows, each column of them one 64-byte line of
 // dst, as two 8 x 8 blocks in registers. The column-by-column loop it replaces gathered each
-// value from another row: 62 ms for a [4096, 2176] copy, as long as PyTorch's .t().contiguous().
+// value from another row: a [4096, 2176] copy took 74 ms, now 4.9 (PyTorch's .t().contiguous():
+// 25.5 ms; a plain clone 4.4).
 inline void transpose_rows_avx2(const float* src, idx lds, idx nr, idx w, float* dst, idx ldt) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i top = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<idx>(nr, 8))), lane);
