@@ -281,6 +281,35 @@ def test_chunked_prefill_equals_whole_prefill(name):
     assert torch.equal(whole, chunked)
 
 
+@pytest.mark.parametrize("name", ["t1-lm-tiny", "t2-lm-tiny"])
+def test_a_long_chunk_on_a_cache_attends_block_by_block(monkeypatch, name):
+    """DiagAttention continued with T new tokens had scored all T against all T + cache (O(T²): a
+    2,048-token chunk 14x a prefill from empty); now each block of queries meets the cache and 2
+    blocks of keys. The logits of real tokens equal one whole forward (left padding included)."""
+    import transnormer.layers.diag_attention as diag
+
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2, block_size=4,
+                        chunk_size=4).eval()
+    ids = torch.randint(3, 61, (2, 40))
+    mask = torch.ones_like(ids)
+    ids[1, :7], mask[1, :7] = 0, 0
+    whole = model(ids, attention_mask=mask, use_cache=False).logits
+    keys_seen = []
+    real = diag._attend_within_blocks
+    monkeypatch.setattr(diag, "_attend_within_blocks", lambda q, K, *a, **kw: keys_seen.append(K.shape[1]) or
+                        real(q, K, *a, **kw))
+    out = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True)  # 9 tokens, then 26, then 5
+    logits = [out.logits]
+    for lo, hi in ((9, 35), (35, 40)):
+        out = model(ids[:, lo:hi], attention_mask=mask[:, :hi], cache=out.cache, use_cache=True)
+        logits.append(out.logits)
+    got = torch.cat(logits, 1)
+    real_tokens = mask.bool()
+    torch.testing.assert_close(got[real_tokens], whole[real_tokens], rtol=1e-5, atol=1e-5)
+    assert keys_seen and max(keys_seen) <= 4 + 2 * 4  # the cache's block + two blocks of new keys
+
+
 def test_logits_to_keep_as_int_or_index_tensor():
     torch.manual_seed(0)
     model = build_model("t2-lm-tiny", vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2).eval()
