@@ -39,6 +39,24 @@ def test_generate_streams(run_dir, capsys):
     assert capsys.readouterr().out.startswith("def return")
 
 
+def test_generate_samples_from_every_token_unless_told_otherwise(run_dir, monkeypatch):
+    """transformers fills in top_k = 50 where a call sets none: --top-p 1 had still cut sampling to
+    50 tokens. generate passes top_k (default 0: no cut); --top-k sets it."""
+    from transformers import GenerationMixin
+
+    from transnormer.cli import generate_text
+
+    _, out = run_dir
+    seen = []
+    real = GenerationMixin.generate
+    monkeypatch.setattr(GenerationMixin, "generate",
+                        lambda self, input_ids, **kw: seen.append(kw.get("top_k")) or real(self, input_ids, **kw))
+    generate_text(out, "def", max_new_tokens=2, stream=False, temperature=0.8, top_p=1.0)
+    generate_text(out, "def", max_new_tokens=2, stream=False, temperature=0.8, top_k=5)
+    generate_text(out, "def", max_new_tokens=2, stream=False, temperature=0.0)  # greedy: no sampling knobs
+    assert seen == [0, 5, None]
+
+
 def test_generate_starts_the_prompt_as_training_starts_a_document(run_dir, monkeypatch):
     """Training reads documents each followed by EOS, so a document starts after EOS; <s> never
     occurs there (starting from it cost a trained model ~3 nats on the first token)."""
@@ -138,7 +156,8 @@ def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
 @pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "--temperature must be finite and >= 0"),
                                          (["--temperature", "inf"], "--temperature must be finite and >= 0"),
                                          (["--top-p", "1.5"], "--top-p must be in"),
-                                         (["--top-p", "0"], "--top-p must be in")])
+                                         (["--top-p", "0"], "--top-p must be in"),
+                                         (["--top-k", "-1"], "--top-k must be an int >= 0")])
 def test_generate_refuses_out_of_range_sampling(run_dir, capsys, flags, match):
     _, out = run_dir
     assert main(["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "2", *flags]) == 2

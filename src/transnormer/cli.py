@@ -224,7 +224,10 @@ def load_tokenizer_for(model_dir: Path, spec: str | None = None):
 
 
 def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.8,
-                  top_p: float = 0.95, tokenizer: str | None = None, stream: bool = True, seed: int = 0) -> str:
+                  top_p: float = 0.95, top_k: int = 0, tokenizer: str | None = None, stream: bool = True,
+                  seed: int = 0) -> str:
+    """Sample (or, at temperature 0, greedily decode) a continuation of ``prompt``. ``top_k`` 0 keeps
+    every token (transformers' own default, 50, had been applied whatever --top-p said)."""
     import torch
     from transformers import AutoModelForCausalLM, TextStreamer
 
@@ -249,18 +252,21 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
         raise ValueError(f"--temperature must be finite and >= 0 (0 = greedy), got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"--top-k must be an int >= 0 (0: no cut), got {top_k!r}")
     torch.manual_seed(seed)
     sample = temperature > 0
     out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=sample,
                          temperature=temperature if sample else None, top_p=top_p if sample else None,
-                         streamer=streamer, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id,
+                         top_k=top_k if sample else None, streamer=streamer, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id,
                          attention_mask=torch.ones_like(input_ids))
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
 def cmd_generate(args) -> int:
     text = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_p=args.top_p, tokenizer=args.tokenizer, stream=not args.no_stream, seed=args.seed)
+                         top_p=args.top_p, top_k=args.top_k, tokenizer=args.tokenizer, stream=not args.no_stream,
+                         seed=args.seed)
     if args.no_stream:
         print(text)
     return 0
@@ -361,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=50)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (default 0: all)")
     p.add_argument("--tokenizer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stream", action="store_true")

@@ -370,8 +370,8 @@ def prepare(
       (defaults 96,000 / 2,000 / 2,000; ``n_*`` override; options: ``ListOpsConfig`` fields such as
       ``min_length``/``max_length`` for fixtures).
     * ``pathfinder`` / ``pathfinder64`` / ``pathx``: writes ``out_dir/pathfinder<R>/<difficulty>/``
-      (default 200,000 images; split 80/10/10 at load time; ``n_images=`` or all three ``n_*``
-      set the total; options: ``difficulty``, ``batch_size`` and other ``PathfinderConfig`` fields).
+      (default 200,000 images; split 80/10/10 at load time; ``n_images=`` sets the total, the
+      ``n_*`` split sizes are refused; options: ``difficulty``, ``batch_size`` and other ``PathfinderConfig`` fields).
     * ``image-fmnist32``: validates the stand-in files (``data_dir=`` or the default folder) and
       writes ``out_dir/image-fmnist32.json`` with their SHA-256.
     * ``text``, ``retrieval``, ``image``: raise :class:`UserDataRequired` explaining what to provide.
