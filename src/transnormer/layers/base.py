@@ -162,6 +162,15 @@ def require_right_padding(mask: torch.Tensor | None, who: str) -> None:
                          "TransNormerModel moves left padding to the right before the layers")
 
 
+def one_run_per_row(valid: torch.Tensor) -> bool:
+    """Whether each row's valid tokens [B, T] are consecutive (or absent), as the model lays out a call."""
+    T = valid.shape[1]
+    idx = torch.arange(T, device=valid.device)
+    first = torch.where(valid, idx, T).amin(1)
+    last = torch.where(valid, idx, -1).amax(1)
+    return bool(((last - first + 1 == valid.sum(1)) | ~valid.any(1)).all())
+
+
 def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -> dict:
     """Keep, per row, the keys/values of the block of the last real token (at most ``block``).
 

@@ -7,7 +7,14 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
-from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, require_right_padding, update_block_cache
+from .base import (
+    MultiHeadMixer,
+    mask_and_positions,
+    one_run_per_row,
+    reads_given_cache,
+    require_right_padding,
+    update_block_cache,
+)
 
 
 def _attend_within_blocks(q, K, V, qpos, kpos, kvalid, *, block: int, kernel: str, causal: bool):
@@ -24,15 +31,6 @@ def _attend_within_blocks(q, K, V, qpos, kpos, kvalid, *, block: int, kernel: st
     else:
         p = torch.relu(s) * allowed.to(s.dtype)
     return torch.einsum("bhij,bjhe->bihe", p, V)
-
-
-def _one_run_per_row(valid: torch.Tensor) -> bool:
-    """Whether each row's valid tokens [B, T] are consecutive (or absent), as the model lays out a call."""
-    T = valid.shape[1]
-    idx = torch.arange(T, device=valid.device)
-    first = torch.where(valid, idx, T).amin(1)
-    last = torch.where(valid, idx, -1).amax(1)
-    return bool(((last - first + 1 == valid.sum(1)) | ~valid.any(1)).all())
 
 
 def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel: str, causal: bool = True):
@@ -57,7 +55,7 @@ def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel:
         K, V, kpos, kvalid = k, v, positions, valid
     T = q.shape[1]
     kw = dict(block=block, kernel=kernel, causal=causal)
-    if T <= 2 * block or not (causal and _one_run_per_row(valid)):
+    if T <= 2 * block or not (causal and one_run_per_row(valid)):
         return _attend_within_blocks(q, K, V, positions, kpos, kvalid, **kw)
     outs = []
     for a in range(0, T, block):
