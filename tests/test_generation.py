@@ -310,6 +310,14 @@ def test_a_long_chunk_on_a_cache_attends_block_by_block(monkeypatch, name):
     assert keys_seen and max(keys_seen) <= 4 + 2 * 4  # the cache's block + two blocks of new keys
 
 
+def test_one_run_per_row_tells_which_chunks_take_the_block_by_block_paths():
+    from transnormer.layers.base import one_run_per_row
+
+    rows = lambda *r: torch.tensor(r, dtype=torch.bool)  # noqa: E731
+    assert one_run_per_row(rows([1, 1, 0], [0, 1, 1], [0, 0, 0])) and one_run_per_row(torch.zeros(2, 0, dtype=torch.bool))
+    assert not one_run_per_row(rows([1, 1, 1], [1, 0, 1]))  # a gap: the dense / token-by-token paths
+
+
 @pytest.mark.parametrize("normalizer", ["visible", "chunk"])
 def test_flash_continues_a_chunk_of_tokens_without_a_loop_over_them(monkeypatch, normalizer):
     """FLASH continued T > 1 tokens on a cache one _step at a time (a 1,024-token prompt in 256-token

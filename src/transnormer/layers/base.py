@@ -165,6 +165,8 @@ def require_right_padding(mask: torch.Tensor | None, who: str) -> None:
 def one_run_per_row(valid: torch.Tensor) -> bool:
     """Whether each row's valid tokens [B, T] are consecutive (or absent), as the model lays out a call."""
     T = valid.shape[1]
+    if T == 0:
+        return True
     idx = torch.arange(T, device=valid.device)
     first = torch.where(valid, idx, T).amin(1)
     last = torch.where(valid, idx, -1).amax(1)

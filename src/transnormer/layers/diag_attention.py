@@ -38,7 +38,7 @@ def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel:
 
     q, k: [B, T, H, D] (q already scaled), v: [B, T, H, E], positions/valid: [B, T]. The cache
     (see ``update_block_cache``) holds at most one block, so a step costs O(block). A chunk of
-    T > block new tokens (chunked prefill, a continued prompt) goes block by block: queries
+    T > 2·block new tokens (chunked prefill, a continued prompt) goes block by block: queries
     [a, a + block) against the cache and the new keys [a - block, a + block), which hold every key
     of their blocks when each row's real tokens are consecutive, as the model lays out a call:
     O(T·block). Against all T keys at once it had been quadratic in T (a 2,048-token chunk 14x the
