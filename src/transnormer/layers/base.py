@@ -173,6 +173,25 @@ def one_run_per_row(valid: torch.Tensor) -> bool:
     return bool(((last - first + 1 == valid.sum(1)) | ~valid.any(1)).all())
 
 
+def same_block_keys(qpos: torch.Tensor, kpos: torch.Tensor, kvalid: torch.Tensor, block: int, *,
+                    causal: bool = True) -> torch.Tensor:
+    """[B, Tq, Tk]: key j is valid, in query i's block of ``block`` positions and (``causal``) not
+    after it; qpos [B, Tq], kpos / kvalid [B, Tk]. The mask of the cached block-local paths
+    (DiagAttention, FLASH's local branch)."""
+    allowed = (kpos[:, None, :] // block == qpos[:, :, None] // block) & kvalid[:, None, :]
+    return allowed & (kpos[:, None, :] <= qpos[:, :, None]) if causal else allowed
+
+
+def windows_of_blocks(cached: int, T: int, block: int, device):
+    """(a, key indices) for each block of new queries [a, a + block) of a call continuing a cache:
+    the ``cached`` keys and the new keys [a - block, a + block), in [cache | new] order. When each
+    row's real tokens are consecutive (:func:`one_run_per_row`) they hold every key of the queries'
+    blocks, so a chunk of T tokens costs O(T·block), not O(T²)."""
+    old = torch.arange(cached, device=device)
+    for a in range(0, T, block):
+        yield a, torch.cat([old, torch.arange(cached + max(0, a - block), cached + min(T, a + block), device=device)])
+
+
 def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -> dict:
     """Keep, per row, the keys/values of the block of the last real token (at most ``block``).
 

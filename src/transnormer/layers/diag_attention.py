@@ -13,17 +13,16 @@ from .base import (
     one_run_per_row,
     reads_given_cache,
     require_right_padding,
+    same_block_keys,
     update_block_cache,
+    windows_of_blocks,
 )
 
 
 def _attend_within_blocks(q, K, V, qpos, kpos, kvalid, *, block: int, kernel: str, causal: bool):
     """q [B, T, H, D] against keys K [B, S, H, D] / values V [B, S, H, E] of the same block by
     position (qpos [B, T], kpos/kvalid [B, S]), earlier or equal when ``causal``: dense [T, S] scores."""
-    allowed = (kpos[:, None, :] // block == qpos[:, :, None] // block) & kvalid[:, None, :]
-    if causal:
-        allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])
-    allowed = allowed[:, None]  # [B, 1, T, S]
+    allowed = same_block_keys(qpos, kpos, kvalid, block, causal=causal)[:, None]  # [B, 1, T, S]
     s = torch.einsum("bihd,bjhd->bhij", q, K)
     if kernel == "softmax":
         p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)).masked_fill(~allowed, float("-inf")), -1)
@@ -58,9 +57,7 @@ def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel:
     if T <= 2 * block or not (causal and one_run_per_row(valid)):
         return _attend_within_blocks(q, K, V, positions, kpos, kvalid, **kw)
     outs = []
-    for a in range(0, T, block):
-        keys = torch.cat([torch.arange(c0, device=K.device),
-                          torch.arange(c0 + max(0, a - block), c0 + min(T, a + block), device=K.device)])
+    for a, keys in windows_of_blocks(c0, T, block, K.device):
         outs.append(_attend_within_blocks(q[:, a:a + block], K[:, keys], V[:, keys], positions[:, a:a + block],
                                           kpos[:, keys], kvalid[:, keys], **kw))
     return torch.cat(outs, 1)

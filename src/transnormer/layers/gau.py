@@ -45,7 +45,9 @@ from .base import (
     one_run_per_row,
     reads_given_cache,
     require_right_padding,
+    same_block_keys,
     update_block_cache,
+    windows_of_blocks,
 )
 
 REL_BIAS_TYPES = ("toeplitz", "toeplitz_moving", "rope_bias", "t5", "none")
@@ -396,7 +398,6 @@ class FLASH(_GatedUnit):
         B, T, _ = v.shape
         dev = v.device
         out = v.new_zeros(v.shape)
-        slices = range(0, T, C)
         if self.local_branch:
             c0 = cache["k"].shape[1]
             K = torch.cat([cache["k"][:, :, 0], kl], 1)
@@ -404,13 +405,10 @@ class FLASH(_GatedUnit):
             kpos = torch.cat([cache["pos"], positions], 1)
             kvalid = torch.cat([cache["valid"], valid], 1)
             parts = []
-            for a in slices:
-                keys = torch.cat([torch.arange(c0, device=dev),
-                                  torch.arange(c0 + max(0, a - C), c0 + min(T, a + C), device=dev)])
+            for a, keys in windows_of_blocks(c0, T, C, dev):
                 qp, kp = positions[:, a:a + C], kpos[:, keys]
-                allowed = (kvalid[:, keys][:, None, :] & (kp[:, None, :] // C == qp[:, :, None] // C)
-                           & (kp[:, None, :] <= qp[:, :, None]))
-                parts.append(relu2_attention(ql[:, a:a + C], K[:, keys], V[:, keys], allowed=allowed, norm=float(C),
+                parts.append(relu2_attention(ql[:, a:a + C], K[:, keys], V[:, keys],
+                                             allowed=same_block_keys(qp, kp, kvalid[:, keys], C), norm=float(C),
                                              bias=self.rel_bias(qp, kp, C)))
             out = out + torch.cat(parts, 1)
         s_prev, s_cur = cache["s_prev"], cache["s_cur"]
@@ -428,12 +426,13 @@ class FLASH(_GatedUnit):
             before = torch.cumsum(sums, 1) - sums  # the new tokens of the chunks before each
             carried = torch.cat([torch.zeros_like(s_cur)[:, None], s_cur[:, None].expand(-1, R - 1, -1, -1)], 1)
             states = s_prev[:, None] + carried + before  # [B, R, s, e]: what a token of chunk g0 + r reads
+            rows = torch.arange(B, device=dev)
             if self.global_branch:
                 glob = torch.zeros(B, T, v.shape[-1], dtype=sdt, device=dev)
-                for a in slices:  # a slice's real tokens span at most two chunks: r0 and r0 + 1
+                for a in range(0, T, C):  # a slice's real tokens span at most two chunks: r0 and r0 + 1
                     r = rel[:, a:a + C]
                     r0 = r.amin(1)
-                    pick = [states[torch.arange(B, device=dev), (r0 + i).clamp_max(R - 1)] for i in (0, 1)]
+                    pick = [states[rows, (r0 + i).clamp_max(R - 1)] for i in (0, 1)]
                     q = qg[:, a:a + C].to(sdt)
                     glob[:, a:a + C] = torch.where((r == r0[:, None])[..., None], q @ pick[0], q @ pick[1])
                 norm = self._global_norm(positions.reshape(-1), sdt)
@@ -441,7 +440,6 @@ class FLASH(_GatedUnit):
             # the state after the call: the open chunk is the next token's
             last = torch.where(valid, positions, -1).amax(1)
             r_new = (torch.where(valid.any(1), last + 1, positions[:, 0]) // C - g0).clamp_min(0)
-            rows = torch.arange(B, device=dev)
             new_prev = states[rows, r_new]
             new_cur = torch.where((r_new == 0)[:, None, None], s_cur, torch.zeros_like(s_cur)) + sums[rows, r_new]
         new = update_block_cache({k: cache[k] for k in ("k", "v", "pos", "valid")}, kl[:, :, None], v[:, :, None],
@@ -458,9 +456,9 @@ class FLASH(_GatedUnit):
             V = torch.cat([cache["v"][:, :, 0], v[:, None]], 1)
             kpos = torch.cat([cache["pos"], pos[:, None]], 1)
             kvalid = torch.cat([cache["valid"], valid[:, None]], 1)
-            allowed = kvalid & (kpos // C == (pos // C)[:, None]) & (kpos <= pos[:, None])
+            allowed = same_block_keys(pos[:, None], kpos, kvalid, C)  # [B, 1, S]
             bias = self.rel_bias(pos[:, None], kpos, C)
-            out = out + relu2_attention(ql[:, None], K, V, allowed=allowed[:, None], norm=float(C), bias=bias)[:, 0]
+            out = out + relu2_attention(ql[:, None], K, V, allowed=allowed, norm=float(C), bias=bias)[:, 0]
         s_prev, s_cur = cache["s_prev"], cache["s_cur"]
         if self.global_branch:
             glob = (qg[:, None].to(s_prev.dtype) @ s_prev) / self._global_norm(pos, s_prev.dtype)
