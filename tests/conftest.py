@@ -313,18 +313,21 @@ def run_runs_on_two_ranks(tmp_path, runs: list[tuple[str, object]], **kwargs) ->
     run_two_ranks([str(script), json.dumps(spec)], **kwargs)
 
 
-def write_small_corpus(root, docs: int = 300) -> str:
-    """A small generated corpus (``root``/{train,valid}.txt, random sentences of a 16-word vocabulary)
-    for the command tests whose subject is not the data: the default ``stdlib`` corpus takes seconds
-    to extract from a fresh cache."""
+CORPUS_WORDS = "the of a linear attention model norm block chunk state token layer kernel value query key".split()
+
+
+def write_small_corpus(root, docs: int = 300, *, splits=None) -> str:
+    """A small generated corpus (``root``/{split}.txt, random sentences of :data:`CORPUS_WORDS`) for
+    the tests whose subject is not the data: the default ``stdlib`` corpus takes seconds to extract
+    from a fresh cache. ``splits``: (name, documents) pairs, by default train ``docs`` and valid
+    ``docs`` / 10 (at least 10)."""
     import random
     from pathlib import Path
 
-    words = "the of a linear attention model norm block chunk state token layer kernel value query key".split()
     rng = random.Random(0)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", docs), ("valid", max(10, docs // 10))):
-        text = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) + "." for _ in range(n)]
+    for split, n in splits or (("train", docs), ("valid", max(10, docs // 10))):
+        text = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(20, 60))) + "." for _ in range(n)]
         (root / f"{split}.txt").write_text("\n\n".join(text))
     return str(root)

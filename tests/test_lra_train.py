@@ -475,7 +475,7 @@ def test_lra_results_cover_whole_splits_and_say_what_val_is(tmp_path):
     """The reported validation accuracy read the first --eval-batches batches in file order (all
     negative reviews: 'majority 80%' on a 50/50 split); now the whole split, labelled as the test
     split where it is one, and a limited evaluation takes a spread subset."""
-    from transnormer.train.lra_tasks import evaluate_lra
+    from transnormer.train.evaluate import evaluate_classifier
 
     _imdb_sorted(tmp_path)
     run = tmp_path / "run"
@@ -493,7 +493,7 @@ def test_lra_results_cover_whole_splits_and_say_what_val_is(tmp_path):
 
     from transnormer.train.lra_tasks import load_split
     ds = load_split("text", str(tmp_path), "val", 32, {})
-    res = evaluate_lra(Labels(), ds, ds.collate_fn(), DistInfo(), 4, 2, _ac, majority_class=0)
+    res = evaluate_classifier(Labels(), ds, ds.collate_fn(), DistInfo(), 4, 2, _ac, majority_class=0)
     assert res["n"] == 8 and 0 < res["majority_accuracy"] < 1  # both classes in the subset
 
 

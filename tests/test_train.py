@@ -12,23 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import on_threads, run_runs_on_two_ranks, run_two_ranks
+from conftest import CORPUS_WORDS, on_threads, run_runs_on_two_ranks, run_two_ranks, write_small_corpus
 from transnormer.train import CheckpointError, TrainConfig, latest_valid_checkpoint, train, verify_checkpoint
 from transnormer.train.distributed import DistInfo
 from transnormer.train.loop import build_model_for, special_token_ids
 from transnormer.train.metrics import read_metrics
 from transnormer.train.tasks import build_task_data
 
-WORDS = "the of a linear attention model norm block chunk state token layer kernel value query key".split()
+WORDS = CORPUS_WORDS  # (the cls tests' sentences too)
 
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for split, n in (("train", 600), ("valid", 60), ("test", 60)):
-        docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + "." for _ in range(n)]
-        (root / f"{split}.txt").write_text("\n\n".join(docs))
+    write_small_corpus(root, splits=(("train", 600), ("valid", 60), ("test", 60)))
     return root
 
 
@@ -323,8 +320,8 @@ def test_fsdp_evaluation_with_uneven_shards_neither_hangs_nor_crashes(tmp_path):
         "from torch.distributed.fsdp import fully_shard\n"
         "from transnormer.presets import build_model\n"
         "from transnormer.train.distributed import setup_distributed, cleanup\n"
-        "from transnormer.train.tasks import _eval_lm, _eval_cls\n"
-        "from transnormer.train.lra_tasks import evaluate_lra\n"
+        "from transnormer.train.evaluate import evaluate_classifier\n"
+        "from transnormer.train.tasks import _eval_lm\n"
         "info = setup_distributed('cpu')\n"
         "torch.manual_seed(0)\n"
         "kw = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, block_size=4,\n"
@@ -343,10 +340,10 @@ def test_fsdp_evaluation_with_uneven_shards_neither_hangs_nor_crashes(tmp_path):
         "    return {'input_ids': torch.stack([r['input_ids'] for r in rows]),\n"
         "            'attention_mask': torch.ones(len(rows), 6, dtype=torch.long),\n"
         "            'labels': torch.tensor([r['label'] for r in rows])}\n"
-        "assert _eval_cls(cls, items, collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
+        "assert evaluate_classifier(cls, items, collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
         "class Split(list):\n"
         "    num_classes = 2\n"
-        "assert evaluate_lra(cls, Split(items), collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
+        "assert evaluate_classifier(cls, Split(items), collate, info, 2, None, contextlib.nullcontext)['n'] == 9\n"
         "cleanup(info)\n"
     )
     run_two_ranks([str(script)], timeout=120)
@@ -462,9 +459,9 @@ def test_mlm_micro_batches_weigh_in_by_their_masked_tokens():
 
 def test_cls_evaluation_of_a_rank_without_examples():
     """A split smaller than the number of ranks leaves a rank empty: it had crashed on torch.cat([])."""
-    from transnormer.train.tasks import _eval_cls
+    from transnormer.train.evaluate import evaluate_classifier
 
-    res = _eval_cls(torch.nn.Linear(1, 1), [], None, DistInfo(rank=1, world_size=1), 4, None, contextlib.nullcontext)
+    res = evaluate_classifier(torch.nn.Linear(1, 1), [], None, DistInfo(rank=1, world_size=1), 4, None, contextlib.nullcontext)
     assert res["n"] == 0
 
 
@@ -1000,7 +997,7 @@ def test_cls_evaluation_of_part_of_a_label_sorted_split_sees_every_class():
     reviews first), one class. It now takes a fixed random subset, as the LRA evaluation does."""
     from types import SimpleNamespace
 
-    from transnormer.train.tasks import _eval_cls
+    from transnormer.train.evaluate import evaluate_classifier
 
     class AlwaysZero(torch.nn.Module):
         config = SimpleNamespace(num_labels=2)
@@ -1015,10 +1012,10 @@ def test_cls_evaluation_of_part_of_a_label_sorted_split_sees_every_class():
                 "attention_mask": torch.ones(len(rows), 2, dtype=torch.long),
                 "labels": torch.tensor([r["label"] for r in rows])}
 
-    part = _eval_cls(AlwaysZero(), items, collate, DistInfo(), 4, 2, contextlib.nullcontext)
+    part = evaluate_classifier(AlwaysZero(), items, collate, DistInfo(), 4, 2, contextlib.nullcontext)
     assert part["n"] == 8 and 0.0 < part["accuracy"] < 1.0  # a prefix: 1.0 (class 0 only)
-    assert part == _eval_cls(AlwaysZero(), items, collate, DistInfo(), 4, 2, contextlib.nullcontext)  # fixed
-    whole = _eval_cls(AlwaysZero(), items, collate, DistInfo(), 4, None, contextlib.nullcontext)
+    assert part == evaluate_classifier(AlwaysZero(), items, collate, DistInfo(), 4, 2, contextlib.nullcontext)  # fixed
+    whole = evaluate_classifier(AlwaysZero(), items, collate, DistInfo(), 4, None, contextlib.nullcontext)
     assert whole["n"] == 40 and whole["accuracy"] == 0.5
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .distributed import DistInfo
+from .evaluate import evaluate_classifier
 from .tasks import ClsBatches, TaskData
 
 DEFAULT_ROOT = "data/lra"
@@ -226,16 +227,6 @@ def _labels_of(ds) -> np.ndarray:
     return np.asarray(ds.labels, dtype=np.int64)
 
 
-def evaluate_lra(model, ds, collate, info: DistInfo, batch_size: int, max_batches: int | None, autocast, *,
-                 majority_class: int | None = None) -> dict:
-    """Loss / accuracy / F1 / MCC of ``model`` on an LRA split ``ds`` (rank-sharded; pair-aware through
-    its collate): :func:`~transnormer.train.evaluate.evaluate_classifier`."""
-    from .evaluate import evaluate_classifier
-
-    return evaluate_classifier(model, ds, collate, info, batch_size, max_batches, autocast,
-                               majority_class=majority_class)
-
-
 def majority_class(ds) -> int:
     """Most frequent label of a split (ties → the smaller class id)."""
     return int(np.bincount(_labels_of(ds), minlength=ds.num_classes).argmax())
@@ -259,7 +250,8 @@ def evaluate_split(model, spec: str, split: str = "test", *, max_len: int | None
     max_len = min(max_len, task_info(task).length) if max_len else task_info(task).length
     ds = load_split(task, root, split, max_len, options)
     majority = majority_class(load_split(task, root, "train", max_len, options))
-    res = evaluate_lra(model, ds, ds.collate_fn(), info, batch_size, max_batches, autocast, majority_class=majority)
+    res = evaluate_classifier(model, ds, ds.collate_fn(), info, batch_size, max_batches, autocast,
+                              majority_class=majority)
     rec = {**provenance_record(ds), "root": root if root is not None else default_root(task), "max_len": max_len,
            "truncated": count_truncated(ds, max_len), "n_split": len(ds)}
     return {**res, "data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "eval_split": ds.split,
@@ -310,7 +302,8 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
 
     def evaluate(model, split: str = "val", max_batches: int | None = None) -> dict:
         ds = get_split(split)
-        res = evaluate_lra(model, ds, collate, info, cfg.batch_size, max_batches, autocast, majority_class=majority)
+        res = evaluate_classifier(model, ds, collate, info, cfg.batch_size, max_batches, autocast,
+                                  majority_class=majority)
         return {**res, **labels_out, "eval_split": ds.split, **_split_note(ds)}
 
     tok = LRAVocab(task, info_t.vocab_size, info_t.pad_id, dataset_id=train_ds.dataset_id,

@@ -26,6 +26,7 @@ from ..data.sampler import StepBatchSampler
 from ..data.token_cache import build_token_cache
 from ..data.tokenizer import build_tokenizer, load_tokenizer
 from .distributed import DistInfo, all_reduce_sum, forwards_in_step, forwards_to_match, main_first
+from .evaluate import evaluate_classifier
 
 CLS_SPLIT_NAMES = {"train": ("train",), "valid": ("dev", "valid", "validation", "val", "dev_matched"),
                    "test": ("test", "test_matched")}
@@ -230,14 +231,6 @@ def _find_cls_files(spec: str) -> dict[str, Path]:
     return files
 
 
-def _eval_cls(model, dataset, collate, info: DistInfo, batch_size: int, max_batches, autocast) -> dict:
-    """The ``--task cls`` evaluation: :func:`~transnormer.train.evaluate.evaluate_classifier` (a fixed
-    random subset of the split when ``max_batches`` covers less of it)."""
-    from .evaluate import evaluate_classifier
-
-    return evaluate_classifier(model, dataset, collate, info, batch_size, max_batches, autocast)
-
-
 def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
     """Everything the loop needs from the data side for ``cfg.task``."""
     if cfg.task == "cls" and str(cfg.data).startswith("lra:"):
@@ -327,7 +320,7 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
             if split not in datasets:
                 why = unusable.get(split, f"the labelled splits are {sorted(datasets)}")
                 raise ValueError(f"split {split!r} of {cfg.data} cannot be evaluated: {why}")
-            res = _eval_cls(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
+            res = evaluate_classifier(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
             return {**res, "truncated": datasets[split].num_truncated}  # of the whole split
 
         return TaskData(tok, ClsBatches(datasets["train"], collate, cfg.batch_size, info, cfg.seed), evaluate,
