@@ -214,32 +214,38 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
     static_assert(kMR == 6, "block() dispatches row counts 1..6");
     if (!out) out = c, ldo = ldc;
     const idx panel = gemm_panel<T>();
-    const idx mblocks = (M + kMR - 1) / kMR, blocks = mblocks * ((N + panel - 1) / panel);
-    idx done = 0;
-    for (idx n0 = 0; n0 < N; n0 += panel) {
-        for (idx m0 = 0; m0 < M; m0 += kMR) {
-            if (pf) pf->share(++done, blocks);
-            const idx mr = std::min<idx>(kMR, M - m0);
-            idx nn = std::min(panel, N - n0), k0 = 0, k1 = K;
-            if (tri == kOutLower) {
-                if (n0 >= m0 + mr) continue;
-                nn = std::min(nn, m0 + mr - n0);
-            } else if (tri == kALower) {
-                k1 = std::min(K, m0 + mr);
-            } else if (tri == kAUpper) {
-                k0 = std::min(K, m0);
-            }
-            const T* cb = c + m0 * ldc + n0;
-            T* ob = out + m0 * ldo + n0;
-            if (k1 <= k0) {  // no terms: C as it was, or zeros
-                for (idx i = 0; i < mr; ++i)
-                    if (!accumulate) std::fill(ob + i * ldo, ob + i * ldo + nn, T(0));
-                    else if (ob != cb) std::copy(cb + i * ldc, cb + i * ldc + nn, ob + i * ldo);
-                continue;
-            }
-            block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate,
-                     stream, ob, ldo);
+    const idx mblocks = (M + kMR - 1) / kMR, panels = (N + panel - 1) / panel, blocks = mblocks * panels;
+    // A read in rows (acs == 1): the blocks go row block by row block, each row block of A used
+    // for all the panels in turn while its lines are in L1, so A can be read in place from rows
+    // far apart (a head's rows of [B, T, H, D]: 2 KB apart, sharing a few L1 sets) even where
+    // C is several panels wide (the 16-column panels of AVX2). Otherwise panel by panel, B's
+    // panel staying in L1 across the row blocks.
+    const bool rows_outer = acs == 1;
+    for (idx done = 0; done < blocks;) {
+        const idx m0 = (rows_outer ? done / panels : done % mblocks) * kMR;
+        const idx n0 = (rows_outer ? done % panels : done / mblocks) * panel;
+        ++done;
+        if (pf) pf->share(done, blocks);
+        const idx mr = std::min<idx>(kMR, M - m0);
+        idx nn = std::min(panel, N - n0), k0 = 0, k1 = K;
+        if (tri == kOutLower) {
+            if (n0 >= m0 + mr) continue;
+            nn = std::min(nn, m0 + mr - n0);
+        } else if (tri == kALower) {
+            k1 = std::min(K, m0 + mr);
+        } else if (tri == kAUpper) {
+            k0 = std::min(K, m0);
         }
+        const T* cb = c + m0 * ldc + n0;
+        T* ob = out + m0 * ldo + n0;
+        if (k1 <= k0) {  // no terms: C as it was, or zeros
+            for (idx i = 0; i < mr; ++i)
+                if (!accumulate) std::fill(ob + i * ldo, ob + i * ldo + nn, T(0));
+                else if (ob != cb) std::copy(cb + i * ldc, cb + i * ldc + nn, ob + i * ldo);
+            continue;
+        }
+        block<T>(mr, nn, k1 - k0, a + m0 * ars + k0 * acs, ars, acs, b + k0 * ldb + n0, ldb, cb, ldc, accumulate,
+                 stream, ob, ldo);
     }
     if (pf) pf->issue(pf->rows);
 }
