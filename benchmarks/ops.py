@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from transnormer.bench import measure
 from transnormer.ops import norm_linear_attn
-from transnormer.runtime import tune_allocator
+from transnormer.runtime import cpu_has_bf16_products, tune_allocator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -34,10 +34,16 @@ def fwd_bwd_sdpa(q, k, v):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                    help="default fp32 bf16, or fp32 alone on a CPU without bf16 products (AVX512-BF16 or AMX), "
+                         "where PyTorch's bf16 matmul is a slow fallback")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    if args.dtypes is None:
+        args.dtypes = ["fp32", "bf16"] if cpu_has_bf16_products() else ["fp32"]
+        if args.dtypes == ["fp32"]:
+            print("this CPU has no bf16 products (AVX512-BF16 or AMX): measuring fp32 only (--dtypes bf16 to insist)")
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
     B, H, D = 1, 8, 64
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={B} H={H} D={D} chunk={args.chunk}")
