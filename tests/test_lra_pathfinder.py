@@ -81,9 +81,18 @@ def test_label_matches_geometry(samples):
 
 
 def test_markers_are_rendered(samples):
+    """Every pixel of each marker's disc is lit. (The marker's centre alone proved nothing: it sits
+    on a paddle's tip, lit with or without the marker; the same geometry rendered with its markers
+    off the canvas leaves part of each disc dark.)"""
+    import dataclasses
+
+    R, r = CFG.resolution, CFG.marker_radius
+    yy, xx = np.mgrid[0:R, 0:R]
     for img, g in samples[:20]:
+        bare = pf.render(dataclasses.replace(g, markers=((-100.0, -100.0),) * 2), CFG)
         for x, y in g.markers:
-            assert img[round(y), round(x)] > 100
+            disc = (xx - x) ** 2 + (yy - y) ** 2 <= r * r
+            assert img[disc].min() > 100 and bare[disc].min() < 100
 
 
 def test_image_determinism_and_seed_dependence():
@@ -221,6 +230,25 @@ def test_regenerating_into_the_same_folder_leaves_no_stale_batches(tmp_path):
     assert sum(len(load_lra("pathfinder32", tmp_path, s)) for s in ("train", "val", "test")) == 10
     (base / "metadata" / "7.npy").write_text("")  # a batch the sidecar does not list
     with pytest.raises(ValueError, match="not in its generation.json"):
+        load_lra("pathfinder32", tmp_path, "train")
+
+
+def test_a_generated_set_missing_a_batch_or_an_image_is_refused(tmp_path):
+    # a lost batch or an emptied PNG had been read as the record's set, labelled and counted as it,
+    # and every image after the gap had moved to another split
+    from transnormer.data.lra import load_lra
+
+    pf.write_pathfinder(tmp_path, seed=1, config=pf.PathfinderConfig(n_images=20, batch_size=10))
+    base = tmp_path / "pathfinder32" / "curv_contour_length_14"
+    assert [len(load_lra("pathfinder32", tmp_path, s)) for s in ("train", "val", "test")] == [16, 2, 2]
+    png = next((base / "imgs" / "0").iterdir())
+    kept = png.read_bytes()
+    png.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"19 readable images \(1 empty\) where its generation.json records 20"):
+        load_lra("pathfinder32", tmp_path, "train")
+    png.write_bytes(kept)
+    (base / "metadata" / "1.npy").unlink()
+    with pytest.raises(ValueError, match=r"metadata/1.npy.*are missing"):
         load_lra("pathfinder32", tmp_path, "train")
 
 

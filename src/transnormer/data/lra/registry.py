@@ -326,7 +326,16 @@ def load_lra(
         if found - set(listed):  # an earlier, larger generation left batches behind: read, they would mix in
             raise ValueError(f"{info['dir']}: metadata files {sorted(found - set(listed))[:5]} are not in its "
                              f"{SIDECAR_NAME}; they come from another generation. Regenerate into an empty folder")
+        if set(listed) - found:  # a batch lost since: the rest would be read under the record's label and id
+            raise ValueError(f"{info['dir']}: metadata files {sorted(set(listed) - found)[:5]} listed in its "
+                             f"{SIDECAR_NAME} are missing; regenerate with `transnormer lra prepare`")
         _verify_sidecar(Path(info["dir"]), meta, listed)
+        # our generator writes no empty image (the official set's one empty PNG is its own quirk), so
+        # every recorded image must be read: a short count would also move images between the splits
+        want = meta.get("n_images")
+        if isinstance(want, int) and (info["skipped_empty"] or info["n_total"] != want):
+            raise ValueError(f"{info['dir']}: {info['n_total']} readable images ({info['skipped_empty']} empty) where "
+                             f"its {SIDECAR_NAME} records {want}; regenerate with `transnormer lra prepare`")
         # regenerated only from the official generator's parameters (ListOps likewise); our 64-pixel
         # interpolation or changed parameters are a fixture of their own
         official = _pf.official_parameters(meta["config"]) if isinstance(meta.get("config"), dict) else False
