@@ -53,6 +53,19 @@ def test_imdb_layout(tmp_path):
     assert tx.encode_bytes(b"ab").tolist() == [98, 99]
 
 
+@pytest.mark.parametrize("max_len", [0, -1, 2.5])
+def test_byte_readers_refuse_a_max_len_that_is_not_positive(tmp_path, max_len):
+    # 0 had meant no limit and -1 had cut the last byte off, in the readers called directly
+    _imdb(tmp_path)
+    p = tmp_path / "pairs.tsv"
+    p.write_text("1\ta\tb\tabc\tdef\n", encoding="utf-8")
+    for call in (lambda: tx.encode_bytes(b"abc", max_len),
+                 lambda: tx.read_imdb_folder(tmp_path / "aclImdb", "test", max_len=max_len),
+                 lambda: rt.read_aan_tsv(p, max_len=max_len)):
+        with pytest.raises((ValueError, TypeError), match="max_len"):
+            call()
+
+
 def test_imdb_errors(tmp_path):
     base = _imdb(tmp_path)
     (base / "test" / "neg" / "99_1.txt").write_bytes(b"\xff\xfe bad")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import PackedSequences, as_dir, check_int, split_name
+from ._common import PackedSequences, as_dir, check_optional_max_len, split_name
 
 PAD_ID = 0
 VOCAB_SIZE = 257
@@ -59,6 +59,7 @@ def read_aan_tsv(
     Each ids item is ``int64[T ≤ max_len]`` (bytes + 1). Malformed lines raise ``ValueError`` naming the file,
     the 1-based line number and the column.
     """
+    max_len = check_optional_max_len(max_len)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Retrieval file not found: {path}")
@@ -80,8 +81,8 @@ def read_aan_tsv(
             labels.append(parse_label(parts[0].strip(), where=where))
             t1 = decode_field(parts[3], where=where + "text1: ")
             t2 = decode_field(parts[4], where=where + "text2: ")
-            docs1.append(t1[:max_len] if max_len else t1)
-            docs2.append(t2[:max_len] if max_len else t2)
+            docs1.append(t1[:max_len])
+            docs2.append(t2[:max_len])
             ids.append((parts[1], parts[2]))
     if not labels:
         raise ValueError(f"{path}: no pairs")
@@ -102,8 +103,7 @@ def load_retrieval_split(
 ) -> tuple[PackedSequences, PackedSequences, np.ndarray, dict]:
     """(ids1, ids2, labels, info) of one split (``val`` reads the ``.eval.tsv`` file)."""
     split = split_name(split)
-    if max_len is not None:
-        check_int("max_len", max_len, minimum=1)
+    check_optional_max_len(max_len)
     d = find_aan_dir(root)
     d1, d2, labels, _ = read_aan_tsv(d / SPLIT_FILES[split], max_len=max_len)
     return d1, d2, labels, {"file": str(d / SPLIT_FILES[split])}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import PackedSequences, as_dir, check_int, split_name
+from ._common import PackedSequences, as_dir, check_optional_max_len, split_name
 
 PAD_ID = 0
 VOCAB_SIZE = 257
@@ -30,7 +30,8 @@ def encode_bytes(data: bytes, max_len: int | None = None) -> np.ndarray:
     """Byte string → ids ``int64[T]`` (``byte + 1``), truncated to ``max_len``."""
     if not isinstance(data, (bytes, bytearray)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    arr = np.frombuffer(bytes(data[:max_len] if max_len else data), dtype=np.uint8)
+    max_len = check_optional_max_len(max_len)  # (0 had meant no limit, a negative one cut the end off)
+    arr = np.frombuffer(bytes(data[:max_len]), dtype=np.uint8)
     return arr.astype(np.int64) + 1
 
 
@@ -64,6 +65,7 @@ def read_imdb_folder(
     Returns (ids: item ``i`` is ``int64[T ≤ max_len]`` = bytes + 1; labels ``int64[N]``). Files
     that are not valid UTF-8 raise ``ValueError`` naming the file.
     """
+    max_len = check_optional_max_len(max_len)
     base = Path(base)
     ids: list[bytes] = []
     labels: list[int] = []
@@ -78,7 +80,7 @@ def read_imdb_folder(
                 raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{d / name}: not valid UTF-8 ({e})") from None
-            ids.append(raw[:max_len] if max_len else raw)
+            ids.append(raw[:max_len])
             labels.append(label)
     if not ids:
         raise ValueError(f"{base / part}: no *.txt reviews under neg/ or pos/")
@@ -96,8 +98,7 @@ def load_text_split(
 ) -> tuple[PackedSequences, np.ndarray, dict]:
     """(ids, labels, info) for one split of the byte-level IMDB task (see module docstring)."""
     split = split_name(split)
-    if max_len is not None:
-        check_int("max_len", max_len, minimum=1)
+    check_optional_max_len(max_len)
     if val_from not in ("test", "train"):
         raise ValueError(f"val_from must be 'test' (official) or 'train', got {val_from!r}")
     if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
