@@ -268,6 +268,15 @@ def test_run_dilution_refuses_a_model_with_no_scorable_layer(tmp_path):
         run_dilution(["flash-lm-tiny"], None, tmp_path, seq_len=32, batch_size=1)
 
 
+def test_empty_window_fractions_or_model_lists_are_refused(tmp_path):
+    # a torch stack error, and an empty summary written as if it were a finding
+    with pytest.raises(ValueError, match="rs must hold"):
+        locally_accumulated_score(torch.full((1, 4, 4), 0.25), rs=[])
+    with pytest.raises(ValueError, match="models must name"):
+        run_dilution([], None, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 def test_dilution_cli_seeds_the_presets_it_builds(tmp_path, capsys):
     from transnormer.cli import main
 

@@ -71,6 +71,8 @@ def test_recorder_options():
     model = _tiny()
     with pytest.raises(ValueError, match="params"):
         GradientRecorder("attention")
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):  # had become 1 silently
+        GradientRecorder(sync_every=0)
     with pytest.raises(ValueError, match="no trainable parameter"):
         GradientRecorder(["*.nonexistent.*"]).record(model, 0)
     rec = GradientRecorder(["*.q_proj.*"])

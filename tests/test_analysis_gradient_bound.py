@@ -1,6 +1,7 @@
 """Proposition 3.1 and the NormAttention gradient bound, checked numerically."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -88,7 +89,18 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="kernel must be one of"):
         norm_attention_grad(kernel="relu2")
     for kw, name in (({"eps": 0.0}, "eps"), ({"eps": -1.0}, "eps"), ({"score_scale": 0.0}, "score_scale")):
-        with pytest.raises(ValueError, match=f"{name} must be one or more numbers > 0"):
+        with pytest.raises(ValueError, match=f"{name} must be one or more finite numbers > 0"):
             norm_attention_grad(**kw)
     with pytest.raises(ValueError, match="scales must be"):
         unified_sweep([0.0])
+    # these had ended in torch errors naming nothing, or (d = 0, eps = inf) in a silent 0 / 0 bound
+    for kw, err, name in (({"n": 0}, ValueError, "n"), ({"d": 0}, ValueError, "d"), ({"n": 2.5}, TypeError, "n"),
+                          ({"eps": math.inf}, ValueError, "eps"), ({"score_scale": math.nan}, ValueError, "score_scale")):
+        with pytest.raises(err, match=f"^{name} must"):
+            norm_attention_grad(**kw)
+    for kw, err, name in (({"n_values": []}, ValueError, "n_values"), ({"n_values": [0]}, ValueError, r"n_values\[0\]"),
+                          ({"n_values": [2.5]}, TypeError, r"n_values\[0\]"), ({"random_draws": 0}, ValueError,
+                                                                                 "random_draws"),
+                          ({"n_random": 0}, ValueError, "n_random")):
+        with pytest.raises(err, match=f"^{name} must"):
+            unified_sweep(**kw)

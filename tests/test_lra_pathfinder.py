@@ -214,6 +214,9 @@ def test_presets_and_config_validation():
         pf.PathfinderConfig(paddle_length=0)
     with pytest.raises(TypeError, match="margins"):
         pf.PathfinderConfig(margins=[1])
+    for bad in ((-1.0,), ("a",), (float("inf"),)):  # "a" had failed later, inside sample_geometry
+        with pytest.raises(ValueError, match="snake_contrasts must hold positive finite numbers"):
+            pf.PathfinderConfig(snake_contrasts=bad)
     with pytest.raises(RuntimeError, match="restarts"):
         pf.sample_geometry(pf.PathfinderConfig(resolution=16, max_restarts=3), pf.image_rng(0, 0))
 

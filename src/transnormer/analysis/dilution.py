@@ -67,6 +67,8 @@ def locally_accumulated_score(P: torch.Tensor, rs: Sequence[float] = DEFAULT_RS,
     N = P.shape[-1]
     if N == 0:
         raise ValueError("P must have N >= 1")
+    if len(rs) == 0:
+        raise ValueError("rs must hold at least one window fraction")
     # prefix[..., i, j] = Σ_{j' < j} p_ij', so a window sum is one subtraction
     prefix = torch.nn.functional.pad(P.double().cumsum(-1), (1, 0))
     bounds = [window_bounds(N, float(r), mode) for r in rs]
@@ -290,6 +292,8 @@ def run_dilution(models, text_ids: torch.Tensor | None = None, out_dir="analysis
         models = [models]
     if not isinstance(models, dict):
         models = {(m if isinstance(m, str) else f"model{i}"): m for i, m in enumerate(models)}
+    if not models:  # nothing scored would read as a finding, as a model without a scorable layer would
+        raise ValueError("models must name at least one model")
     built = {}
     for name, m in models.items():
         if isinstance(m, str):

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .._files import atomic_path
+from ..ops._checks import check_positive_int
 from ._io import new_figure, save_figure, save_json, to_jsonable
 
 MODE = "norm_over_steps"
@@ -92,7 +93,8 @@ class GradientRecorder:
             self.param_set = ",".join(self.patterns)
         self.per_layer = per_layer
         self.jsonl_path = Path(jsonl_path) if jsonl_path is not None else None
-        self.sync_every = max(1, int(sync_every))
+        check_positive_int("sync_every", sync_every)
+        self.sync_every = sync_every
         self._steps: list[int] = []
         self._values: list[float] = []
         self._layer_values: dict[str, list[float]] = {}

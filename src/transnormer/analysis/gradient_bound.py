@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.func import jacrev, vmap
 
 from ..modules.norms import SimpleRMSNorm
+from ..ops._checks import check_positive_int
 from ._io import new_figure, save_figure, save_json
 
 DEFAULT_SCALES = tuple(float(s) for s in torch.logspace(-6, 2, 33, dtype=torch.float64))
@@ -70,8 +71,13 @@ def _families(n_values: Sequence[int], random_draws: int, n_random: int, seed: i
 
 
 def _check_positive(name: str, values: Sequence[float]) -> None:
-    if len(values) == 0 or not all(v > 0 for v in values):
-        raise ValueError(f"{name} must be one or more numbers > 0, got {list(values)!r}")
+    if len(values) == 0 or not all(0 < v < math.inf for v in values):
+        raise ValueError(f"{name} must be one or more finite numbers > 0, got {list(values)!r}")
+
+
+def _check_counts(**counts) -> None:
+    for name, v in counts.items():
+        check_positive_int(name, v)
 
 
 def unified_sweep(scales: Sequence[float] = DEFAULT_SCALES, n_values: Sequence[int] = (2, 8),
@@ -83,6 +89,10 @@ def unified_sweep(scales: Sequence[float] = DEFAULT_SCALES, n_values: Sequence[i
     form (1/n)(1 − 1/n)·(f′/f)(s) of the constant family, for comparison.
     """
     _check_positive("scales", scales)
+    if len(n_values) == 0:
+        raise ValueError("n_values must hold at least one row length")
+    _check_counts(**{f"n_values[{i}]": n for i, n in enumerate(n_values)}, random_draws=random_draws,
+                  n_random=n_random)
     fams = _families(n_values, random_draws, n_random, seed)
     out = {"scales": list(scales)}
     for kind in ("softmax", "linear"):
@@ -118,6 +128,7 @@ def norm_attention_grad(n: int = 16, d: int = 16, eps: float = 1e-6, score_scale
     kernels = {"1+elu": lambda x: 1 + F.elu(x), "elu": F.elu, "relu": F.relu}
     if kernel not in kernels:
         raise ValueError(f"kernel must be one of {tuple(kernels)}, got {kernel!r}")
+    _check_counts(n=n, d=d)
     _check_positive("eps", [eps])  # the bound divides by √ε
     _check_positive("score_scale", [score_scale])
     gen = torch.Generator().manual_seed(seed)

@@ -109,6 +109,10 @@ class PathfinderConfig:
                 raise TypeError(f"{name} must be a non-empty tuple, got {v!r}")
         for m in self.margins:
             check_int("margins[i]", m, minimum=0)
+        for name in ("snake_contrasts", "paddle_contrasts"):  # intensities: a layer of them is scaled by one
+            for v in getattr(self, name):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                    raise ValueError(f"{name} must hold positive finite numbers, got {getattr(self, name)!r}")
         if not isinstance(self.difficulty, str) or not self.difficulty or "/" in self.difficulty:
             raise ValueError(
                 f"difficulty must be a folder name such as 'curv_contour_length_14', got {self.difficulty!r}"
