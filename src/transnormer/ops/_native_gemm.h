@@ -36,6 +36,12 @@
 //   kAUpper    A is upper-triangular: row i sums over k >= i only
 enum Tri { kFull = 0, kOutLower = 1, kALower = 2, kAUpper = 3 };
 
+// Whether gemm walks C row block by row block for an A read in rows (acs == 1): where B [K x N]
+// stays in L1 across the row blocks (a walk's 64 x 64 state or tile). A larger B (FLASH's chunk
+// products on _native_bmm.cpp, 256 x 1024) goes panel by panel, each panel of it kept in cache.
+template <typename T>
+constexpr bool gemm_rows_outer(idx K, idx N) { return K * N * idx(sizeof(T)) <= 32768; }
+
 #if defined(TN_GEMM_SIMD)
 template <typename T> struct Vec;
 
@@ -215,12 +221,12 @@ static void gemm(idx M, idx N, idx K, const T* a, idx ars, idx acs, const T* b, 
     if (!out) out = c, ldo = ldc;
     const idx panel = gemm_panel<T>();
     const idx mblocks = (M + kMR - 1) / kMR, panels = (N + panel - 1) / panel, blocks = mblocks * panels;
-    // A read in rows (acs == 1): the blocks go row block by row block, each row block of A used
-    // for all the panels in turn while its lines are in L1, so A can be read in place from rows
-    // far apart (a head's rows of [B, T, H, D]: 2 KB apart, sharing a few L1 sets) even where
-    // C is several panels wide (the 16-column panels of AVX2). Otherwise panel by panel, B's
-    // panel staying in L1 across the row blocks.
-    const bool rows_outer = acs == 1;
+    // An A read in rows against a small B (gemm_rows_outer): row block by row block, each row
+    // block of A used for all the panels in turn while its lines are in L1, so A can be read in
+    // place from rows far apart (a head's rows of [B, T, H, D]: 2 KB apart, sharing a few L1 sets)
+    // even where C is several panels wide (the 16-column panels of AVX2). Otherwise panel by
+    // panel, B's panel staying in cache across the row blocks.
+    const bool rows_outer = acs == 1 && gemm_rows_outer<T>(K, N);
     for (idx done = 0; done < blocks;) {
         const idx m0 = (rows_outer ? done / panels : done % mblocks) * kMR;
         const idx n0 = (rows_outer ? done % panels : done / mblocks) * panel;

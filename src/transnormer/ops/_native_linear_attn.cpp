@@ -268,6 +268,12 @@ struct Worker {
         return ld_out = C, tile;
     }
 
+    // The same rows as the A of a product (A read in rows: C = x B with B [C x N]): in place also
+    // where gemm reads each row block of it once for all the panels (gemm_rows_outer).
+    const T* a_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& ld_out) const {
+        return operand_rows(L, C, x, ld, gemm_rows_outer<T>(C, N) ? 0 : N, tile, ld_out);
+    }
+
     // Queue into pf the rows of x (E wide if e, else D) that the walk's next step reads: head
     // n + 1 of chunk g, or the first head of the next chunk (g + 1, or g - 1 walking in reverse);
     // none after the last.
@@ -292,7 +298,7 @@ struct Worker {
     // fp32) they read q, k, v, dO in place (operand_rows), with no copy into tiles. First the products
     // that read each row of their A once (O = Q S, dK = V dS^T, dV = K dS): fwd+bwd in nine
     // interleaved runs faster at 4k in all nine (0.4-7%), at 16k in seven (2-6%). These read A in
-    // place at any width, since gemm goes row block by row block for an A in rows: with AVX2's
+    // place at any width where B fits L1, since gemm goes row block by row block then: with AVX2's
     // 16-column panels they had packed q, v, k into tiles; in place (Zen 3, three runs of
     // benchmarks/ab_kernels.py, one swapped) 2.5-3.9% less time at 4k, 1.6-2.8% less at 16k in two
     // runs and 1.3% more in one; the causal walk level (its A tiles are packed anyway). Then those that
@@ -302,7 +308,7 @@ struct Worker {
     void bidir_forward(const T* q, const T* k, const T* v, T* o, const T* init, T* fin) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks();
         tn::buffer<T> states = load_states(init, false);
-        T *k_ = w.k.data(), *v_ = w.v.data(), *o_ = w.o2.data();
+        T *k_ = w.k.data(), *v_ = w.v.data(), *q_ = w.q.data(), *o_ = w.o2.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const idx t0 = g * c, L = rows(g), W = std::max(D, E);
@@ -318,8 +324,9 @@ struct Worker {
                 const idx t0 = g * c, L = rows(g);
                 RowPrefetch pf;
                 queue_next(pf, q, n, g, false);
-                product_to(L, E, D, rd(q, n, t0), ldd_, 1, states.data() + (n - lo) * D * E, E, re(o, n, t0), lde_, o_,
-                           &pf);  // O = Q S
+                idx lq;
+                const T* qa = a_rows(L, D, rd(q, n, t0), ldd_, E, q_, lq);
+                product_to(L, E, D, qa, lq, 1, states.data() + (n - lo) * D * E, E, re(o, n, t0), lde_, o_, &pf);  // O = Q S
             }
         store_states(states, fin);
     }
@@ -330,7 +337,7 @@ struct Worker {
                         T* dv, T* dinit) {
         const idx D = s.D, E = s.E, c = s.c, ldd_ = ldd(), lde_ = lde(), G = nchunks(), DE = D * E;
         tn::buffer<T> dS = load_states(dfin, false), St = load_states(S, true);  // S^T: [E x D]
-        T *q_ = w.q.data(), *g_ = w.g.data(), *o_ = w.o.data(), *o2_ = w.o2.data();
+        T *q_ = w.q.data(), *k_ = w.k.data(), *v_ = w.v.data(), *g_ = w.g.data(), *o_ = w.o.data(), *o2_ = w.o2.data();
         for (idx g = 0; g < G; ++g)
             for (idx n = lo; n < hi; ++n) {
                 const idx t0 = g * c, L = rows(g), h = (n - lo) * DE, W = std::max(D, E);
@@ -349,8 +356,11 @@ struct Worker {
                 const idx t0 = g * c, L = rows(g), h = (n - lo) * DE;
                 RowPrefetch pv, pk;
                 queue_next(pv, v, n, g, true), queue_next(pk, k, n, g, false);
-                product_to(L, D, E, re(v, n, t0), lde_, 1, dSt.data() + h, D, rd(dk, n, t0), ldd_, o_, &pv);  // dK = V dS^T
-                product_to(L, E, D, rd(k, n, t0), ldd_, 1, dS.data() + h, E, re(dv, n, t0), lde_, o2_, &pk);  // dV = K dS
+                idx lv, lk;
+                const T* va = a_rows(L, E, re(v, n, t0), lde_, D, v_, lv);
+                product_to(L, D, E, va, lv, 1, dSt.data() + h, D, rd(dk, n, t0), ldd_, o_, &pv);  // dK = V dS^T
+                const T* ka = a_rows(L, D, rd(k, n, t0), ldd_, E, k_, lk);
+                product_to(L, E, D, ka, lk, 1, dS.data() + h, E, re(dv, n, t0), lde_, o2_, &pk);  // dV = K dS
             }
         store_states(dS, dinit);
     }
