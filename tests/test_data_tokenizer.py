@@ -61,6 +61,29 @@ def test_copies_keep_special_token_text_as_text(bpe):
         assert clone.fingerprint == bpe.fingerprint
 
 
+def test_a_loaded_tokenizer_json_with_truncation_or_padding_keeps_whole_documents(bpe, tmp_path):
+    """A tokenizer.json may carry truncation and padding (hub files often truncate to 512): the
+    private copy had kept them, cutting every document short and padding it, into the token cache."""
+    import pickle
+
+    import tokenizers
+
+    from transnormer.data.tokenizer import load_tokenizer
+
+    backend = tokenizers.Tokenizer.from_str(bpe._json)
+    backend.enable_truncation(8)
+    backend.enable_padding(pad_id=0, pad_token="<pad>", length=40)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    text = "Return the value of the list, then the value of the file, then the list again."
+    want = bpe.encode(text)
+    assert len(want) > 8
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    for t in (tok, pickle.loads(pickle.dumps(tok))):
+        assert t.encode(text) == want and t.encode_batch([text, "a file"]) == [want, bpe.encode("a file")]
+    # the same ids, the same token cache; one built while truncation applied has another key
+    assert tok.fingerprint == bpe.fingerprint
+
+
 def test_decode_accepts_tensors_and_checks_range(bpe):
     import torch
 

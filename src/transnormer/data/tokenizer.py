@@ -52,6 +52,18 @@ _ROLE_CANDIDATES = {
 }
 
 
+def _encoding_backend(json_str: str) -> tokenizers.Tokenizer:
+    """The private copy a TextTokenizer encodes with: encode_special_tokens=True, so a literal "<s>" in
+    data text stays text, and no truncation or padding, which a loaded tokenizer.json may carry (a
+    hub file's 512-token truncation had cut every document short and padded it, into the token
+    cache). Neither setting is changed in the JSON, so saved files and to_hf() keep the original's."""
+    backend = tokenizers.Tokenizer.from_str(json_str)
+    backend.encode_special_tokens = True
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
 class TextTokenizer:
     """Thin wrapper over a ``tokenizers.Tokenizer`` (or, for exotic HF tokenizers, a transformers one).
 
@@ -80,11 +92,8 @@ class TextTokenizer:
         self._hf_vocab: dict[str, int] | None = None
         self._fingerprint: str | None = None
         if backend is not None:
-            # Private copy with encode_special_tokens=True: literal "<s>" in data text stays text. The flag is
-            # not serialised, so saved files and to_hf() behave like any normal tokenizer.
             self._json = backend.to_str()
-            self._backend = tokenizers.Tokenizer.from_str(self._json)
-            self._backend.encode_special_tokens = True
+            self._backend = _encoding_backend(self._json)
         else:
             self._json = None
             self._backend = None
@@ -116,8 +125,7 @@ class TextTokenizer:
         self.__dict__.update(state)
         self.__dict__.setdefault("_fingerprint", None)  # pickled before the attribute existed
         if self._json is not None:
-            self._backend = tokenizers.Tokenizer.from_str(self._json)
-            self._backend.encode_special_tokens = True
+            self._backend = _encoding_backend(self._json)
 
     # ------------------------------------------------------------------------------------------ lookup
     def _token_to_id(self, token: str) -> int | None:
@@ -179,6 +187,8 @@ class TextTokenizer:
 
         The post-processor is left out: :meth:`encode` never applies it, and a causal LM's saved
         tokenizer frames text differently (:meth:`save`) from the same tokenizer's under an MLM.
+        Truncation and padding count as off, as encoding runs them (``_encoding_backend``): a token
+        cache built while they cut documents short no longer matches.
 
         A tokenizer without a Rust backend (a Python "slow" transformers tokenizer) is fingerprinted by
         the files its ``save_pretrained`` writes: its vocabulary alone would leave out merges and
@@ -189,6 +199,7 @@ class TextTokenizer:
             roles = json.dumps(self._special, sort_keys=True)
             if self._json is not None:
                 encoding = {k: v for k, v in json.loads(self._json).items() if k != "post_processor"}
+                encoding.update(truncation=None, padding=None)
                 self._fingerprint = sha256_text(json.dumps(encoding, sort_keys=True, ensure_ascii=False), roles)
             else:
                 self._fingerprint = sha256_text(type(self._hf).__name__, *_saved_files(self._hf), roles)
