@@ -260,3 +260,40 @@ def test_norm_attention_in_fp16_with_every_norm(norm_type, per_head):
     o = layer.half()(x.half())[0]
     assert o.dtype == torch.float16 and torch.isfinite(o).all()
     assert float((o.detach().double() - ref).norm() / ref.norm()) < 5e-3
+
+
+def test_module_arguments_are_checked_at_construction():
+    # a negative eps had flipped SimpleRMSNorm's sign (-16777216 for ones), a NaN one made every
+    # output NaN; the others were accepted until (or through) the first forward
+    from transnormer.modules.norms import MaskedBatchNorm, ScaleNorm
+
+    for name in ("simple_rms", "rms", "layer", "scale", "batch"):
+        for eps in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+                build_norm(name, 8, eps=eps)
+    with pytest.raises(ValueError, match="eps must be"):
+        ScaleNorm(8, eps=-1e-5)
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\]"):
+        MaskedBatchNorm(8, momentum=5)
+    with pytest.raises(ValueError, match="pairing must be"):
+        LRPE(8, pairing="bogus")
+    for call, name in ((lambda: LRPE(0), "head_dim"), (lambda: LearnedPositions(0, 4), "max_positions"),
+                       (lambda: LearnedPositions(4, 0), "dim"), (lambda: GLU(8, hidden=0), "hidden")):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            call()
+
+
+def test_masked_batch_norm_checks_the_mask_and_needs_two_positions():
+    from transnormer.modules.norms import MaskedBatchNorm
+
+    bn = MaskedBatchNorm(4).train()
+    x = torch.randn(3, 2, 4)
+    with pytest.raises(ValueError, match=r"mask must have the shape of x without its last dim, \(3, 2\)"):
+        bn(x, torch.ones(2, 3, dtype=torch.bool))  # [T, B]: had picked other positions silently
+    # one valid position: no spread to measure. It had zeroed the output (var 0) and pulled
+    # running_var towards 0; now the running statistics serve, as for no valid position
+    mask = torch.zeros(3, 2, dtype=torch.bool)
+    mask[1, 0] = True
+    y = bn(x, mask)
+    assert torch.equal(bn.running_var, torch.ones(4)) and torch.equal(bn.running_mean, torch.zeros(4))
+    torch.testing.assert_close(y, x * torch.rsqrt(torch.tensor(1 + bn.eps)))

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops._checks import check_positive_int
 from ..ops.rowwise import projected_silu_gate
 from .linear import Linear
 
@@ -29,6 +30,7 @@ class GLU(nn.Module):
     def __init__(self, dim: int, hidden: int | None = None, act: str = "silu", dropout: float = 0.0):
         super().__init__()
         hidden = int(8 * dim / 3) if hidden is None else hidden
+        check_positive_int("hidden", hidden)
         self.act_name, self.act = act, get_activation(act)
         self.l1 = Linear(dim, hidden)
         self.l2 = Linear(dim, hidden)

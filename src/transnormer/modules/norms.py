@@ -6,6 +6,8 @@ All norms act on the last dimension of x: [..., d] and accept an optional ``mask
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,6 +30,12 @@ def _check_width(norm: nn.Module, x: torch.Tensor) -> None:
                          f"got {tuple(x.shape)}")
 
 
+def _check_eps(eps) -> None:
+    # (a negative ε had flipped SimpleRMSNorm's sign, a NaN one made every output NaN)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
 class SimpleRMSNorm(nn.Module):
     """SRMSNorm: no gain, no bias (spec §5).
 
@@ -37,6 +45,7 @@ class SimpleRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-8, eps_inside_sqrt: bool = False):
         super().__init__()
+        _check_eps(eps)
         self.dim, self.eps, self.eps_inside_sqrt = dim, eps, eps_inside_sqrt
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,6 +77,7 @@ class ScaleNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-5, *, feeds_autocast: bool = False):
         super().__init__()
+        _check_eps(eps)
         self.dim, self.eps, self.feeds_autocast = dim, eps, feeds_autocast
         self.scale = nn.Parameter(torch.ones(()))
 
@@ -99,13 +109,17 @@ class MaskedBatchNorm(nn.Module):
     x: [B, T, d]; mask: [B, T]. In eval mode the running statistics are used. Training statistics
     are this process's batch, or, after :func:`sync_batch_norm` (the authors' SyncBatchNorm;
     ``lra train``'s default), the valid positions of every process's batch (two all-reduces per
-    forward, differentiable: the result is that of one process holding the global batch).
+    forward, differentiable: the result is that of one process holding the global batch). A batch
+    with fewer than two valid positions has no spread to measure: the running statistics serve.
     """
 
     has_call_state = True  # running statistics: updated once per step, not again when recomputed
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__()
+        _check_eps(eps)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
         self.dim, self.eps, self.momentum = dim, eps, momentum
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
@@ -139,9 +153,12 @@ class MaskedBatchNorm(nn.Module):
         if self.training:
             flat = xf.reshape(-1, self.dim)
             if mask is not None:
+                if mask.shape != x.shape[:-1]:  # a [T, B] mask had picked other positions silently
+                    raise ValueError(f"mask must have the shape of x without its last dim, {tuple(x.shape[:-1])}, "
+                                     f"got {tuple(mask.shape)}")
                 flat = flat[mask.reshape(-1).bool()]
             mean, var, n = self._batch_stats(flat)
-            if n == 0:
+            if n < 2:  # no spread to measure (one position: var 0 would zero the output and pull running_var to 0)
                 mean, var = self.running_mean, self.running_var
             else:
                 if not recomputing():  # once per step: not again in activation checkpointing's recomputation
@@ -180,6 +197,7 @@ def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt
     if name == "rms":
         return RMSNorm(dim, 1e-6 if eps is None else eps)
     if name == "layer":
+        _check_eps(1e-5 if eps is None else eps)
         return LayerNorm(dim, eps=1e-5 if eps is None else eps)
     if name == "scale":
         return ScaleNorm(dim, 1e-5 if eps is None else eps, feeds_autocast=feeds_autocast)

@@ -12,10 +12,16 @@ import math
 import torch
 import torch.nn as nn
 
+from ..ops._checks import check_positive_int
 from ..ops.lrpe import FEATURE_KERNELS, lrpe_feature_map
 
 LRPE_TYPES = ("householder_rope", "rope", "none")
 
+
+
+def _check_pairing(pairing) -> None:
+    if pairing not in ("interleaved", "half"):
+        raise ValueError(f"pairing must be 'interleaved' or 'half', got {pairing!r}")
 
 def _as_batched(positions: torch.Tensor) -> torch.Tensor:
     return positions[None] if positions.dim() == 1 else positions
@@ -31,8 +37,7 @@ def rotate(x: torch.Tensor, angles: torch.Tensor, pairing: str = "interleaved") 
     backward would allocate and fill a zero tensor per slice.
     """
     P = angles.shape[-1]
-    if pairing not in ("interleaved", "half"):
-        raise ValueError(f"pairing must be 'interleaved' or 'half', got {pairing!r}")
+    _check_pairing(pairing)
     D = x.shape[-1]
     cos, sin = torch.cos(angles), torch.sin(angles)
     rot = x[..., : 2 * P] if D != 2 * P else x
@@ -66,6 +71,8 @@ class LRPE(nn.Module):
         pairing: str = "interleaved",
     ):
         super().__init__()
+        check_positive_int("head_dim", head_dim)
+        _check_pairing(pairing)  # (had waited for the first forward)
         self.head_dim, self.householder, self.pairing = head_dim, householder, pairing
         n_pairs = head_dim // 2
         theta = base ** (-2.0 * torch.arange(n_pairs, dtype=torch.float32) / head_dim)
@@ -189,6 +196,8 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_positions: int, dim: int):
         super().__init__()
+        check_positive_int("max_positions", max_positions)
+        check_positive_int("dim", dim)
         self.max_positions = max_positions
         self.weight = nn.Parameter(torch.zeros(max_positions, dim))
         nn.init.normal_(self.weight, std=0.02)
