@@ -183,6 +183,12 @@ def test_dataset_collate_and_splits(tmp_path, tok):
         collate([data["train"][0], data["test"][0]])
     with pytest.raises(ValueError, match="pad_id"):
         ClassificationCollator(None)
+    # float ids and labels are refused, naming them (int() had made label 1.7 class 1, id 2.5 id 2)
+    with pytest.raises(TypeError, match="labels must hold integers"):
+        collate([{"input_ids": [5, 6], "labels": 1.7}])
+    with pytest.raises(TypeError, match=r"seqs\[0\] must hold integers"):
+        collate([{"input_ids": [5.0, 6.5], "labels": 1}])
+    assert collate([{"input_ids": [], "labels": 0}])["input_ids"].shape == (1, 0)  # an empty list is not a float
 
 
 def test_truncation_and_too_long_error(tmp_path, tok):

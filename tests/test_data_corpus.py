@@ -319,6 +319,15 @@ def test_hf_line_rows_keep_their_blank_lines(monkeypatch):
     assert c["valid"] == split_into_documents("".join(r or "\n" for r in rows))
 
 
+def test_hf_val_split_is_the_valid_split(monkeypatch):
+    # a dataset's "val" split had been dropped, and a valid split carved out of train instead
+    split = {"train": _FakeSplit([f"train doc {i}\n\n" for i in range(30)]), "val": _FakeSplit(["val doc\n"]),
+             "test": _FakeSplit(["test doc\n"])}
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a: split))
+    c = load_corpus("hf:vals")
+    assert c["valid"] == ["val doc"] and len(c["train"]) == 30
+
+
 def test_hf_spec_without_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
     with pytest.raises(ImportError, match="needs the 'datasets' package"):

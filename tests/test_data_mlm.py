@@ -111,3 +111,19 @@ def test_from_tokenizer_and_errors():
         MLMCollator(vocab_size=VOCAB, mask_id=MASK)([{"input_ids": [5, 6]}])
     with pytest.raises(TypeError, match=r"batch\[1\]"):
         _collator()([{"input_ids": [5]}, {"ids": [6]}])
+
+
+def test_float_ids_and_masks_are_refused():
+    # cast to long before any check: ids [5.9, 6.7, 7.2] had become [5, 6, 7] (then masked), and a
+    # mask of 0.6 had become 0
+    collate = _collator()
+    with pytest.raises(TypeError, match="input_ids must hold integers"):
+        collate({"input_ids": [[5.9, 6.7, 7.2]]})
+    with pytest.raises(TypeError, match="attention_mask must hold integers"):
+        collate({"input_ids": [[5, 6, 7]], "attention_mask": [[0.6, 1.0, 1.0]]})
+    with pytest.raises(TypeError, match="input_ids must hold integers"):
+        collate({"input_ids": [[True, False]]})
+    out = collate({"input_ids": [[5, 6, 7]], "attention_mask": [[True, True, False]]})  # a bool mask is a mask
+    assert out["input_ids"].shape == (1, 3)
+    with pytest.raises(TypeError, match=r"seqs\[1\] must hold integers"):
+        pad_sequences([[1, 2], [3.7]], 0)

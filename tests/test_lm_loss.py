@@ -133,6 +133,12 @@ def test_labels_out_of_range_raise_like_cross_entropy(dtype):
             linear_cross_entropy(h, W, labels)
 
 
+def test_bool_labels_are_refused_like_cross_entropy():
+    # True/False had been scored as classes 1 and 0 (F.cross_entropy refuses a bool target)
+    with pytest.raises(ValueError, match="labels must be integer"):
+        linear_cross_entropy(torch.randn(3, 8), torch.randn(10, 8), torch.tensor([True, False, True]))
+
+
 @pytest.mark.parametrize("ignore_index", [-100, 0, 7, 50, -5])
 def test_any_ignore_index_is_accepted(ignore_index):
     # an ignore_index at or beyond V used to reach the gather (or the fused rows) as a class index

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .._files import atomic_write_text
-from .mlm import pad_sequences
+from .mlm import as_ids, pad_sequences
 
 __all__ = [
     "ClassificationCollator",
@@ -548,7 +548,7 @@ class ClassificationCollator:
         batch = {"input_ids": ids, "attention_mask": mask}
         has = ["labels" in it for it in items]
         if all(has):
-            batch["labels"] = torch.tensor([int(it["labels"]) for it in items], dtype=torch.long)
+            batch["labels"] = as_ids("labels", [it["labels"] for it in items])  # (int() had made 1.7 class 1)
         elif any(has):
             raise ValueError("items: some items have labels and some do not")
         return batch

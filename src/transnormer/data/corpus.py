@@ -434,10 +434,9 @@ def _load_hf_corpus(spec: str, seed: int, valid_fraction: float, test_fraction: 
             "(or pip install 'transnormer[data]')"
         ) from e
     ds = datasets.load_dataset(name, config or None)
-    aliases = {"train": "train", "validation": "valid", "valid": "valid", "dev": "valid", "test": "test"}
     splits: dict[str, list[str]] = {}
-    for hf_split in ds:
-        ours = aliases.get(hf_split)
+    for hf_split in ds:  # the split names a path's file names use ("val" had been dropped, a valid split carved from train)
+        ours = _SPLIT_WORDS.get(hf_split)
         if ours is None or ours in splits:
             continue
         splits[ours] = _hf_documents(ds[hf_split], f"{spec} [{hf_split}]")

@@ -20,7 +20,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["MLMCollator", "mask_tokens", "pad_sequences"]
+__all__ = ["MLMCollator", "as_ids", "mask_tokens", "pad_sequences"]
+
+
+def as_ids(name: str, value, *, allow_bool: bool = False) -> torch.Tensor:
+    """``value`` as a LongTensor of ids (or labels, or a 0/1 mask with ``allow_bool``). Floating-point
+    values are refused, naming ``name``: a cast had truncated 5.9 to id 5 and a mask of 0.6 to 0."""
+    t = torch.as_tensor(value)
+    if t.numel() and (t.is_floating_point() or t.is_complex() or (t.dtype == torch.bool and not allow_bool)):
+        raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    return t.long()
 
 
 def pad_sequences(
@@ -36,7 +45,7 @@ def pad_sequences(
         raise ValueError("seqs must not be empty")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
-    rows = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+    rows = [as_ids(f"seqs[{i}]", s) for i, s in enumerate(seqs)]
     for i, r in enumerate(rows):
         if r.ndim > 1:  # reshape(-1) had run a 2-D row's rows together silently
             raise ValueError(f"seqs[{i}] must be 1-D (a sequence of ids), got shape {tuple(r.shape)}")
@@ -206,10 +215,10 @@ class MLMCollator:
         if isinstance(batch, Mapping):
             if "input_ids" not in batch:
                 raise ValueError("batch: a batch dict needs 'input_ids'")
-            input_ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
+            input_ids = as_ids("input_ids", batch["input_ids"])
             attention_mask = batch.get("attention_mask")
             if attention_mask is not None:
-                attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
+                attention_mask = as_ids("attention_mask", attention_mask, allow_bool=True)
         else:
             if len(batch) == 0:
                 raise ValueError("batch must not be empty")

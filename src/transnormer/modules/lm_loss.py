@@ -190,7 +190,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     """
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
         raise ValueError(f"h must be [N, d] and weight [V, d]; got {tuple(h.shape)} and {tuple(weight.shape)}")
-    if labels.shape != h.shape[:1] or labels.is_floating_point():
+    if labels.shape != h.shape[:1] or labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"labels must be integer [N] = [{h.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
     V = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
