@@ -183,6 +183,8 @@ def test_dataset_collate_and_splits(tmp_path, tok):
         collate([data["train"][0], data["test"][0]])
     with pytest.raises(ValueError, match="pad_id"):
         ClassificationCollator(None)
+    with pytest.raises(ValueError, match="pad_to must be None or an int >= 1"):  # its error had said max_length
+        ClassificationCollator(0, pad_to=0)
     # float ids and labels are refused, naming them (int() had made label 1.7 class 1, id 2.5 id 2)
     with pytest.raises(TypeError, match="labels must hold integers"):
         collate([{"input_ids": [5, 6], "labels": 1.7}])

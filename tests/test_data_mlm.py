@@ -98,6 +98,14 @@ def test_from_tokenizer_and_errors():
         MLMCollator(vocab_size=VOCAB, mask_id=None)
     with pytest.raises(ValueError, match="mask_id"):
         MLMCollator(vocab_size=VOCAB, mask_id=VOCAB)
+    # at construction, not at the first batch
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="max_length must be None or an int >= 1"):
+            _collator(max_length=bad)
+        with pytest.raises(ValueError, match="max_length must be None or an int >= 1"):
+            pad_sequences([[1, 2]], 0, max_length=bad)
+    with pytest.raises(ValueError, match=f"pad_id must be an id in \\[0, vocab_size={VOCAB}\\)"):
+        MLMCollator(vocab_size=VOCAB, mask_id=MASK, pad_id=VOCAB)
     with pytest.raises(TypeError, match="input_ids"):
         mask_tokens(torch.zeros(4), mask_id=MASK, vocab_size=VOCAB)
     with pytest.raises(TypeError, match="input_ids"):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .._files import atomic_write_text
-from .mlm import as_ids, pad_sequences
+from .mlm import as_ids, check_max_length, pad_sequences
 
 __all__ = [
     "ClassificationCollator",
@@ -538,6 +538,7 @@ class ClassificationCollator:
             raise ValueError("pad_id: the tokenizer has no pad token; pass an explicit pad_id")
         if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
             raise ValueError(f"pad_id must be a non-negative int, got {pad_id!r}")
+        check_max_length("pad_to", pad_to)
         self.pad_id = pad_id
         self.pad_to = pad_to
 

@@ -23,6 +23,12 @@ import torch
 __all__ = ["MLMCollator", "as_ids", "mask_tokens", "pad_sequences"]
 
 
+def check_max_length(name: str, value) -> None:
+    """A padded length: None or an int >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
 def as_ids(name: str, value, *, allow_bool: bool = False) -> torch.Tensor:
     """``value`` as a LongTensor of ids (or labels, or a 0/1 mask with ``allow_bool``). Floating-point
     values are refused, naming ``name``: a cast had truncated 5.9 to id 5 and a mask of 0.6 to 0."""
@@ -51,6 +57,7 @@ def pad_sequences(
             raise ValueError(f"seqs[{i}] must be 1-D (a sequence of ids), got shape {tuple(r.shape)}")
     rows = [r.reshape(-1) for r in rows]
     length = max(len(r) for r in rows)
+    check_max_length("max_length", max_length)
     if max_length is not None:
         if length > max_length:
             raise ValueError(f"a sequence has length {length} > max_length={max_length}")
@@ -171,6 +178,10 @@ class MLMCollator:
             raise ValueError("mask_id: the tokenizer has no mask token; masked-LM needs one")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        check_max_length("max_length", max_length)  # (had waited for the first batch)
+        if pad_id is not None and (isinstance(pad_id, bool) or not isinstance(pad_id, int)
+                                   or not 0 <= pad_id < vocab_size):
+            raise ValueError(f"pad_id must be an id in [0, vocab_size={vocab_size}) or None, got {pad_id!r}")
         self.vocab_size = vocab_size
         self.mask_id = mask_id
         self.pad_id = pad_id
