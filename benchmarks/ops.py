@@ -13,9 +13,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from transnormer.bench import measure
+from transnormer.bench import default_dtypes, measure
 from transnormer.ops import norm_linear_attn
-from transnormer.runtime import cpu_has_bf16_products, tune_allocator
+from transnormer.runtime import tune_allocator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -41,9 +41,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     if args.dtypes is None:
-        args.dtypes = ["fp32", "bf16"] if cpu_has_bf16_products() else ["fp32"]
-        if args.dtypes == ["fp32"]:
-            print("this CPU has no bf16 products (AVX512-BF16 or AMX): measuring fp32 only (--dtypes bf16 to insist)")
+        args.dtypes = default_dtypes()
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
     B, H, D = 1, 8, 64
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={B} H={H} D={D} chunk={args.chunk}")

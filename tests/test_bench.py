@@ -463,7 +463,7 @@ def test_bench_measures_bf16_by_default_only_where_the_cpu_multiplies_it(monkeyp
     fp32: `bench all` measures fp32 alone there (and skips the bf16-only long step, saying so);
     --dtypes bf16 still insists."""
     import transnormer.cli_bench as cli_bench
-    from transnormer.bench import suite
+    from transnormer.bench import suite, timing
     from transnormer.cli import main
 
     seen = {}
@@ -477,7 +477,7 @@ def test_bench_measures_bf16_by_default_only_where_the_cpu_multiplies_it(monkeyp
     for name in ("ops", "train", "memory", "long", "peers"):
         monkeypatch.setattr(suite, f"bench_{name}", part(name))
     monkeypatch.setattr(cli_bench, "_print", lambda res: None)
-    monkeypatch.setattr(cli_bench, "cpu_has_bf16_products", lambda: bf16_products)
+    monkeypatch.setattr(timing, "cpu_has_bf16_products", lambda: bf16_products)
     assert main(["bench", "all", "--out", str(tmp_path / "a")]) == 0
     want = ["fp32", "bf16"] if bf16_products else ["fp32"]
     assert seen == {"ops": want, "train": want, "memory": want, "peers": want, **({"long": None} if bf16_products else {})}

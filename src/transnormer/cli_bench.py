@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 from .cli import positive_float, positive_int
-from .runtime import cpu_has_bf16_products
 
 
 def _print(res: dict) -> None:
@@ -50,6 +49,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from .bench import suite
+    from .bench.timing import default_dtypes
 
     _check_flags(args)
     if args.threads:
@@ -59,10 +59,8 @@ def cmd_bench(args) -> int:
     what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
     all_verdicts = []
     if args.dtypes is None:
-        args.dtypes = ["fp32", "bf16"]
-        if not cpu_has_bf16_products():  # PyTorch's bf16 matmul is a slow fallback there (runtime.py)
-            args.dtypes = ["fp32"]
-            print("this CPU has no bf16 products (AVX512-BF16 or AMX): measuring fp32 only (--dtypes bf16 to insist)")
+        args.dtypes = default_dtypes()
+        if args.dtypes == ["fp32"]:  # no bf16 products on this CPU
             if "long" in what and len(what) > 1:
                 what.remove("long")
                 all_verdicts.append("SKIP  long: its target is a bf16 step, and this CPU has no bf16 products "

@@ -14,7 +14,16 @@ from collections.abc import Callable
 import torch
 
 from ..ops import dense
+from ..runtime import cpu_has_bf16_products
 
+
+def default_dtypes() -> list[str]:
+    """The dtypes a benchmark measures unless told: fp32 and bf16, or fp32 alone (saying so) on a CPU
+    without bf16 products (AVX512-BF16 or AMX), where PyTorch's bf16 matmul is a slow fallback."""
+    if cpu_has_bf16_products():
+        return ["fp32", "bf16"]
+    print("this CPU has no bf16 products (AVX512-BF16 or AMX): measuring fp32 only (--dtypes bf16 to insist)")
+    return ["fp32"]
 
 def measure(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3, min_time: float = 0.0) -> dict:
     """Run ``fn`` ``warmup`` times, then at least ``repeat`` times (and ``min_time`` seconds).
