@@ -271,7 +271,8 @@ struct Worker {
     // The same rows as the A of a product (A read in rows: C = x B with B [C x N]): in place also
     // where gemm reads each row block of it once for all the panels (gemm_rows_outer).
     const T* a_rows(idx L, idx C, const T* x, idx ld, idx N, T* tile, idx& ld_out) const {
-        return operand_rows(L, C, x, ld, gemm_rows_outer<T>(C, N) ? 0 : N, tile, ld_out);
+        if (gemm_rows_outer<T>(C, N)) return ld_out = ld, x;
+        return operand_rows(L, C, x, ld, N, tile, ld_out);
     }
 
     // Queue into pf the rows of x (E wide if e, else D) that the walk's next step reads: head
