@@ -397,3 +397,35 @@ def test_an_error_in_a_later_layer_leaves_the_cache_as_it_was(monkeypatch):
     assert torch.equal(before[1], cache.seen) and before[2] == cache.length
     full = model(ids).logits
     torch.testing.assert_close(model(ids[:, 6:], cache=cache, use_cache=True).logits, full[:, 6:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ALL_CAUSAL_TINY)
+def test_what_padding_holds_never_reaches_a_cached_call(name):
+    """A padded position's key and value get weight 0, and 0 * inf/NaN is NaN: the cached paths (a
+    prefill, a chunked prefill on a cache, one step) zero them as the full forward does, so the
+    logits of the real tokens are the same whatever the padding holds."""
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=61, dropout=0.0, hidden_size=32, num_attention_heads=2, block_size=4,
+                        chunk_size=4).eval()
+    embeds = model.get_input_embeddings()(torch.randint(3, 61, (2, 13)))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, :5] = 0
+    nxt = model.get_input_embeddings()(torch.randint(3, 61, (2, 1)))
+
+    def logits(fill: float):
+        e = embeds.masked_fill(~mask.bool()[..., None], fill)
+        whole = model(inputs_embeds=e, attention_mask=mask, use_cache=True)
+        step = model(inputs_embeds=nxt, attention_mask=torch.ones(2, 14, dtype=torch.long), cache=whole.cache,
+                     use_cache=True)
+        cache, parts = None, []
+        for a in range(0, 13, 3):  # chunks on a cache, the first ones all padding in row 1
+            out = model(inputs_embeds=e[:, a:a + 3], attention_mask=mask[:, :a + 3], cache=cache, use_cache=True)
+            cache = out.cache
+            parts.append(out.logits)
+        return whole.logits, step.logits, torch.cat(parts, 1)
+
+    real = mask.bool()
+    for clean, dirty in zip(logits(0.0), logits(float("nan")), strict=True):
+        keep = real[:, :clean.shape[1]] if clean.shape[1] == 13 else torch.ones(2, 1, dtype=torch.bool)
+        assert torch.isfinite(dirty[keep]).all()
+        torch.testing.assert_close(dirty[keep], clean[keep], atol=1e-5, rtol=1e-5)

@@ -192,6 +192,21 @@ def windows_of_blocks(cached: int, T: int, block: int, device):
         yield a, torch.cat([old, torch.arange(cached + max(0, a - block), cached + min(T, a + block), device=device)])
 
 
+def zero_padded(valid: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """xs ([B, T, ...]) with the rows of padding (``valid`` [B, T] False) set to 0. Attention weighs
+    a padded key or value by 0, and 0 times an inf or NaN there is NaN: the full forwards zero them
+    in the ops, the cached paths with this."""
+    return tuple(x.masked_fill(~valid.reshape(*valid.shape, *(1,) * (x.dim() - 2)), 0) for x in xs)
+
+
+def with_cache(cache: dict | None, **new: torch.Tensor) -> dict:
+    """The named [B, T, ...] tensors after the cache's entries of the same names (along T); ``new``
+    itself when there is no cache yet."""
+    if cache is None or "k" not in cache:
+        return new
+    return {name: torch.cat([cache[name], x], 1) for name, x in new.items()}
+
+
 def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -> dict:
     """Keep, per row, the keys/values of the block of the last real token (at most ``block``).
 
@@ -200,11 +215,8 @@ def update_block_cache(cache: dict | None, k, v, positions, valid, block: int) -
     """
     B, T, H, D = k.shape
     E = v.shape[-1]
-    if cache is not None and "k" in cache:
-        k = torch.cat([cache["k"], k], 1)
-        v = torch.cat([cache["v"], v], 1)
-        positions = torch.cat([cache["pos"], positions], 1)
-        valid = torch.cat([cache["valid"], valid], 1)
+    seq = with_cache(cache, k=k, v=v, pos=positions, valid=valid)
+    k, v, positions, valid = seq["k"], seq["v"], seq["pos"], seq["valid"]
     # [B]; -1 for a row with no tokens at all (an empty first segment: amax has nothing to reduce)
     last = (torch.where(valid, positions, torch.full_like(positions, -1)).amax(1) if positions.shape[1]
             else positions.new_full((B,), -1))

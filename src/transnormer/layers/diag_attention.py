@@ -16,6 +16,8 @@ from .base import (
     same_block_keys,
     update_block_cache,
     windows_of_blocks,
+    with_cache,
+    zero_padded,
 )
 
 
@@ -43,15 +45,10 @@ def cached_block_attend(q, k, v, cache, positions, valid, *, block: int, kernel:
     O(T·block). Against all T keys at once it had been quadratic in T (a 2,048-token chunk 14x the
     time of a prefill from empty); rows with gaps still take that path.
     """
-    c0 = 0
-    if cache is not None and "k" in cache:
-        c0 = cache["k"].shape[1]
-        K = torch.cat([cache["k"], k], 1)
-        V = torch.cat([cache["v"], v], 1)
-        kpos = torch.cat([cache["pos"], positions], 1)
-        kvalid = torch.cat([cache["valid"], valid], 1)
-    else:
-        K, V, kpos, kvalid = k, v, positions, valid
+    c0 = cache["k"].shape[1] if cache is not None and "k" in cache else 0
+    k, v = zero_padded(valid, k, v)
+    seq = with_cache(cache, k=k, v=v, pos=positions, valid=valid)
+    K, V, kpos, kvalid = seq["k"], seq["v"], seq["pos"], seq["valid"]
     T = q.shape[1]
     kw = dict(block=block, kernel=kernel, causal=causal)
     if T <= 2 * block or not (causal and one_run_per_row(valid)):

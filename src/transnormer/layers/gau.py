@@ -48,6 +48,8 @@ from .base import (
     same_block_keys,
     update_block_cache,
     windows_of_blocks,
+    with_cache,
+    zero_padded,
 )
 
 REL_BIAS_TYPES = ("toeplitz", "toeplitz_moving", "rope_bias", "t5", "none")
@@ -269,10 +271,9 @@ class GAU(_GatedUnit):
                              "length) or 'visible' to decode")
         if self.rel_bias.kind == "toeplitz_moving":
             raise ValueError("rel_bias 'toeplitz_moving' depends on the full sequence length; use 'toeplitz' to decode")
-        K, V, kpos, kvalid = k, v, positions, valid
-        if cache is not None and "k" in cache:
-            K, V = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
-            kpos, kvalid = torch.cat([cache["pos"], positions], 1), torch.cat([cache["valid"], valid], 1)
+        k, v = zero_padded(valid, k, v)
+        seq = with_cache(cache, k=k, v=v, pos=positions, valid=valid)
+        K, V, kpos, kvalid = seq["k"], seq["v"], seq["pos"], seq["valid"]
         # Positions, not indices, order the keys: rows may hold padding holes after a prefill.
         allowed = kvalid[:, None, :] & (kpos[:, None, :] <= positions[:, :, None])
         if self.normalizer == "fixed":
@@ -351,6 +352,8 @@ class FLASH(_GatedUnit):
         ql, kl, qg, kg = heads.unbind(2)
         if use_cache and not self.causal:
             raise ValueError("use_cache needs a causal FLASH (decoding is causal)")
+        if use_cache:  # flash_attn zeroes them itself; the state and the cached keys need it here
+            kl, kg, v = zero_padded(valid, kl, kg, v)
         if use_cache and cache is not None and "s_prev" in cache:
             if T > 1 and one_run_per_row(valid):  # chunked prefill, a continued prompt
                 o, cache = self._continue(ql, kl, qg, kg, v, positions, valid, cache)
@@ -400,10 +403,8 @@ class FLASH(_GatedUnit):
         out = v.new_zeros(v.shape)
         if self.local_branch:
             c0 = cache["k"].shape[1]
-            K = torch.cat([cache["k"][:, :, 0], kl], 1)
-            V = torch.cat([cache["v"][:, :, 0], v], 1)
-            kpos = torch.cat([cache["pos"], positions], 1)
-            kvalid = torch.cat([cache["valid"], valid], 1)
+            seq = with_cache(cache, k=kl[:, :, None], v=v[:, :, None], pos=positions, valid=valid)
+            K, V, kpos, kvalid = seq["k"][:, :, 0], seq["v"][:, :, 0], seq["pos"], seq["valid"]
             parts = []
             for a, keys in windows_of_blocks(c0, T, C, dev):
                 qp, kp = positions[:, a:a + C], kpos[:, keys]
@@ -452,10 +453,8 @@ class FLASH(_GatedUnit):
         C = self.chunk_size
         out = v.new_zeros(v.shape)
         if self.local_branch:
-            K = torch.cat([cache["k"][:, :, 0], kl[:, None]], 1)
-            V = torch.cat([cache["v"][:, :, 0], v[:, None]], 1)
-            kpos = torch.cat([cache["pos"], pos[:, None]], 1)
-            kvalid = torch.cat([cache["valid"], valid[:, None]], 1)
+            seq = with_cache(cache, k=kl[:, None, None], v=v[:, None, None], pos=pos[:, None], valid=valid[:, None])
+            K, V, kpos, kvalid = seq["k"][:, :, 0], seq["v"][:, :, 0], seq["pos"], seq["valid"]
             allowed = same_block_keys(pos[:, None], kpos, kvalid, C)  # [B, 1, S]
             bias = self.rel_bias(pos[:, None], kpos, C)
             out = out + relu2_attention(ql[:, None], K, V, allowed=allowed, norm=float(C), bias=bias)[:, 0]

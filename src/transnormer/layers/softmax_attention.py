@@ -13,7 +13,7 @@ import torch
 
 from ..modules.positional import build_lrpe
 from ..ops.softmax import softmax_attn, softmax_attn_cached
-from .base import MultiHeadMixer, mask_and_positions, reads_given_cache
+from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, with_cache
 
 
 class SoftmaxAttention(MultiHeadMixer):
@@ -65,10 +65,8 @@ class SoftmaxAttention(MultiHeadMixer):
         if not self.causal:
             raise ValueError("use_cache needs a causal SoftmaxAttention (decoding is causal)")
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
-        if cache is not None and "k" in cache:
-            k = torch.cat([cache["k"], k], 1)
-            v = torch.cat([cache["v"], v], 1)
-            valid = torch.cat([cache["valid"], valid], 1)
+        seq = with_cache(cache, k=k, v=v, valid=valid)
+        k, v, valid = seq["k"], seq["v"], seq["valid"]
         o = softmax_attn_cached(q, k, v, key_valid=valid, query_offset=k.shape[1] - T)
         if mask is not None:
             o = o * mask[:, :, None, None].to(o.dtype)  # padded queries: 0, as in the full forward
