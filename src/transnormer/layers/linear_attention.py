@@ -24,7 +24,8 @@ class KernelLinearAttention(MultiHeadMixer):
     """Base of the linear baselines: projections, heads, the ratio core and the decoding state.
 
     Subclasses implement :meth:`feature_map`. Causal forward is chunked (linear in T);
-    decoding carries one [H, F, e + 1] state per layer (Σ φk vᵀ beside Σ φk), constant in T.
+    decoding carries one [B, H, F, e + 1] state per layer (Σ φk vᵀ beside Σ φk; [B, H, F, e]
+    without the denominator), constant in T.
     """
 
     def __init__(

@@ -25,7 +25,7 @@ class NormAttention(MultiHeadMixer):
     """O = Norm(concat_h φ̂(Q_h) φ̂(K_h)ᵀ V_h) W_o + b_o with φ̂ = LRPE ∘ kernel. x: [B, T, d].
 
     The norm runs over the full width d (the paper) or per head (``norm_per_head``). The causal
-    form is chunked (linear in T); decoding carries one [H, e, e] state (``cache["state"]``).
+    form is chunked (linear in T); decoding carries one [B, H, e, e] state (``cache["state"]``).
     """
 
     def __init__(

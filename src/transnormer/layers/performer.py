@@ -1,8 +1,8 @@
 """Performer (FAVOR+) attention: positive orthogonal random features of the softmax kernel.
 
 Differences from the reference implementation (peers.md §3.4), all deliberate:
-  * no causal leak: queries are stabilised by their own per-token maximum, keys by a
-    data-independent constant (see :func:`transnormer.ops.linear_baselines.favor_features`);
+  * no causal leak: queries are stabilised by their own per-token maximum, each key exponent
+    is capped on its own (see :func:`transnormer.ops.linear_baselines.favor_features`);
   * no ε added to the features (it does not cancel in the ratio); ε sits in the denominator only;
   * padded keys are excluded from the denominator as well as the numerator;
   * linear-time chunked causal form (no O(T·m·d) outer products) and a recurrent decode state.

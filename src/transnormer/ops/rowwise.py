@@ -280,7 +280,8 @@ def scale_offset_rope(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, 
         z: [B, T, s] shared projection (its rows may be strided: a slice of the layer's projection).
         gamma, beta: [n, s] per-head scale and offset.
         cos, sin: [B or 1, T, P] rotary tables; pairs (i, i + P) of the first 2P ≤ s channels
-            rotate (rotate-half), the other channels pass through. No gradient flows to them.
+            rotate (rotate-half), the other channels pass through. Tables that require grad get
+            it through the PyTorch form (the fused kernel runs only where they do not).
         out_dtype: the heads' dtype, computed in the promoted dtype and rounded once (a layer
             whose attention runs under bf16 autocast asks for bf16: the same values its products'
             casts would make, without the fp32 copy). None: the promoted dtype of z and γ.
