@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from conftest import rel_err, sharpen_gau
-from transnormer.layers import FLASH, GAU, CosFormerAttention, Performer, RelativePositionBias, SoftmaxAttention
+from transnormer.layers import (
+    FLASH,
+    GAU,
+    CosFormerAttention,
+    DiagAttention,
+    Performer,
+    RelativePositionBias,
+    SoftmaxAttention,
+)
 from transnormer.layers.gau import t5_bucket
 from transnormer.models import TransNormerConfig, TransNormerForCausalLM
 
@@ -406,3 +414,12 @@ def test_gau_refuses_bad_lengths(kw, err):
     name = "fixed_len" if "fixed_len" in kw else "max_rel_len"
     with pytest.raises(err, match=name):
         GAU(16, causal=True, qk_dim=8, **kw)
+
+
+@pytest.mark.parametrize("make", [lambda p: SoftmaxAttention(16, 2, causal=True, attention_dropout=p),
+                                  lambda p: GAU(16, causal=True, qk_dim=8, attention_dropout=p),
+                                  lambda p: DiagAttention(16, 2, causal=True, attention_dropout=p)])
+def test_layers_refuse_an_attention_dropout_outside_0_1(make):
+    # a negative rate had meant no dropout without a word
+    with pytest.raises(ValueError, match="attention_dropout must be in"):
+        make(-0.1)

@@ -495,6 +495,34 @@ def test_flash_attn_refuses_mismatched_shapes(shapes, match):
         flash_attn(*(torch.randn(*sh) for sh in shapes), causal=True, chunk_size=2)
 
 
+def test_gau_and_flash_refuse_what_they_cannot_compute():
+    q = torch.randn(2, 6, 4)
+    with pytest.raises(ValueError, match="fixed_len must be >= 1"):  # 0 had given inf, -3 negated the scores
+        gau_attn(q, q, q, causal=True, normalizer="fixed", fixed_len=0)
+    with pytest.raises(ValueError, match=r"bias must have shape \[T, T\] or \[B, T, T\]"):  # [T] had broadcast
+        gau_attn(q, q, q, causal=True, bias=torch.zeros(6))
+    with pytest.raises(TypeError, match="q, k, v must share one dtype"):  # had been a matmul's dtype error
+        gau_attn(q, q.double(), q, causal=True)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        gau_attn(q, q, q, causal=True, dropout_p=-0.5)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        flash_attn(q, q, q, q, q, causal=True, chunk_size=2, dropout_p=2.0)
+    left = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match="FLASH cuts blocks by index and needs right-padded rows"):  # flash.md §4.6
+        flash_attn(q, q, q, q, q, causal=True, chunk_size=2, key_padding_mask=left)
+    gau_attn(q, q, q, causal=True, key_padding_mask=left)  # GAU accepts left padding (§4.6)
+
+
+def test_cosformer_attn_checks_its_positions():
+    q = torch.randn(1, 4, 2, 3)
+    with pytest.raises(ValueError, match=r"positions must be an integer \[B, T\] = \(1, 4\) tensor"):
+        cosformer_attn(q, q, q, causal=True, positions=torch.arange(4), max_len=8)  # had been an IndexError
+    with pytest.raises(ValueError, match="cosFormer position 4 >= max_len M = 4"):  # had given negative weights
+        cosformer_attn(q, q, q, causal=True, positions=torch.arange(1, 5)[None], max_len=4)
+    mask = torch.tensor([[True, True, True, False]])  # a padded position past M is never read
+    cosformer_attn(q, q, q, causal=True, positions=torch.tensor([[0, 1, 2, 9]]), max_len=3, key_padding_mask=mask)
+
+
 def test_relu2_attention_refuses_a_second_derivative():
     # its backward read relu(s) saved without a graph: gradgradcheck failed with a silently wrong Hessian
     q, k, v = (torch.randn(1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))

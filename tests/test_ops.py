@@ -10,7 +10,9 @@ from transnormer.ops import (
     norm_linear_attn,
     norm_linear_attn_reference,
     norm_linear_attn_step,
+    softmax_attn,
 )
+from transnormer.ops.lrpe import lrpe_feature_map
 
 
 def qkv(B, T, H, D, E=None, dtype=torch.float64, positive=False, requires_grad=False):
@@ -223,6 +225,15 @@ def test_reference_returns_weights():
         (lambda q, k, v: block_attn(q, k, v, causal=True, kernel="tanh"), ValueError, "kernel"),
         (lambda q, k, v: block_attn(q, k, v, causal=True, key_padding_mask=torch.ones(3, 3)), ValueError, "key_padding_mask"),
         (lambda q, k, v: norm_linear_attn_step(q, k, v, None), ValueError, "[B, H, D]"),
+        # dropout_p < 0 had meant no dropout; > 1 and softmax's "do not support dropout" named no argument
+        (lambda q, k, v: block_attn(q, k, v, causal=True, kernel="relu", dropout_p=-0.1), ValueError, "dropout_p"),
+        (lambda q, k, v: softmax_attn(q, k, v, causal=True, dropout_p=1.5), ValueError, "dropout_p"),
+        (lambda q, k, v: softmax_attn(q, k, v, causal=True, dropout_p=True), TypeError, "dropout_p"),
+        # a non-finite scale made every output NaN
+        (lambda q, k, v: softmax_attn(q, k, v, causal=True, scale=float("nan")), ValueError, "scale must be finite"),
+        (lambda q, k, v: block_attn(q, k, v, causal=True, scale=float("inf")), ValueError, "scale must be finite"),
+        (lambda q, k, v: block_attn_reference(q, k, v, causal=True, block_size=0), ValueError, "block_size"),
+        (lambda q, k, v: lrpe_feature_map(q, [[1.0]], None), TypeError, "cos must be a floating-point"),
     ],
 )
 def test_bad_input_errors(call, exc, word):

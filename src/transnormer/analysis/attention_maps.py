@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.base import default_positions, mask_and_positions, require_right_padding
+from ..layers.base import default_positions, mask_and_positions
+from ..ops._checks import check_right_padded
 from ..ops.reference import block_attn_reference, norm_linear_attn_reference
 
 # The ReLA row sum is clamped at this value before dividing (the released code's choice, spec §10).
@@ -147,7 +148,7 @@ def diag_attention_map(layer, x, attention_mask=None, positions=None) -> Attenti
     clamped at ≥ 1e-4 (rows whose scores are all ≤ 0 stay zero). Dropout is never applied."""
     mask, positions = mask_and_positions(x, attention_mask, positions)
     if x.shape[1] > layer.block_size:  # as the layer: blocks are cut by index, real tokens first
-        require_right_padding(mask, "DiagAttention")
+        check_right_padded(mask, "DiagAttention")
     q, k, v = layer.featurize(x, positions)  # q already carries the e^{-1/2} scale
     _, p = block_attn_reference(
         q.double(), k.double(), v.double(), block_size=layer.block_size, causal=layer.causal,

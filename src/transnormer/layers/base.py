@@ -154,14 +154,6 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
     return mask_or_none(attention_mask), positions.expand(B, T)
 
 
-def require_right_padding(mask: torch.Tensor | None, who: str) -> None:
-    """Raise unless every row's real tokens come first: layers that cut blocks or chunks by index
-    (Diag, FLASH) would otherwise cut them at other positions than the unpadded sequence has."""
-    if mask is not None and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError(f"{who} cuts blocks by index and needs right-padded rows (real tokens first); "
-                         "TransNormerModel moves left padding to the right before the layers")
-
-
 def one_run_per_row(valid: torch.Tensor) -> bool:
     """Whether each row's valid tokens [B, T] are consecutive (or absent), as the model lays out a call."""
     T = valid.shape[1]

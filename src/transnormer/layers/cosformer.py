@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.linear_baselines import DEFAULT_EPS, cosformer_features
+from ..ops.linear_baselines import DEFAULT_EPS, check_cosformer_positions, cosformer_features
 from .linear_attention import KernelLinearAttention
 
 
@@ -41,11 +41,8 @@ class CosFormerAttention(KernelLinearAttention):
             M = M.clamp_min(1)
         else:
             M = self.max_len
-            valid_pos = positions if mask is None else positions.masked_fill(~mask, 0)
-            if valid_pos.numel() and int(valid_pos.max()) >= M:
-                raise ValueError(
-                    f"cosFormer position {int(valid_pos.max())} >= max_len M = {M}: the cos re-weighting "
-                    f"needs |p_i - p_j| < M; raise layer_options['cosformer']['max_len']")
+            check_cosformer_positions(positions, M, mask, tuple(q.shape[:2]),
+                                      hint="; raise layer_options['cosformer']['max_len']")
         return cosformer_features(q, positions, M), cosformer_features(k, positions, M)
 
     def extra_repr(self) -> str:

@@ -7,12 +7,12 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
+from ..ops._checks import check_probability, check_right_padded
 from .base import (
     MultiHeadMixer,
     mask_and_positions,
     one_run_per_row,
     reads_given_cache,
-    require_right_padding,
     same_block_keys,
     update_block_cache,
     windows_of_blocks,
@@ -90,7 +90,7 @@ class DiagAttention(MultiHeadMixer):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.causal, self.kernel, self.block_size = causal, kernel, block_size
-        self.attention_dropout = attention_dropout
+        self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
         use_norm = kernel == "relu" if use_norm is None else use_norm
@@ -117,7 +117,7 @@ class DiagAttention(MultiHeadMixer):
         new_cache = None
         continuing = use_cache and cache is not None and "k" in cache
         if not continuing and T > self.block_size:  # one block (T <= block) is the same either way
-            require_right_padding(mask, "DiagAttention")
+            check_right_padded(mask, "DiagAttention")
         if use_cache:
             if not self.causal:
                 raise ValueError("use_cache needs a causal DiagAttention (decoding is causal)")

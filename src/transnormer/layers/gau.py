@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..modules.linear import Linear
 from ..modules.positional import LRPE
-from ..ops._checks import check_positive_int
+from ..ops._checks import check_positive_int, check_probability
 from ..ops.dense import linear
 from ..ops.flash import (
     GLOBAL_NORMALIZERS,
@@ -44,7 +44,6 @@ from .base import (
     mask_and_positions,
     one_run_per_row,
     reads_given_cache,
-    require_right_padding,
     same_block_keys,
     update_block_cache,
     windows_of_blocks,
@@ -179,7 +178,7 @@ class _GatedUnit(TokenMixer):
         if e < 1 or qk_dim < 1:
             raise ValueError(f"expansion and qk_dim must give positive widths, got e={e}, s={qk_dim}")
         self.hidden_size, self.e, self.s = hidden_size, e, qk_dim
-        self.causal, self.attention_dropout = causal, attention_dropout
+        self.causal, self.attention_dropout = causal, check_probability("attention_dropout", attention_dropout)
         self.proj = Linear(hidden_size, 2 * e + qk_dim)
         self.gamma = nn.Parameter(torch.empty(self.num_qk_heads, qk_dim))
         self.beta = nn.Parameter(torch.empty(self.num_qk_heads, qk_dim))
@@ -364,7 +363,6 @@ class FLASH(_GatedUnit):
                                       cache)
                 outs.append(o)
             return self.out_proj(u * torch.stack(outs, 1)), cache
-        require_right_padding(mask, "FLASH")
         o = flash_attn(ql, kl, qg, kg, v, causal=self.causal, chunk_size=self.chunk_size,
                        normalizer=self.normalizer, local_bias=self.local_bias(x.device), key_padding_mask=mask,
                        local_branch=self.local_branch, global_branch=self.global_branch,

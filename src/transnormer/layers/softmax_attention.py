@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..modules.positional import build_lrpe
+from ..ops._checks import check_probability
 from ..ops.softmax import softmax_attn, softmax_attn_cached
 from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, with_cache
 
@@ -37,7 +38,7 @@ class SoftmaxAttention(MultiHeadMixer):
         super().__init__()
         if not isinstance(rope, bool):
             raise TypeError(f"rope must be a bool, got {rope!r}")
-        self.causal, self.attention_dropout = causal, attention_dropout
+        self.causal, self.attention_dropout = causal, check_probability("attention_dropout", attention_dropout)
         self._build_projections(hidden_size, num_heads)
         self.rope = build_lrpe("rope", self.head_dim, pairing="half") if rope else None
         self.reset_parameters()

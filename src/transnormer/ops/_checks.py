@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -41,6 +43,33 @@ def check_positive_int(name: str, value: int) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_probability(name: str, p) -> float:
+    """A real number in [0, 1] (a dropout rate); bools and non-finite values refused."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__}")
+    if not 0.0 <= p <= 1.0:  # (NaN fails this too)
+        raise ValueError(f"{name} must be in [0, 1], got {p}")
+    return float(p)
+
+
+def check_scale(scale) -> None:
+    """None (the default 1/sqrt(D)) or a finite real number: inf or NaN made every output NaN."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def check_right_padded(mask: torch.Tensor | None, who: str) -> None:
+    """Raise unless every row's real tokens come first (mask [B, T] bool): what cuts blocks or chunks
+    by index (Diag, FLASH) would otherwise cut them at other positions than the unpadded sequence has."""
+    if mask is not None and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError(f"{who} cuts blocks by index and needs right-padded rows (real tokens first); "
+                         "TransNormerModel moves left padding to the right before the layers")
 
 
 def check_key_padding_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv
+from ._checks import check_key_padding_mask, check_positive_int, check_probability, check_qkv, check_scale
 
 KERNELS = ("softmax", "relu")
 
@@ -48,6 +48,8 @@ def block_attn(
     check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
     _check_kernel(kernel)
+    check_scale(scale)
+    check_probability("dropout_p", dropout_p)
     B, T, H, D = q.shape
     E = v.shape[-1]
     mask = check_key_padding_mask(key_padding_mask, B, T)

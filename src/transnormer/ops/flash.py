@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _native, dense
-from ._checks import check_key_padding_mask, check_positive_int
+from ._checks import check_key_padding_mask, check_positive_int, check_probability, check_right_padded
+from ._chunked import _exclusive_scan_cumsum
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .norm_linear import state_dtype_for
 
@@ -51,6 +52,14 @@ def _check_single_head(heads: tuple[str, ...], **tensors) -> None:
         if tensors[name].shape[-1] != tensors[heads[0]].shape[-1]:
             raise ValueError(f"{name} must have {heads[0]}'s width {tensors[heads[0]].shape[-1]}, got "
                              f"{tensors[name].shape[-1]}")
+
+
+def _check_one_dtype(**tensors: torch.Tensor) -> None:
+    """Outside autocast the heads and values must share one dtype (a matmul of two would fail)."""
+    dtypes = {x.dtype for x in tensors.values()}
+    if len(dtypes) > 1 and not torch.is_autocast_enabled(next(iter(tensors.values())).device.type):
+        raise TypeError(f"{', '.join(tensors)} must share one dtype outside autocast, "
+                        f"got {sorted(str(d) for d in dtypes)}")
 
 
 class _MaskedRelu2(torch.autograd.Function):
@@ -95,7 +104,7 @@ def relu2_attention(
     if bias is not None:
         s = s + bias.to(s.dtype)
     a = _MaskedRelu2.apply(s, allowed)
-    if dropout_p > 0.0:
+    if check_probability("dropout_p", dropout_p) > 0.0:
         a = F.dropout(a, p=dropout_p, training=True)
     return a @ v
 
@@ -105,10 +114,9 @@ _EXPLICIT_BACKWARD = True  # _CausalFlashCore where it applies (tests switch it 
 _FUSED_MIXER = True  # FLASH layers through _CausalFlashMixer where it applies (likewise)
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Sums over dim 1 of the entries before each one (the first gets 0); concatenated, not
-    cumsum − x, so no cancellation error in long sequences."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x.cumsum(1)[:, :-1]], 1)
+def _exclusive_cumsum(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Sums over dim 1 (G >= 1 chunks) of the entries before each one (after it when ``reverse``)."""
+    return _exclusive_scan_cumsum(x, None, reverse)[0]
 
 
 def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None) -> torch.Tensor:
@@ -172,7 +180,7 @@ def _prefix_adjoint(dprefix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     if G <= _PREFIX_MATMUL_MAX_CHUNKS:
         w = torch.ones(G, G, dtype=dprefix.dtype, device=dprefix.device).tril(-1) * scales[..., None]
         return w.transpose(-1, -2) @ dprefix
-    return _exclusive_cumsum((dprefix * scales[..., None]).flip(1)).flip(1)
+    return _exclusive_cumsum(dprefix * scales[..., None], reverse=True)
 
 
 def _by_chunk(C: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -377,7 +385,8 @@ def quad_normalizer(mode: str, *, causal: bool, valid: torch.Tensor, fixed_len: 
     """N_q per query row (flash.md §1.1) for a batch with key validity ``valid`` [B, T].
 
     seq_len: T_v of the row; fixed: ``fixed_len``; visible: valid keys the row can see (causal:
-    valid j ≤ i, i.e. its position + 1; bidirectional: T_v); none: 1. Returns a number or [B, T, 1].
+    valid j ≤ i, i.e. its position + 1; bidirectional: T_v); none: 1. Returns a number, [B, T, 1]
+    (causal visible) or [B, 1, 1] (seq_len, bidirectional visible).
     """
     check_normalizer(mode, QUAD_NORMALIZERS, "normalizer")
     if mode == "fixed":
@@ -408,8 +417,14 @@ def gau_attn(
     O(T²) time and memory. Returns [B, T, e].
     """
     _check_single_head(("q", "k"), q=q, k=k, v=v)
+    _check_one_dtype(q=q, k=k, v=v)
+    check_positive_int("fixed_len", fixed_len)
+    check_probability("dropout_p", dropout_p)
     B, T, _ = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)
+    if bias is not None and (bias.dim() not in (2, 3) or bias.shape[-2:] != (T, T)
+                             or (bias.dim() == 3 and bias.shape[0] not in (1, B))):
+        raise ValueError(f"bias must have shape [T, T] or [B, T, T] with T = {T}, B = {B}, got {tuple(bias.shape)}")
     valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
     allowed = None
     if mask is not None:
@@ -459,22 +474,22 @@ def flash_attn(
                        q_global=q_global, k_global=k_global, v=v)
     check_positive_int("chunk_size", chunk_size)
     check_normalizer(normalizer, GLOBAL_NORMALIZERS, "global normalizer")
+    check_probability("dropout_p", dropout_p)
     if not (local_branch or global_branch):
         raise ValueError("flash_attn needs at least one of local_branch, global_branch")
     B, T, s = q_local.shape
     e = v.shape[-1]
     C = chunk_size
     mask = check_key_padding_mask(key_padding_mask, B, T)
+    check_right_padded(mask, "FLASH")  # (§4.6: chunk boundaries would differ per row)
     valid = torch.ones(B, T, dtype=torch.bool, device=v.device) if mask is None else mask
     if local_bias is not None and local_bias.shape != (C, C):
         raise ValueError(f"local_bias must have shape [C, C] = {(C, C)}, got {tuple(local_bias.shape)}")
     G = max(1, -(-T // C))
     pad = G * C - T
     amp = torch.is_autocast_enabled(v.device.type)
-    dtypes = {x.dtype for x in (q_local, k_local, q_global, k_global, v)}
-    if len(dtypes) > 1 and not amp:  # (the fused path would cast them all to v's dtype silently)
-        raise TypeError(f"q_local, k_local, q_global, k_global and v must share one dtype outside autocast, "
-                        f"got {sorted(str(d) for d in dtypes)}")
+    # (the fused path would cast them all to v's dtype silently)
+    _check_one_dtype(q_local=q_local, k_local=k_local, q_global=q_global, k_global=k_global, v=v)
     if (causal and local_branch and global_branch and mask is None and pad == 0 and dropout_p == 0.0
             and _EXPLICIT_BACKWARD and _native.backend() != "torch"
             and (amp or v.dtype in (torch.float32, torch.float64))):

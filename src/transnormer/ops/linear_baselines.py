@@ -231,6 +231,21 @@ def cosformer_angles(positions: torch.Tensor, max_len) -> torch.Tensor:
     return (positions.to(torch.float64) * (math.pi / 2) / M)
 
 
+def check_cosformer_positions(positions, max_len, mask: torch.Tensor | None, shape: tuple, hint: str = "") -> None:
+    """positions: an integer [B, T] tensor (``shape``) whose real tokens (``mask`` [B, T], or all)
+    sit below M (a number or [B] tensor): the cos re-weighting stays >= 0 only for |p_i - p_j| < M."""
+    if not isinstance(positions, torch.Tensor) or positions.shape != shape or positions.is_floating_point():
+        raise ValueError(f"positions must be an integer [B, T] = {shape} tensor, got "
+                         f"{getattr(positions, 'shape', type(positions).__name__)}")
+    real = positions if mask is None else positions.masked_fill(~mask, 0)
+    M = torch.as_tensor(max_len, device=positions.device)
+    if real.numel() and bool((real >= (M[:, None] if M.dim() == 1 else M)).any()):
+        raise ValueError(f"cosFormer position {int(real.max())} >= max_len M = {max_len if M.dim() == 0 else 'its row length'}"
+                         f": the cos re-weighting needs |p_i - p_j| < M{hint}")
+    if real.numel() and int(real.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(real.min())}")
+
+
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, max_len) -> torch.Tensor:
     """[relu(x) cos θ_p, relu(x) sin θ_p]: x [B, T, H, D] → [B, T, H, 2D].
 
@@ -260,9 +275,10 @@ def cosformer_attn(
     """cosFormer attention, linear in T. q, k: [B, T, H, D] raw (pre-ReLU); v: [B, T, H, E];
     positions [B, T]; max_len M (number or [B]). Returns o [B, T, H, E]."""
     check_qkv(q, k, v)
-    check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1])
+    mask = check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1])
     if not isinstance(max_len, torch.Tensor) and not max_len >= 1:  # M = 0 made every weight NaN
         raise ValueError(f"max_len must be >= 1 (or a [B] tensor of row lengths), got {max_len!r}")
+    check_cosformer_positions(positions, max_len, mask, tuple(q.shape[:2]))
     qf = cosformer_features(q, positions, max_len)
     kf = cosformer_features(k, positions, max_len)
     o, _ = kernel_linear_attn(qf, kf, v, causal=causal, eps=eps, chunk_size=chunk_size,

@@ -33,6 +33,9 @@ def _check(x, cos, sin, u, kernel):
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"x must be [B, T, H, D] with D even, got {tuple(x.shape)}")
     want = (x.shape[0], x.shape[1], x.shape[-1] // 2)
+    for name, t in (("cos", cos), ("sin", sin), ("u", u)):
+        if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point()):
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[1:] != want[1:] or t.shape[0] not in (1, want[0]):
             raise ValueError(f"{name} must be [B or 1, T, D/2] = [{want[0]}, {want[1]}, {want[2]}], got {tuple(t.shape)}")

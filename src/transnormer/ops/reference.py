@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_key_padding_mask, check_qkv
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv
 from .block import _check_kernel
 
 
@@ -76,6 +76,7 @@ def block_attn_reference(
     """Dense T×T evaluation of DiagAttention; returns o or (o, weights [B, H, T, T])."""
     check_qkv(q, k, v)
     _check_kernel(kernel)
+    check_positive_int("block_size", block_size)
     B, T, H, D = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)
     if scale is None:

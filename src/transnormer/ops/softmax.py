@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._checks import check_key_padding_mask, check_qkv
+from ._checks import check_key_padding_mask, check_probability, check_qkv, check_scale
 
 
 def _sdpa_masked(q, k, v, allowed, *, scale, dropout_p):
@@ -46,6 +46,8 @@ def softmax_attn(
     (1.7–3.5x SDPA's bf16). Under CPU autocast fp32 inputs are cast first, as for SDPA.
     """
     check_qkv(q, k, v)
+    check_scale(scale)
+    check_probability("dropout_p", dropout_p)
     B, T = q.shape[:2]
     mask = check_key_padding_mask(key_padding_mask, B, T)
     if scale is None:
