@@ -20,6 +20,7 @@ import time
 import torch
 
 import transnormer.ops.flash as flash_ops
+from transnormer.cli import positive_int
 from transnormer.ops import _native, set_kernel_backend
 from transnormer.runtime import tune_allocator
 
@@ -50,8 +51,8 @@ def build_step(level: str, T: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-len", type=int, default=4096, help="T, a multiple of the chunk size 256")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--seq-len", type=positive_int, default=4096, help="T, a multiple of the chunk size 256")
+    ap.add_argument("--rounds", type=positive_int, default=8)
     ap.add_argument("--level", choices=("layer", "model"), default="layer")
     args = ap.parse_args()
     if args.seq_len < 256 or args.seq_len % 256:

@@ -13,14 +13,13 @@ import argparse
 
 import torch
 
-from transnormer.bench import measure
+from transnormer.bench import DTYPES, measure
+from transnormer.cli import positive_int
 from transnormer.modules.lm_loss import linear_cross_entropy
 from transnormer.ops import _native, set_kernel_backend
 from transnormer.ops.lrpe import lrpe_feature_map
 from transnormer.ops.rowwise import scale_offset_rope, silu_gate, silu_split, simple_rms_norm
 from transnormer.runtime import tune_allocator
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def cases(N: int, dtype: torch.dtype):
@@ -64,9 +63,9 @@ def cases(N: int, dtype: torch.dtype):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", type=positive_int, default=4096)
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=positive_int, default=5)
     args = ap.parse_args()
     tune_allocator()  # as the CLI does (transnormer/runtime.py)
     if _native.load() is None:

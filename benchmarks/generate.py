@@ -16,13 +16,10 @@ import time
 
 import torch
 
+from transnormer.bench import rss_mb
+from transnormer.cli import positive_int
 from transnormer.presets import build_model
 from transnormer.runtime import tune_allocator
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
 
 
 def cache_bytes(cache) -> int:
@@ -60,10 +57,10 @@ def bench(model, contexts: list[int], steps: int, rounds: int, vocab: int) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384])
-    ap.add_argument("--steps", type=int, default=5, help="decode steps per context per round")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--vocab-size", type=int, help="override the preset vocabulary (default: the preset's)")
+    ap.add_argument("--contexts", type=positive_int, nargs="+", default=[256, 1024, 4096, 16384])
+    ap.add_argument("--steps", type=positive_int, default=5, help="decode steps per context per round")
+    ap.add_argument("--rounds", type=positive_int, default=4)
+    ap.add_argument("--vocab-size", type=positive_int, help="override the preset vocabulary (default: the preset's)")
     args = ap.parse_args()
     args.contexts = sorted(set(args.contexts))  # the shortest is the baseline of the ratios
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)

@@ -13,11 +13,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from transnormer.bench import default_dtypes, measure
+from transnormer.bench import DTYPES, default_dtypes, measure
+from transnormer.cli import positive_int
 from transnormer.ops import norm_linear_attn
 from transnormer.runtime import tune_allocator
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def fwd_bwd_ours(q, k, v, chunk):
@@ -33,12 +32,12 @@ def fwd_bwd_sdpa(q, k, v):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                     help="default fp32 bf16, or fp32 alone on a CPU without bf16 products (AVX512-BF16 or AMX), "
                          "where PyTorch's bf16 matmul is a slow fallback")
-    ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--chunk", type=positive_int, default=64)
+    ap.add_argument("--repeat", type=positive_int, default=3)
     args = ap.parse_args()
     if args.dtypes is None:
         args.dtypes = default_dtypes()

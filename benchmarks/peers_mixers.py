@@ -29,6 +29,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 from transnormer.bench.peers import _import_peer, peer_versions
+from transnormer.cli import positive_float, positive_int
 from transnormer.layers import FLASH, NormAttention, SoftmaxAttention
 from transnormer.ops import _native
 from transnormer.runtime import tune_allocator
@@ -91,11 +92,11 @@ def crossover(rows: list[dict], name: str, ref: str) -> int | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--dim", type=positive_int, default=512)
+    ap.add_argument("--heads", type=positive_int, default=8)
     ap.add_argument("--bidirectional", action="store_true", help="default: causal")
-    ap.add_argument("--min-run-time", type=float, default=0.5, help="seconds per timed measurement")
+    ap.add_argument("--min-run-time", type=positive_float, default=0.5, help="seconds per timed measurement")
     ap.add_argument("--out", default="runs/bench/peers_mixers")
     args = ap.parse_args()
     if min(args.lengths) < 1 or args.dim < 1 or args.heads < 1 or args.dim % args.heads:

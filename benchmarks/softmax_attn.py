@@ -18,12 +18,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from transnormer.bench import gemm_gflops, measure
+from transnormer.bench import DTYPES, gemm_gflops, measure
+from transnormer.cli import positive_float, positive_int
 from transnormer.ops import _native, block_attn, set_kernel_backend
 from transnormer.ops.softmax import softmax_attn
 from transnormer.runtime import tune_allocator
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def explicit(q, k, v):
@@ -55,9 +54,9 @@ def blocks(q, k, v):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
-    ap.add_argument("--tokens", type=int, default=16384, help="tokens per call (batch = tokens / T)")
-    ap.add_argument("--min-time", type=float, default=2.0, help="seconds each op is repeated for")
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 2048, 8192, 16384])
+    ap.add_argument("--tokens", type=positive_int, default=16384, help="tokens per call (batch = tokens / T)")
+    ap.add_argument("--min-time", type=positive_float, default=2.0, help="seconds each op is repeated for")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     args = ap.parse_args()
     tune_allocator()

@@ -16,6 +16,7 @@ import json
 import torch
 
 from transnormer.bench.train_step import model_flops_per_token, train_step_throughput
+from transnormer.cli import positive_int
 from transnormer.presets import get_config
 from transnormer.runtime import tune_allocator
 
@@ -23,11 +24,11 @@ from transnormer.runtime import tune_allocator
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["t2-lm", "vanilla-lm"])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--vocab-size", type=int, default=32768)
-    ap.add_argument("--tokens-per-step", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--vocab-size", type=positive_int, default=32768)
+    ap.add_argument("--tokens-per-step", type=positive_int, default=8192)
+    ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
