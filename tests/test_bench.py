@@ -1,6 +1,7 @@
 """The benchmark harness's verdict lines (bench/suite.py)."""
 
 import mmap
+import sys
 
 import pytest
 
@@ -213,6 +214,10 @@ def test_bench_refuses_sizes_below_one(argv):
     (["bench", "train", "--dtypes", "fp32", "fp32"], "--dtypes: each once"),  # had measured it twice
     (["bench", "train", "--presets", "t2-lm", "bogus-lm"], "bogus-lm"),  # had been found after the GEMM probe
     (["bench", "train", "--presets", "peer:nope"], "unknown peer 'peer:nope'"),
+    # these three had been refused only by the measuring process, after the GEMM probe
+    (["bench", "train", "--presets", "t2-roberta", "t2-lm"], "'t2-roberta' is bidirectional"),
+    (["bench", "infer", "--max-mem-gb", str(2 ** 20)], "--max-mem-gb must be below 2^20 GB"),
+    (["bench", "train", "--presets", "peer:performer-pytorch", "t2-lm"], "peer package 'performer_pytorch' is not"),
 ])
 def test_bench_refuses_options_it_would_ignore_before_measuring(argv, match, tmp_path, capsys, monkeypatch):
     from transnormer.bench import suite
@@ -223,6 +228,7 @@ def test_bench_refuses_options_it_would_ignore_before_measuring(argv, match, tmp
 
     for name in ("gemm_gflops", "same_shape_gemm_gflops", "train_step_throughput", "op_throughput"):
         monkeypatch.setattr(suite, name, measured)
+    monkeypatch.setitem(sys.modules, "performer_pytorch", None)  # as if not installed
     assert main([*argv, "--out", str(tmp_path / "b")]) == 2
     assert match in capsys.readouterr().err
 
@@ -260,6 +266,10 @@ def test_a_sweep_records_what_did_not_fit_and_skips_the_presets_longer_lengths(m
     assert ("big", 512, "fp32") not in calls and ("slow", 512, "bf16") not in calls
     assert [T for p, T, d in calls if p == "t2-lm" and d == "fp32"] == [128, 256, 512]  # increasing T
     assert "status" in res["table"] and len(status) == len(res["rows"]) == 5 * 3 * 2
+    # two verdicts for each measured t2/vanilla ratio: against the model's FLOPs and the executed ones
+    ratio = [v for v in res["verdicts"] if "t2-lm vs vanilla-lm fp32 T=512" in v]
+    assert [v.split(":")[0].split(" T=512 ")[1] for v in ratio] == ["(model FLOPs)", "(executed FLOPs)"]
+    assert "at the 3x convention" in ratio[0] and "counting the kernels' backward recompute" in ratio[1]
 
     calls.clear()
     res = suite.bench_train(tmp_path / "rounds", presets=["slow", "big"], lengths=(128, 256, 512), dtypes=("fp32",),
@@ -306,6 +316,8 @@ def test_a_memory_cap_turns_a_configuration_too_large_into_an_error():
     row = train_step_throughput("t2-lm-tiny", 64, tokens_per_step=64, vocab_size=128, steps=1, max_mem_gb=3)
     assert row["finite"]
     assert _did_not_fit(ImportError("libtorch_cpu.so: failed to map segment from shared object")).startswith("out of")
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        train_step_throughput("t2-lm-tiny", 64, steps=0)
     for bad in (0, -1.0, True, "2"):
         with pytest.raises(ValueError, match="max_mem_gb"):
             train_step_throughput("t2-lm-tiny", 64, max_mem_gb=bad)
@@ -399,7 +411,8 @@ def test_bench_ops_keeps_each_configurations_median_round(monkeypatch, tmp_path)
                 "gflops": 100.0 / s, "useful_gflops": 50.0 / s}
 
     monkeypatch.setattr(suite, "op_throughput", fake)
-    monkeypatch.setattr(suite, "same_shape_gemm_gflops", lambda *a, **k: 100.0)
+    shapes = iter([50.0, 80.0, 70.0, 60.0, 100.0, 90.0])  # causal, bidir probes in rounds 1, 2, 3
+    monkeypatch.setattr(suite, "same_shape_gemm_gflops", lambda *a, **k: next(shapes))
     probes = iter([80.0, 100.0, 90.0])  # the GEMM probe takes its turn each round; the fastest is the limit
     monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: calls.append("gemm") or next(probes))
     res = suite.bench_ops(tmp_path, lengths=(64,), dtypes=("fp32",), rounds=3)
@@ -407,6 +420,8 @@ def test_bench_ops_keeps_each_configurations_median_round(monkeypatch, tmp_path)
     causal, bidir = res["rows"]
     assert (causal["step_s"], causal["step_s_rounds"]) == (2.0, [1.0, 3.0, 2.0])
     assert (bidir["step_s"], bidir["gemm_square"], bidir["frac_square"]) == (5.0, pytest.approx(100.0), pytest.approx(0.2))
+    assert (causal["gemm_same_shape"], bidir["gemm_same_shape"]) == (pytest.approx(100.0), pytest.approx(90.0))
+    assert res["verdicts"][-1].startswith("SKIP  op targets: they are set at T >= 4096")  # T = 64 alone
     with pytest.raises(ValueError, match="rounds"):
         suite.bench_ops(tmp_path, lengths=(64,), dtypes=("fp32",), rounds=0)
 
@@ -485,3 +500,24 @@ def test_bench_measures_bf16_by_default_only_where_the_cpu_multiplies_it(monkeyp
     seen.clear()
     assert main(["bench", "ops", "--dtypes", "bf16", "--out", str(tmp_path / "b")]) == 0
     assert seen == {"ops": ["bf16"]}
+
+
+def test_a_step_with_nan_gradients_is_not_finite(monkeypatch):
+    # bench long had judged the loss alone: a NaN gradient of its last step went unseen
+    from transnormer.bench import train_step
+
+    build = train_step.build_bench_model
+
+    def poisoned(*args):
+        model = build(*args)
+        next(model.parameters()).register_hook(lambda g: g * float("nan"))
+        return model
+
+    monkeypatch.setattr(train_step, "build_bench_model", poisoned)
+    row = train_step.train_step_throughput("t2-lm-tiny", 32, tokens_per_step=32, vocab_size=64, steps=1,
+                                           isolate=False)
+    assert not row["grads_finite"] and not row["params_finite"] and not row["finite"]
+    monkeypatch.setattr(train_step, "build_bench_model", build)
+    row = train_step.train_step_throughput("t2-lm-tiny", 32, tokens_per_step=32, vocab_size=64, steps=1,
+                                           isolate=False)
+    assert row["loss_finite"] and row["grads_finite"] and row["params_finite"] and row["finite"]

@@ -35,14 +35,22 @@ def _check_flags(args) -> None:
             raise ValueError(f"--{name}: each once, got {values}")
     for preset in args.presets or []:
         if preset.startswith("peer:"):
-            from .bench.peers import PEER_NAMES
+            from .bench.peers import PEER_MODULES, PEER_NAMES, _import_peer
 
             if preset[5:] not in PEER_NAMES:
                 raise ValueError(f"--presets: unknown peer {preset!r}; known: {['peer:' + n for n in PEER_NAMES]}")
+            try:  # (a missing package had been found after the GEMM probe)
+                _import_peer(PEER_MODULES[preset[5:]])
+            except ImportError as e:
+                raise ValueError(f"--presets {preset}: {e}") from None
         else:
             from .presets import get_config
 
-            get_config(preset)
+            if not get_config(preset).causal:  # (had been refused by the first measuring process)
+                raise ValueError(f"--presets: {preset!r} is bidirectional (causal=False); bench train/infer "
+                                 "measure causal LM steps: use an -lm preset")
+    if args.max_mem_gb is not None and args.max_mem_gb >= 2**20:
+        raise ValueError(f"--max-mem-gb must be below 2^20 GB, got {args.max_mem_gb:g}")
 
 
 def cmd_bench(args) -> int:

@@ -1,5 +1,5 @@
 """Speed/memory harness shared by ``benchmarks/`` and ``transnormer bench``."""
 
-from .timing import default_dtypes, gemm_gflops, measure, peak_rss_mb
+from .timing import DTYPES, default_dtypes, gemm_gflops, measure, peak_rss_mb, rss_mb
 
-__all__ = ["default_dtypes", "gemm_gflops", "measure", "peak_rss_mb"]
+__all__ = ["DTYPES", "default_dtypes", "gemm_gflops", "measure", "peak_rss_mb", "rss_mb"]

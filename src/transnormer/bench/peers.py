@@ -90,6 +90,10 @@ _VERSION_PACKAGES = ("torch", "flash-pytorch", "performer-pytorch", "rotary-embe
                      "local-attention", "axial-positional-embedding")
 
 
+PEER_MODULES = {"flash-pytorch": "flash_pytorch.flash_pytorch", "flash-pytorch-gau": "flash_pytorch.flash_pytorch",
+                "performer-pytorch": "performer_pytorch"}
+
+
 def _import_peer(module: str):
     """Import a peer package lazily, with an actionable error when it is missing."""
     import importlib

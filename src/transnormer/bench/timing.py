@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ import torch
 
 from ..ops import dense
 from ..runtime import cpu_has_bf16_products
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the benchmarks' --dtypes by name
 
 
 def default_dtypes() -> list[str]:
@@ -85,4 +88,14 @@ def peak_rss_mb() -> float:
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # ru_maxrss is in KiB on Linux, in bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+
+
+def rss_mb() -> float | None:
+    """Resident set size of this process now (MiB); None where there is no /proc/self/statm."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except (OSError, IndexError, ValueError):
+        return None

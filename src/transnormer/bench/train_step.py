@@ -53,11 +53,10 @@ def _faulted_mb() -> float:
     maps a transparent huge page."""
     import resource
 
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-    except (OSError, IndexError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize() / 2**20
+    from .timing import rss_mb
+
+    rss = rss_mb()
+    return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize() / 2**20
 
 
 def _warm_up(step, faulted_mb, *, min_steps: int = 2, max_steps: int = _MAX_WARMUP,
@@ -121,11 +120,17 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
     vocab = vocab_size or model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), device=dev)
 
-    def step():
+    grads_finite = True  # of every warm-up step (untimed, so the check costs the timed steps nothing)
+
+    def step(check_grads: bool = False):
+        nonlocal grads_finite
         if mode == "train":
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 loss = lm_loss(model, ids)
             loss.backward()
+            if check_grads:
+                grads_finite &= all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+                                    if p.grad is not None)
             opt.step()
             opt.zero_grad(set_to_none=True)
         else:
@@ -135,7 +140,7 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
             torch.cuda.synchronize()
         return float(loss.detach())
 
-    loss, warmup = _warm_up(step, _faulted_mb if dev == "cpu" else None)
+    loss, warmup = _warm_up(lambda: step(check_grads=True), _faulted_mb if dev == "cpu" else None)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -145,9 +150,13 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
     t = times[len(times) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else peak_rss_mb()
     params = sum(p.numel() for p in model.parameters())
+    # A NaN gradient in a timed step shows in the weights AdamW then wrote
+    params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    loss_finite = bool(torch.isfinite(torch.tensor(loss)))
     return {"preset": preset, "mode": mode, "seq_len": seq_len, "batch": batch, "dtype": dtype, "step_s": t,
-            "tokens_per_s": batch * seq_len / t, "peak_mem_mb": peak, "loss": loss,
-            "params": params, "finite": bool(torch.isfinite(torch.tensor(loss))), "warmup_steps": warmup,
+            "tokens_per_s": batch * seq_len / t, "peak_mem_mb": peak, "loss": loss, "params": params,
+            "loss_finite": loss_finite, "grads_finite": grads_finite, "params_finite": params_finite,
+            "finite": loss_finite and grads_finite and params_finite, "warmup_steps": warmup,
             "threads": torch.get_num_threads()}
 
 
@@ -161,6 +170,8 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
     process only) caps the measuring process's address space, so that a configuration too large
     for the machine fails with an out-of-memory error instead of being killed.
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # (0 had been an IndexError)
+        raise ValueError(f"steps must be an int >= 1 (timed steps after the warm-up), got {steps!r}")
     if max_mem_gb is not None:
         if isinstance(max_mem_gb, bool) or not isinstance(max_mem_gb, (int, float)) or not 0 < max_mem_gb < 2**20:
             raise ValueError(f"max_mem_gb must be a finite number of GB > 0 (below 2^20), got {max_mem_gb!r}")
