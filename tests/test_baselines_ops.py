@@ -511,15 +511,22 @@ def test_gau_and_flash_refuse_what_they_cannot_compute():
     with pytest.raises(ValueError, match="FLASH cuts blocks by index and needs right-padded rows"):  # flash.md §4.6
         flash_attn(q, q, q, q, q, causal=True, chunk_size=2, key_padding_mask=left)
     gau_attn(q, q, q, causal=True, key_padding_mask=left)  # GAU accepts left padding (§4.6)
+    gau_attn(q, q, q, causal=True, normalizer="visible", fixed_len=None)  # read only by "fixed"
 
 
 def test_cosformer_attn_checks_its_positions():
     q = torch.randn(1, 4, 2, 3)
-    with pytest.raises(ValueError, match=r"positions must be an integer \[B, T\] = \(1, 4\) tensor"):
+    with pytest.raises(ValueError, match=r"positions must be \[B or 1, T\] = \[1 or 1, 4\], got \(4,\)"):
         cosformer_attn(q, q, q, causal=True, positions=torch.arange(4), max_len=8)  # had been an IndexError
-    with pytest.raises(ValueError, match="cosFormer position 4 >= max_len M = 4"):  # had given negative weights
-        cosformer_attn(q, q, q, causal=True, positions=torch.arange(1, 5)[None], max_len=4)
-    mask = torch.tensor([[True, True, True, False]])  # a padded position past M is never read
+    with pytest.raises(TypeError, match="positions must be a torch.Tensor"):
+        cosformer_attn(q, q, q, causal=True, positions=[[0, 1, 2, 3]], max_len=8)
+    # a gap of M or more makes the cos weight of that pair <= 0
+    with pytest.raises(ValueError, match=r"cosFormer positions 0 .. 5 \(a gap of 5\) in row 0 >= max_len M = 4"):
+        cosformer_attn(q, q, q, causal=True, positions=torch.tensor([[0, 1, 2, 5]]), max_len=4)
+    # only the gaps matter to the op: offset positions are fine, and so is padding past M
+    shifted = cosformer_attn(q, q, q, causal=True, positions=torch.arange(100, 104)[None], max_len=8)
+    assert torch.isfinite(shifted).all()
+    mask = torch.tensor([[True, True, True, False]])
     cosformer_attn(q, q, q, causal=True, positions=torch.tensor([[0, 1, 2, 9]]), max_len=3, key_padding_mask=mask)
 
 

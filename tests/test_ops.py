@@ -234,6 +234,11 @@ def test_reference_returns_weights():
         (lambda q, k, v: block_attn(q, k, v, causal=True, scale=float("inf")), ValueError, "scale must be finite"),
         (lambda q, k, v: block_attn_reference(q, k, v, causal=True, block_size=0), ValueError, "block_size"),
         (lambda q, k, v: lrpe_feature_map(q, [[1.0]], None), TypeError, "cos must be a floating-point"),
+        (lambda q, k, v: lrpe_feature_map(q, q[..., 0, :2], None), TypeError, "sin must be a floating-point"),
+        (lambda q, k, v: lrpe_feature_map(q, q[..., 0, :2], q[..., 0, :2], scale=float("nan")), ValueError,
+         "scale must be finite"),
+        (lambda q, k, v: block_attn_reference(q, k, v, causal=True, scale=float("inf")), ValueError,
+         "scale must be finite"),
     ],
 )
 def test_bad_input_errors(call, exc, word):

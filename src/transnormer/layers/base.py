@@ -184,10 +184,12 @@ def windows_of_blocks(cached: int, T: int, block: int, device):
         yield a, torch.cat([old, torch.arange(cached + max(0, a - block), cached + min(T, a + block), device=device)])
 
 
-def zero_padded(valid: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """xs ([B, T, ...]) with the rows of padding (``valid`` [B, T] False) set to 0. Attention weighs
-    a padded key or value by 0, and 0 times an inf or NaN there is NaN: the full forwards zero them
-    in the ops, the cached paths with this."""
+def zero_padded(valid: torch.Tensor | None, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """xs ([B, T, ...]) with the rows of padding (``valid`` [B, T] False; None: no padding, xs as
+    they are) set to 0. Attention weighs a padded key or value by 0, and 0 times an inf or NaN there
+    is NaN: the full forwards zero them in the ops, the cached paths with this."""
+    if valid is None:
+        return xs
     return tuple(x.masked_fill(~valid.reshape(*valid.shape, *(1,) * (x.dim() - 2)), 0) for x in xs)
 
 

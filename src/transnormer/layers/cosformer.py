@@ -22,7 +22,7 @@ from .linear_attention import KernelLinearAttention
 
 
 class CosFormerAttention(KernelLinearAttention):
-    """cosFormer with denominator; x: [B, T, d] → [B, T, d]. Decoding: one [H, 2e, e+1] state."""
+    """cosFormer with denominator; x: [B, T, d] → [B, T, d]. Decoding: one [B, H, 2e, e+1] state."""
 
     def __init__(self, hidden_size: int, num_heads: int, *, causal: bool, max_len: int | None = None,
                  eps: float = DEFAULT_EPS, chunk_size: int = 64):
@@ -41,7 +41,7 @@ class CosFormerAttention(KernelLinearAttention):
             M = M.clamp_min(1)
         else:
             M = self.max_len
-            check_cosformer_positions(positions, M, mask, tuple(q.shape[:2]),
+            check_cosformer_positions(positions, M, mask, q.shape[0], q.shape[1], from_zero=True,
                                       hint="; raise layer_options['cosformer']['max_len']")
         return cosformer_features(q, positions, M), cosformer_features(k, positions, M)
 

@@ -30,7 +30,7 @@ def _attend_within_blocks(q, K, V, qpos, kpos, kvalid, *, block: int, kernel: st
         p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)).masked_fill(~allowed, float("-inf")), -1)
         p = torch.where(allowed.any(-1, keepdim=True), p, torch.zeros_like(p)).to(q.dtype)
     else:
-        p = torch.relu(s) * allowed.to(s.dtype)
+        p = torch.relu(s).masked_fill(~allowed, 0.0)
     return torch.einsum("bhij,bjhe->bihe", p, V)
 
 

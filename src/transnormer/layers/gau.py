@@ -270,7 +270,7 @@ class GAU(_GatedUnit):
                              "length) or 'visible' to decode")
         if self.rel_bias.kind == "toeplitz_moving":
             raise ValueError("rel_bias 'toeplitz_moving' depends on the full sequence length; use 'toeplitz' to decode")
-        k, v = zero_padded(valid, k, v)
+        k, v = zero_padded(mask, k, v)
         seq = with_cache(cache, k=k, v=v, pos=positions, valid=valid)
         K, V, kpos, kvalid = seq["k"], seq["v"], seq["pos"], seq["valid"]
         # Positions, not indices, order the keys: rows may hold padding holes after a prefill.
@@ -352,7 +352,7 @@ class FLASH(_GatedUnit):
         if use_cache and not self.causal:
             raise ValueError("use_cache needs a causal FLASH (decoding is causal)")
         if use_cache:  # flash_attn zeroes them itself; the state and the cached keys need it here
-            kl, kg, v = zero_padded(valid, kl, kg, v)
+            kl, kg, v = zero_padded(mask, kl, kg, v)
         if use_cache and cache is not None and "s_prev" in cache:
             if T > 1 and one_run_per_row(valid):  # chunked prefill, a continued prompt
                 o, cache = self._continue(ql, kl, qg, kg, v, positions, valid, cache)

@@ -14,7 +14,7 @@ import torch
 from ..modules.positional import build_lrpe
 from ..ops._checks import check_probability
 from ..ops.softmax import softmax_attn, softmax_attn_cached
-from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, with_cache
+from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, with_cache, zero_padded
 
 
 class SoftmaxAttention(MultiHeadMixer):
@@ -66,9 +66,10 @@ class SoftmaxAttention(MultiHeadMixer):
         if not self.causal:
             raise ValueError("use_cache needs a causal SoftmaxAttention (decoding is causal)")
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
+        k, v = zero_padded(mask, k, v)
         seq = with_cache(cache, k=k, v=v, valid=valid)
         k, v, valid = seq["k"], seq["v"], seq["valid"]
         o = softmax_attn_cached(q, k, v, key_valid=valid, query_offset=k.shape[1] - T)
         if mask is not None:
-            o = o * mask[:, :, None, None].to(o.dtype)  # padded queries: 0, as in the full forward
+            o = o.masked_fill(~mask[:, :, None, None], 0.0)  # padded queries: 0, as in the full forward
         return self.out_proj(o.reshape(B, T, self.hidden_size)), {"k": k, "v": v, "valid": valid}

@@ -231,19 +231,32 @@ def cosformer_angles(positions: torch.Tensor, max_len) -> torch.Tensor:
     return (positions.to(torch.float64) * (math.pi / 2) / M)
 
 
-def check_cosformer_positions(positions, max_len, mask: torch.Tensor | None, shape: tuple, hint: str = "") -> None:
-    """positions: an integer [B, T] tensor (``shape``) whose real tokens (``mask`` [B, T], or all)
-    sit below M (a number or [B] tensor): the cos re-weighting stays >= 0 only for |p_i - p_j| < M."""
-    if not isinstance(positions, torch.Tensor) or positions.shape != shape or positions.is_floating_point():
-        raise ValueError(f"positions must be an integer [B, T] = {shape} tensor, got "
-                         f"{getattr(positions, 'shape', type(positions).__name__)}")
-    real = positions if mask is None else positions.masked_fill(~mask, 0)
-    M = torch.as_tensor(max_len, device=positions.device)
-    if real.numel() and bool((real >= (M[:, None] if M.dim() == 1 else M)).any()):
-        raise ValueError(f"cosFormer position {int(real.max())} >= max_len M = {max_len if M.dim() == 0 else 'its row length'}"
-                         f": the cos re-weighting needs |p_i - p_j| < M{hint}")
-    if real.numel() and int(real.min()) < 0:
-        raise ValueError(f"positions must be >= 0, got {int(real.min())}")
+def check_cosformer_positions(positions, max_len, mask: torch.Tensor | None, batch: int, length: int, *,
+                              from_zero: bool = False, hint: str = "") -> None:
+    """positions: a [B or 1, T] tensor of real-token positions. The cos re-weighting stays >= 0 only
+    while |p_i - p_j| < M (a number or [B] tensor), so each row's real positions (``mask`` [B, T], or
+    all) must span less than M; ``from_zero`` (a layer that decodes, whose later tokens are not
+    known yet): each must lie in [0, M)."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dim() != 2 or positions.shape[0] not in (1, batch) or positions.shape[1] != length:
+        raise ValueError(f"positions must be [B or 1, T] = [{batch} or 1, {length}], got {tuple(positions.shape)}")
+    if positions.numel() == 0:
+        return
+    p = positions.expand(batch, length).to(torch.float64)
+    real = torch.ones_like(p, dtype=torch.bool) if mask is None else mask
+    lo, hi = torch.where(real, p, math.inf).amin(1), torch.where(real, p, -math.inf).amax(1)  # a row of padding: inf, -inf
+    if from_zero and bool((lo < 0).any()):
+        raise ValueError(f"positions must be >= 0, got {float(lo.min()):g}")
+    span = hi - (0.0 if from_zero else lo)
+    M = torch.as_tensor(max_len, dtype=torch.float64, device=p.device).expand(batch)
+    bad = (span >= M).nonzero()
+    if len(bad):
+        r = int(bad[0, 0])
+        what = (f"position {float(hi[r]):g}" if from_zero else
+                f"positions {float(lo[r]):g} .. {float(hi[r]):g} (a gap of {float(span[r]):g})")
+        raise ValueError(f"cosFormer {what} in row {r} >= max_len M = {float(M[r]):g}: the cos re-weighting needs "
+                         f"|p_i - p_j| < M{hint}")
 
 
 def cosformer_features(x: torch.Tensor, positions: torch.Tensor, max_len) -> torch.Tensor:
@@ -252,7 +265,8 @@ def cosformer_features(x: torch.Tensor, positions: torch.Tensor, max_len) -> tor
     The decomposition cos(θ_i − θ_j) = cos θ_i cos θ_j + sin θ_i sin θ_j turns the re-weighted
     kernel relu(q_i)·relu(k_j) · cos(π/2 · (p_i − p_j)/M) into a plain dot product of these
     features, so it runs through the linear-time machinery. Weights stay ≥ 0 while
-    |p_i − p_j| ≤ M, which the layer guarantees by checking positions < M.
+    |p_i − p_j| ≤ M, which the layer guarantees by checking positions < M
+    (:func:`check_cosformer_positions`).
     """
     check_bthd("x", x)
     ang = cosformer_angles(positions, max_len)[:, :, None, None]
@@ -278,7 +292,7 @@ def cosformer_attn(
     mask = check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1])
     if not isinstance(max_len, torch.Tensor) and not max_len >= 1:  # M = 0 made every weight NaN
         raise ValueError(f"max_len must be >= 1 (or a [B] tensor of row lengths), got {max_len!r}")
-    check_cosformer_positions(positions, max_len, mask, tuple(q.shape[:2]))
+    check_cosformer_positions(positions, max_len, mask, q.shape[0], q.shape[1])
     qf = cosformer_features(q, positions, max_len)
     kf = cosformer_features(k, positions, max_len)
     o, _ = kernel_linear_attn(qf, kf, v, causal=causal, eps=eps, chunk_size=chunk_size,

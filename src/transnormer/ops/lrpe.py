@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _native
+from ._checks import check_scale
 
 FEATURE_KERNELS = {
     "identity": lambda x: x,
@@ -27,14 +28,14 @@ FEATURE_KERNELS = {
 }
 
 
-def _check(x, cos, sin, u, kernel):
+def _check(x, cos, sin, u, kernel, scale):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # the output is in x's dtype
         raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"x must be [B, T, H, D] with D even, got {tuple(x.shape)}")
     want = (x.shape[0], x.shape[1], x.shape[-1] // 2)
     for name, t in (("cos", cos), ("sin", sin), ("u", u)):
-        if t is not None and (not isinstance(t, torch.Tensor) or not t.is_floating_point()):
+        if (t is not None or name != "u") and (not isinstance(t, torch.Tensor) or not t.is_floating_point()):
             raise TypeError(f"{name} must be a floating-point torch.Tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[1:] != want[1:] or t.shape[0] not in (1, want[0]):
@@ -43,6 +44,7 @@ def _check(x, cos, sin, u, kernel):
         raise ValueError(f"u must be [D] = [{x.shape[-1]}], got {tuple(u.shape)}")
     if kernel not in FEATURE_KERNELS:
         raise ValueError(f"kernel must be one of {tuple(FEATURE_KERNELS)}, got {kernel!r}")
+    check_scale(scale)
 
 
 class _FusedLRPE(torch.autograd.Function):
@@ -90,7 +92,7 @@ def lrpe_feature_map(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, u: t
 
     Returns [B, T, H, D] in x's dtype.
     """
-    _check(x, cos, sin, u, kernel)
+    _check(x, cos, sin, u, kernel, scale)
     others = (cos, sin) if u is None else (cos, sin, u)
     if (x.numel() and _native.rows_usable(x.dtype, x.device) and kernel in _native.LRPE_KERNELS
             and all(t.device == x.device for t in others) and not (u is not None and u.requires_grad)):
@@ -104,7 +106,7 @@ def lrpe_feature_map(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, u: t
 
 def lrpe_feature_map_reference(x, cos, sin, u=None, *, scale=1.0, kernel="identity"):
     """The map written out: z = scale·(f − 2(f·u)u), f = kernel(x); pairs rotated one by one."""
-    _check(x, cos, sin, u, kernel)
+    _check(x, cos, sin, u, kernel, scale)
     f = FEATURE_KERNELS[kernel](x)
     z = f if u is None else f - 2.0 * (f @ u.to(f.dtype))[..., None] * u.to(f.dtype)
     z = z * scale

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_scale
 from .block import _check_kernel
 
 
@@ -77,6 +77,7 @@ def block_attn_reference(
     check_qkv(q, k, v)
     _check_kernel(kernel)
     check_positive_int("block_size", block_size)
+    check_scale(scale)
     B, T, H, D = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)
     if scale is None:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ._checks import check_key_padding_mask
+from ._checks import check_key_padding_mask, check_scale
 
 
 def _valid(mask, B, T, device):
@@ -79,6 +79,7 @@ def favor_weights_reference(q, k, proj) -> torch.Tensor:
 
 def softmax_attn_reference(q, k, v, *, causal, scale=None, key_padding_mask=None, return_weights=False):
     """Explicit masked softmax; rows with no allowed key and padded query rows output 0."""
+    check_scale(scale)
     B, T, H, D = q.shape
     valid = _valid(key_padding_mask, B, T, q.device)
     allowed = _allowed(valid, causal)[:, None]  # [B, 1, T, T]

@@ -68,7 +68,7 @@ def softmax_attn(
     if causal:
         allowed = allowed & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     o = _sdpa_masked(qh, kh, vh, allowed, scale=scale, dropout_p=dropout_p).transpose(1, 2)
-    return o * mask[:, :, None, None].to(o.dtype)
+    return o.masked_fill(~mask[:, :, None, None], 0.0)  # padded queries: 0, even from a NaN query
 
 
 def softmax_attn_cached(
@@ -84,13 +84,13 @@ def softmax_attn_cached(
 
     q: [B, Tq, H, D]; k: [B, Tk, H, D]; v: [B, Tk, H, E]; key_valid: [B, Tk] bool. Query t sits at
     index ``query_offset + t`` of the key sequence and sees keys at indices ≤ its own. Rows may
-    hold padding holes anywhere; only ``key_valid`` decides (a padded key or value is zeroed first,
-    as in :func:`softmax_attn`). Returns [B, Tq, H, E].
+    hold padding holes anywhere; only ``key_valid`` decides. A padded key or value must be finite
+    (weight 0 times inf/NaN is NaN): the layer zeroes them before they enter its cache, once, where
+    a fill here would copy the whole cache every step. Returns [B, Tq, H, E].
     """
     Tq, Tk = q.shape[1], k.shape[1]
     idx = torch.arange(Tk, device=q.device)
     causal = idx[None, :] <= (query_offset + torch.arange(Tq, device=q.device))[:, None]  # [Tq, Tk]
     allowed = (key_valid[:, None, None, :] & causal).reshape(q.shape[0], 1, Tq, Tk)
-    k, v = (x.masked_fill(~key_valid[:, :, None, None], 0.0) for x in (k, v))
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     return _sdpa_masked(qh, kh, vh, allowed, scale=scale, dropout_p=0.0).transpose(1, 2)
