@@ -40,7 +40,7 @@ def _flags_accepted(flags: tuple[str, ...]) -> bool:
 
     from transnormer.ops import _native
 
-    cmd = [_native._compiler(), "-march=native", *flags, "-x", "c++", "-c", "/dev/null", "-o", "/dev/null"]
+    cmd = [*_native._compiler(), "-march=native", *flags, "-x", "c++", "-c", "/dev/null", "-o", "/dev/null"]
     proc = subprocess.run(cmd, capture_output=True)
     return proc.returncode == 0
 

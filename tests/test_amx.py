@@ -27,7 +27,7 @@ def _native_macros() -> set[str]:
     """The macros the compiler defines for this CPU (-march=native), as the library was built."""
     import subprocess
 
-    out = subprocess.run([_native._compiler(), "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"],
+    out = subprocess.run([*_native._compiler(), "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"],
                          capture_output=True, text=True, check=True).stdout
     return {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
 

@@ -85,30 +85,76 @@ def test_a_cpu_without_avx512_builds_the_library_and_its_models_match_the_torch_
     assert rel_err(got[0], ref[0]) < 1e-5 and rel_err(got[1], ref[1]) < 1e-4
 
 
-def test_a_build_without_the_fast_flags_says_why(monkeypatch, tmp_path):
-    """A compile error under -march=native must not pass silently as a portable (slow) build."""
+def _fake_compiler(monkeypatch, fail_with: str | None = None, commands: list | None = None):
+    """subprocess.run as a compiler that writes an empty output (and fails where ``fail_with`` is
+    in the command), answering --version and -dumpmachine."""
     def run(cmd, **kw):
-        if "-march=native" in cmd:
+        if commands is not None:
+            commands.append(cmd)
+        if "-o" not in cmd:  # --version, -dumpmachine
+            return subprocess.CompletedProcess(cmd, 0, "c++ (fake) 1.0", "")
+        if fail_with is not None and fail_with in cmd:
             return subprocess.CompletedProcess(cmd, 1, "", "x.cpp:3:1: error: 'round_to' was not declared")
         Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(_native.subprocess, "run", run)
-    monkeypatch.setattr(_native, "_compiler", lambda: "c++")
-    with pytest.warns(RuntimeWarning, match="without -fopenmp -march=native.*round_to"):
-        _native._compile(tmp_path / "lib.so")
-    assert (tmp_path / "lib.so").exists()
+    monkeypatch.setattr(_native, "_compiler", lambda: ["c++"])
+
+
+class _FakeLib:
+    def __init__(self, path):
+        if Path(path).read_bytes() == b"garbage":
+            raise OSError(f"{path}: invalid ELF header")
+
+    def tn_abi_version(self):
+        return _native._ABI
+
+
+def test_a_build_without_the_fast_flags_says_why_at_every_load(monkeypatch, tmp_path):
+    """A compile error under -march=native must not pass silently as a portable (slow) build: not in
+    the run that built it, nor in the runs that load it from the cache."""
+    _fake_compiler(monkeypatch, fail_with="-march=native")
+    monkeypatch.setenv("TRANSNORMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native.ctypes, "CDLL", _FakeLib)
+    monkeypatch.setattr(_native, "_declare", lambda lib: None)
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="without -fopenmp -march=native.*round_to"):
+            _native._open()
+    assert len(list((tmp_path / "native").glob("kernels_*.so"))) == 1
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_path):
+    # (a truncated file, or one built against another libstdc++, had turned the kernels off for good)
+    built = []
+    monkeypatch.setattr(_native, "_compile", lambda out, extra=(): (out.write_bytes(b"ok"), built.append(out)))
+    monkeypatch.setenv("TRANSNORMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native.ctypes, "CDLL", _FakeLib)
+    monkeypatch.setattr(_native, "_declare", lambda lib: None)
+    _native._open()
+    (path,) = built
+    _native._open()
+    assert len(built) == 1  # cached
+    path.write_bytes(b"garbage")
+    _native._open()
+    assert built == [path, path] and path.read_bytes() == b"ok"
+
+
+def test_the_compiler_may_come_with_arguments_and_the_cpu_unknown(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "ccache g++")  # had been run as one program name: kernels off
+    assert _native._compiler() == ["ccache", "g++"]
+    # no /proc/cpuinfo: the cache key holds no ISA, so no -march=native build to share with another CPU
+    commands = []
+    _fake_compiler(monkeypatch, commands=commands)
+    monkeypatch.setattr(_native, "cpu_info", lambda: _native.CpuInfo("", "", frozenset()))
+    _native._compile(tmp_path / "lib.so")
+    assert commands and not any("-march=native" in c for c in commands)
 
 
 def test_the_built_library_is_readable_by_other_users(monkeypatch, tmp_path):
     """mkstemp's 0600 stayed on the library (0711 after the compiler): another user of a shared cache
     could not dlopen it and ran the PyTorch forms for good."""
-    def run(cmd, **kw):
-        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(_native.subprocess, "run", run)
-    monkeypatch.setattr(_native, "_compiler", lambda: "c++")
+    _fake_compiler(monkeypatch)
     old = os.umask(0o022)
     try:
         _native._compile(tmp_path / "lib.so")
@@ -237,6 +283,18 @@ def test_same_result_on_one_and_two_threads(native, causal, T):
     one, two = on_one_and_two_threads(run)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def test_chunks_past_the_kernel_limit_take_the_pytorch_form(monkeypatch):
+    """The kernels allocate c x c tiles per thread in C++, where running out of memory ends the
+    process; chunk_size = T = 32k asked 8 GiB per thread of them."""
+    def refuse(*a, **k):
+        raise AssertionError("kernel called")
+
+    monkeypatch.setattr(_native, "native_causal_linear_attn", refuse)
+    q = torch.randn(1, _native.MAX_KERNEL_CHUNK + 1, 1, 4, dtype=torch.float64)
+    o, _ = norm_linear_attn(q, q, q, causal=True, chunk_size=q.shape[1])
+    assert torch.allclose(o, norm_linear_attn_reference(q, q, q, causal=True)[0], atol=1e-9)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,12 +20,14 @@ Cache directory: ``$TRANSNORMER_CACHE/native`` if set, else ``~/.cache/transnorm
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -56,6 +58,9 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-d
           "-fno-trapping-math"]
 _ABI = 12
 _lock = threading.Lock()
+# The causal kernels keep c x c score tiles per thread, allocated in C++ where running out of memory
+# ends the process (std::bad_alloc through ctypes): longer chunks take the PyTorch form, which raises.
+MAX_KERNEL_CHUNK = 1024
 _lib: ctypes.CDLL | None = None
 _variants: dict[tuple[str, ...], ctypes.CDLL | Exception] = {}  # load_variant's libraries (or errors) by flags
 _tried = False
@@ -98,11 +103,27 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor() + " ".join(sorted(cpu_info().flags))
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+def _compiler() -> list[str] | None:
+    """The C++ compiler's command: $CXX split as a shell would (CXX="ccache g++"), else the first
+    of c++, g++, clang++ on the PATH."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return [found] if found else None
 
 
-def _build(compiler: str, flags: list[str], out: str,
+@functools.cache
+def _compiler_identity(compiler: tuple[str, ...]) -> str:
+    """The compiler's --version and target, for the cache key: a library built by a newer compiler
+    can need a newer libstdc++ than another machine sharing the cache has."""
+    try:
+        return " ".join(subprocess.run([*compiler, flag], capture_output=True, text=True, timeout=60).stdout.strip()
+                        for flag in ("--version", "-dumpmachine"))
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(compiler: list[str], flags: list[str], out: str,
            sources: tuple[Path, ...] = _SOURCES) -> subprocess.CompletedProcess:
     """Compile each source to an object file, as many at once as there are cores (the largest
     first), then link them into ``out``; returns the first failed step's result, else the link's.
@@ -114,19 +135,25 @@ def _build(compiler: str, flags: list[str], out: str,
         objects = [str(Path(objdir) / f"{src.stem}.o") for src in sources]
 
         def one(src: Path, obj: str) -> subprocess.CompletedProcess:
-            return subprocess.run([compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True)
+            return subprocess.run([*compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
             for proc in list(pool.map(one, sources, objects)):
                 if proc.returncode != 0:
                     return proc
-        return subprocess.run([compiler, *flags, *objects, "-o", out], capture_output=True, text=True)
+        return subprocess.run([*compiler, *flags, *objects, "-o", out], capture_output=True, text=True)
+
+
+def _fallback_note(lib: Path) -> Path:
+    """Beside a library built without the first-tried flags: why (read again at every load)."""
+    return lib.with_suffix(".fallback")
 
 
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """Build the library at ``out``. With ``extra_flags`` (a variant build) only builds for this
     CPU (-march=native) plus those are tried: a failure raises rather than falling back to a
-    portable build."""
+    portable build. Where the CPU's flags cannot be read (no /proc/cpuinfo) the cache key holds no
+    ISA, so the build is portable: a -march=native one shared with another CPU could die of SIGILL."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -137,8 +164,12 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
         # -fopenmp: share PyTorch's OpenMP threads (_native_common.h); some compilers lack it, and
         # some compilers (or CPUs) reject -march=native
         first_error = None
-        attempts = ([*_FLAGS_TRIED_FIRST, *extra_flags], ["-march=native", *extra_flags]) if extra_flags else (
-            list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], [])
+        if extra_flags:
+            attempts = ([*_FLAGS_TRIED_FIRST, *extra_flags], ["-march=native", *extra_flags])
+        elif cpu_info().flags:
+            attempts = (list(_FLAGS_TRIED_FIRST), ["-march=native"], ["-fopenmp"], [])
+        else:
+            attempts = (["-fopenmp"], [])
         for extra in attempts:
             proc = _build(compiler, [*_FLAGS, *extra], tmp)
             if proc.returncode == 0:
@@ -146,10 +177,13 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
             first_error = first_error or proc.stderr
         else:
             raise RuntimeError(f"compiling {' '.join(f.name for f in _SOURCES)} failed:\n{proc.stderr[-2000:]}")
-        if first_error is not None and not extra_flags:  # a portable build runs, slowly: say why
+        note = _fallback_note(out)
+        if first_error is not None and not extra_flags:  # a portable build runs, slowly: say why, at every load
             lines = [ln for ln in first_error.splitlines() if "error" in ln] or first_error.splitlines()
-            warnings.warn(f"the CPU kernels were built without {' '.join(_FLAGS_TRIED_FIRST)} (slower): "
-                          f"{lines[0] if lines else 'compiler failed'}", RuntimeWarning, stacklevel=2)
+            note.write_text(f"the CPU kernels ({out.name}) were built without {' '.join(_FLAGS_TRIED_FIRST)} "
+                            f"(slower): {lines[0] if lines else 'compiler failed'}; delete it to build again")
+        else:
+            note.unlink(missing_ok=True)
         # mkstemp made the file 0600 (the compiler adds only x bits): other users of a shared cache
         # could not dlopen it and would run the slow PyTorch forms for good
         umask = os.umask(0)
@@ -204,14 +238,48 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn.restype = _I32
 
 
+@contextlib.contextmanager
+def _build_lock(lib: Path):
+    """One build of a library at a time across processes (torchrun ranks, a shared home): the
+    others wait, then load what it built, instead of each running its own compilers and replacing
+    the file the others have loaded. No lock where flock is missing (not POSIX)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The library built with ``extra_flags``, compiled first if the cache does not hold it."""
-    ident = " ".join([*_FLAGS, *extra_flags, str(_compiler()), _cpu_signature()]).encode()
+    """The library built with ``extra_flags``, compiled first if the cache does not hold it, and
+    once more if the cached file does not load (truncated, or built against another libstdc++)."""
+    compiler = _compiler() or []
+    ident = " ".join([*_FLAGS, *_FLAGS_TRIED_FIRST, *extra_flags, *compiler, _compiler_identity(tuple(compiler)),
+                      _cpu_signature()]).encode()
     key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + ident).hexdigest()
     path = _cache_dir() / f"kernels_{key[:16]}.so"
-    if not path.exists():
-        _compile(path, extra_flags)
-    lib = ctypes.CDLL(str(path))  # RTLD_LOCAL: variants load beside the default library
+    with _build_lock(path):
+        built = not path.exists()
+        if built:
+            _compile(path, extra_flags)
+        try:
+            lib = ctypes.CDLL(str(path))  # RTLD_LOCAL: variants load beside the default library
+        except OSError:
+            if built:
+                raise
+            path.unlink(missing_ok=True)
+            _compile(path, extra_flags)
+            lib = ctypes.CDLL(str(path))
+    note = _fallback_note(path)
+    if note.exists():
+        warnings.warn(note.read_text(), RuntimeWarning, stacklevel=3)
     if lib.tn_abi_version() != _ABI:
         raise RuntimeError(f"stale library {path} (ABI {lib.tn_abi_version()}, expected {_ABI})")
     _declare(lib)

@@ -17,11 +17,13 @@ def projection_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def fused_projection_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fused_projection_ok(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether a Function that runs x Wᵀ itself does what F.linear would: fp32 or bf16 operands,
-    of one dtype unless autocast casts them, on one device."""
+    of one dtype unless autocast casts them, on one device (``others``, e.g. the biases, too: a
+    pointer to another device's memory would reach the CPU kernels)."""
     floats = (torch.float32, torch.bfloat16)
-    return (x.dtype in floats and weight.dtype in floats and weight.device == x.device
+    return (x.dtype in floats and weight.dtype in floats
+            and all(t.device == x.device for t in (weight, *others) if t is not None)
             and (torch.is_autocast_enabled(x.device.type) or x.dtype == weight.dtype))
 
 

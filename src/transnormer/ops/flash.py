@@ -3,7 +3,7 @@
 Single head, 3-d layouts (GAU has one head of width s):
 
     q, k: [B, T, s]   (already scaled/offset and RoPE'd by the layer)   v: [B, T, e]
-    key_padding_mask: [B, T] (True = valid)      bias: broadcastable to [B, Tq, Tk]
+    key_padding_mask: [B, T] (True = valid)      bias: [T, T] or [B, T, T] (gau_attn; relu2_attention: broadcastable to [..., Tq, Tk])
 
 GAU:    out_i = Σ_j allowed_ij · relu²(q_i·k_j / N_q(i) + b_ij) · v_j       (no softmax, no sum-to-1)
 FLASH:  out_i = Σ_{j: c(j)=c(i)} m_j relu²(q_i·k_j / C + β(ρ_j − ρ_i)) v_j  (local, inside chunks)
@@ -378,7 +378,8 @@ def flash_mixer_usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     where it ran slower (_native.rows_usable, family "flash_mixer": bf16 without AVX-512, fp32
     without AVX2)."""
     return (_FUSED_MIXER and bias is not None and bias.dtype == torch.float32 and x.numel() > 0
-            and _native.rows_usable(projection_dtype(x), x.device, "flash_mixer") and fused_projection_ok(x, weight))
+            and _native.rows_usable(projection_dtype(x), x.device, "flash_mixer")
+            and fused_projection_ok(x, weight, bias))
 
 
 def quad_normalizer(mode: str, *, causal: bool, valid: torch.Tensor, fixed_len: int, dtype: torch.dtype):
@@ -418,7 +419,8 @@ def gau_attn(
     """
     _check_single_head(("q", "k"), q=q, k=k, v=v)
     _check_one_dtype(q=q, k=k, v=v)
-    check_positive_int("fixed_len", fixed_len)
+    if normalizer == "fixed":  # (the divisor; other normalizers do not read it)
+        check_positive_int("fixed_len", fixed_len)
     check_probability("dropout_p", dropout_p)
     B, T, _ = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)

@@ -119,7 +119,7 @@ def norm_linear_attn(
         # (an empty product of the inputs, so that the output stays in the graph as the other forms')
         return (q.sum() * 0 + v).to(q.dtype), (final if output_final_state else None)
     c = min(chunk_size, T)
-    if kernels_apply:
+    if kernels_apply and c <= _native.MAX_KERNEL_CHUNK:
         # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX
         # tiles or AVX512-BF16 (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk
         # is a multiple of 32 rows, at most T rounded up), fp32/fp64 on AVX-512

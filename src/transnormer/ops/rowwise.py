@@ -195,7 +195,7 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
         raise ValueError("b1 and b2 must both be given or both be None")
     if (b1 is not None and b1.dtype == b2.dtype == torch.float32 and x.numel()
             and w1.dtype == w2.dtype and _native.rows_usable(projection_dtype(x), x.device)
-            and fused_projection_ok(x, w1)):
+            and fused_projection_ok(x, w1, w2, b1, b2)):
         return _ProjectedSiluGate.apply(x, w1, w2, b1, b2, projection_dtype(x))
     bias = None if b1 is None else torch.cat((b1, b2))
     if bias is not None and bias.dtype != w1.dtype and not torch.is_autocast_enabled(x.device.type):
