@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--vocab-size", type=int, default=32768)
     ap.add_argument("--tokens-per-step", type=int, help="tokens a step (batch = this // T, at least 1; default T)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per process (after the warm-up: 2-6 steps, until one faults in little fresh memory)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per process (after the checkout's own warm-up)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="threads of each timed process (default 2, this machine's cores)")
     args = ap.parse_args()

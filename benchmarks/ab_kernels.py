@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from transnormer import runtime  # noqa: E402
+from transnormer.bench import DTYPES  # noqa: E402
 from transnormer.ops import _native  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def walk(lib, mode: str, sfx: str, inputs, outputs, threads: int) -> tuple[float
 
 
 def run(libs: dict, args) -> None:
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     sfx = {"fp32": "f32", "bf16": "bf16"}[args.dtype]
     B, H, D, nt = args.batch, args.heads, 64, torch.get_num_threads()
     names = list(libs)

@@ -33,22 +33,23 @@ def cache_bytes(cache) -> int:
 
 @torch.no_grad()
 def bench(model, contexts: list[int], steps: int, rounds: int, vocab: int) -> dict:
-    """Prefill every context, then time decode steps round-robin over contexts (noise hits all alike)."""
+    """Prefill every context and take one untimed step (warm-up), then time decode steps round-robin
+    over contexts (noise hits all alike)."""
     state = {}
     for L in contexts:
         out = model(torch.randint(0, vocab, (1, L)), use_cache=True, logits_to_keep=1)
+        out = model(out.logits[:, -1].argmax(-1, keepdim=True), cache=out.cache, use_cache=True)
         state[L] = {"cache": out.cache, "next": out.logits[:, -1].argmax(-1, keepdim=True), "times": [],
                     "rss_growth_mb": 0.0}
-    for r in range(rounds):
+    for _ in range(rounds):
         for L in contexts:
             s = state[L]
             rss0 = rss_mb()
-            for i in range(steps):
+            for _ in range(steps):
                 t0 = time.perf_counter()
                 out = model(s["next"], cache=s["cache"], use_cache=True)
                 s["cache"], s["next"] = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-                if r or i:  # the first step of the first round warms up
-                    s["times"].append(time.perf_counter() - t0)
+                s["times"].append(time.perf_counter() - t0)
             s["rss_growth_mb"] += rss_mb() - rss0
     return {L: {"latency_ms": 1e3 * statistics.median(s["times"]), "cache_mb": cache_bytes(s["cache"]) / 2**20,
                 "rss_growth_mb": s["rss_growth_mb"]} for L, s in state.items()}

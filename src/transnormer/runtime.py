@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -142,3 +143,31 @@ def call_in_fresh_process(fn, *args, **kwargs):
     err = msg[1]
     err.add_note(f"in the fresh process:\n{msg[2]}")
     raise err
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (MiB). Linux's VmHWM belongs to this process
+    image alone; ru_maxrss (the fallback elsewhere) also counts the parent a spawned benchmark
+    process was forked from before its exec."""
+    import resource  # (POSIX only: imported where it is read)
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    # ru_maxrss is in KiB on Linux, in bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+
+
+def rss_mb() -> float | None:
+    """Resident set size of this process now (MiB); None where there is no /proc/self/statm."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except (OSError, IndexError, ValueError):
+        return None

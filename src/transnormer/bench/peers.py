@@ -90,8 +90,8 @@ _VERSION_PACKAGES = ("torch", "flash-pytorch", "performer-pytorch", "rotary-embe
                      "local-attention", "axial-positional-embedding")
 
 
-PEER_MODULES = {"flash-pytorch": "flash_pytorch.flash_pytorch", "flash-pytorch-gau": "flash_pytorch.flash_pytorch",
-                "performer-pytorch": "performer_pytorch"}
+_FLASH_MODULE, _PERFORMER_MODULE = "flash_pytorch.flash_pytorch", "performer_pytorch"
+PEER_MODULES = {"flash-pytorch": _FLASH_MODULE, "flash-pytorch-gau": _FLASH_MODULE, "performer-pytorch": _PERFORMER_MODULE}
 
 
 def _import_peer(module: str):
@@ -106,7 +106,7 @@ def _import_peer(module: str):
             return importlib.import_module(module)
     except ImportError as e:
         extra = " (performer_pytorch imports distutils: on Python >= 3.12 setuptools must be installed)" \
-            if module == "performer_pytorch" and "distutils" in str(e) else ""
+            if module == _PERFORMER_MODULE and "distutils" in str(e) else ""
         raise ImportError(f"peer package {module.split('.')[0]!r} is not available: {e}{extra}; {_PIP_HINT}") from e
 
 
@@ -220,7 +220,7 @@ def build_peer_model(name: str, *, seq_len: int, vocab_size: int | None = None, 
     notes: list[str] = []
 
     if name in ("flash-pytorch", "flash-pytorch-gau"):
-        fp = _import_peer("flash_pytorch.flash_pytorch")
+        fp = _import_peer(_FLASH_MODULE)
         kind = "flash" if name == "flash-pytorch" else "gau"
         opts = _gated_options(cfg, kind, match)
         args = dict(dim=d, num_tokens=V, depth=cfg.num_hidden_layers, query_key_dim=opts.get("qk_dim", 128),
@@ -238,7 +238,7 @@ def build_peer_model(name: str, *, seq_len: int, vocab_size: int | None = None, 
             with torch.no_grad():
                 net.abs_pos_emb.scale.fill_(d ** -0.5)
     else:
-        pp = _import_peer("performer_pytorch")
+        pp = _import_peer(_PERFORMER_MODULE)
         if not cfg.layer_types or set(cfg.layer_types) != {"performer"}:
             raise ValueError(f"match={match!r} is not a 'performer' preset")
         heads = cfg.num_attention_heads
@@ -278,7 +278,7 @@ _SCALENORM_EPS = 1e-30  # see module docstring (norms)
 
 
 def _peer_kind(theirs) -> str:
-    fp = _import_peer("flash_pytorch.flash_pytorch")
+    fp = _import_peer(_FLASH_MODULE)
     if isinstance(theirs, fp.FLASH):
         return "flash"
     if isinstance(theirs, fp.GAU):
@@ -299,7 +299,7 @@ def _rotary_dim(theirs) -> int | None:
 
 
 def _check_matchable(theirs, kind: str) -> None:
-    fp = _import_peer("flash_pytorch.flash_pytorch")
+    fp = _import_peer(_FLASH_MODULE)
     if not isinstance(theirs.attn_fn, fp.ReLUSquared):
         raise ValueError("laplace_attn_fn=True has no counterpart in ours (relu² only)")
     if kind == "flash":
@@ -323,7 +323,7 @@ def _dims(theirs) -> tuple[int, int, int]:
 def matching_config_kwargs(theirs, *, seq_len: int | None = None) -> dict:
     """``TransNormerConfig`` keyword arguments of a one-block model whose block computes what
     ``theirs`` (a flash_pytorch GAU or FLASH) computes. GAU needs ``seq_len`` (their 1/T)."""
-    fp = _import_peer("flash_pytorch.flash_pytorch")
+    fp = _import_peer(_FLASH_MODULE)
     kind = _peer_kind(theirs)
     _check_matchable(theirs, kind)
     d, e, s = _dims(theirs)
@@ -383,7 +383,7 @@ def load_flash_pytorch_weights(ours: nn.Module, theirs: nn.Module, *, seq_len: i
     from ..layers.gau import GAU as OurGAU
     from ..modules.norms import LayerNorm, ScaleNorm
 
-    fp = _import_peer("flash_pytorch.flash_pytorch")
+    fp = _import_peer(_FLASH_MODULE)
     kind = _peer_kind(theirs)
     _check_matchable(theirs, kind)
     mixer = getattr(ours, "mixer", ours)

@@ -290,7 +290,7 @@ def bench_memory(out_dir, *, preset: str = "t2-lm", lengths=(4096, 16384), vocab
 
 def bench_long(out_dir, *, preset: str = "t2-lm", seq_len: int = 65536, vocab_size: int = 8192,
                checkpointing: bool = True) -> dict:
-    """bf16 training steps at T = 64k (the warm-up's 2-6, then the timed one): the last loss, every
+    """bf16 training steps at T = 64k (the warm-up's 2-6, 2 on a GPU, then the timed one): the last loss, every
     warm-up step's gradients and the weights after the last step finite.
 
     Block activations of 64k tokens do not fit next to the [T, V] logits in 24 GB, so blocks are
@@ -324,9 +324,9 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
     one, as a fraction of the GEMM rate measured in this run: above ~100% the 2x is out of reach
     on this machine however fast the kernels.
     """
-    from .peers import _import_peer, peer_versions
+    from .peers import PEER_MODULES, _import_peer, peer_versions
 
-    _import_peer("flash_pytorch")  # a missing peer fails here, before the long counts and steps
+    _import_peer(PEER_MODULES["flash-pytorch"])  # a missing peer fails here, before the long counts and steps
     presets = ["flash-lm", "t2-lm", "peer:flash-pytorch"]
     counted = {p: counted_step_flops(p, seq_len, vocab_size=vocab_size) for p in presets}
     rows, verdicts = [], [_peer_output_verdict()]

@@ -6,16 +6,14 @@ the median of several repeats after a warm-up.
 
 from __future__ import annotations
 
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 from ..ops import dense
-from ..runtime import cpu_has_bf16_products
+from ..runtime import cpu_has_bf16_products, peak_rss_mb, rss_mb  # noqa: F401 (the harness's names)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the benchmarks' --dtypes by name
 
@@ -77,25 +75,3 @@ def gemm_gflops(n: int = 2048, dtype: torch.dtype = torch.float32, repeat: int =
     return 2 * n**3 / t / 1e9
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (MiB). Linux's VmHWM belongs to this process
-    image alone; ru_maxrss (the fallback elsewhere) also counts the parent a spawned benchmark
-    process was forked from before its exec."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    # ru_maxrss is in KiB on Linux, in bytes on macOS
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
-
-
-def rss_mb() -> float | None:
-    """Resident set size of this process now (MiB); None where there is no /proc/self/statm."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-    except (OSError, IndexError, ValueError):
-        return None

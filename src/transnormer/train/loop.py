@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .._files import atomic_write_text, check_output
-from ..runtime import build_cpu_kernels, cpu_has_bf16_products
+from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb
 from .checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
@@ -507,9 +507,7 @@ def autocast_factory(device: torch.device, dtype: str):
 def peak_memory_mb(info: DistInfo) -> float:
     if info.device.type == "cuda":
         return torch.cuda.max_memory_allocated(info.device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mb()
 
 
 def train(cfg: TrainConfig) -> dict:
