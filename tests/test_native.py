@@ -297,6 +297,38 @@ def test_chunks_past_the_kernel_limit_take_the_pytorch_form(monkeypatch):
     assert torch.allclose(o, norm_linear_attn_reference(q, q, q, causal=True)[0], atol=1e-9)
 
 
+_OUT_OF_MEMORY = """
+import resource
+import torch
+from transnormer.ops import _native
+q = torch.randn(1, 4096, 1, 1)
+for nt in (1, 2):
+    torch.set_num_threads(nt)
+    _native.native_causal_linear_attn(q, q, q, None, chunk=64)  # the library and its threads, warm
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+    try:
+        _native.native_causal_linear_attn(q, q, q, None, chunk=4096)  # two 64 MB score tiles a thread
+        print(nt, "no error")
+    except MemoryError as e:
+        print(nt, "MemoryError:", e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(nt, "then:", bool(torch.isfinite(_native.native_causal_linear_attn(q, q, q, None, chunk=64)[0]).all()))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc for the memory cap")
+def test_a_kernel_out_of_memory_raises_memory_error(native):
+    """std::bad_alloc in a kernel's thread had unwound out of the OpenMP region (or through ctypes)
+    and ended the process; now the kernel records it and the call raises MemoryError."""
+    out = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for nt in (1, 2):
+        assert f"{nt} MemoryError: tn_causal_fwd: out of memory" in out.stdout and f"{nt} then: True" in out.stdout
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(0, 5, 2, 32), (1, 5, 0, 32), (1, 5, 2, 0)])
 def test_empty_batch_heads_or_width_skip_the_kernels(dtype, shape):

@@ -56,7 +56,7 @@ _HEADERS = tuple(Path(__file__).with_name(f) for f in ("_native_common.h", "_nat
 _FLAGS_TRIED_FIRST = ("-fopenmp", "-march=native")
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-distribute-patterns",
           "-fno-trapping-math"]
-_ABI = 12
+_ABI = 13
 _lock = threading.Lock()
 # The causal kernels keep c x c score tiles per thread, allocated in C++ where running out of memory
 # ends the process (std::bad_alloc through ctypes): longer chunks take the PyTorch form, which raises.
@@ -435,9 +435,13 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
     if _DTYPE_SUFFIX.get(dtype) not in suffixes:
         names = " or ".join(str(d).removeprefix("torch.") for d, sfx in _DTYPE_SUFFIX.items() if sfx in suffixes)
         raise TypeError(f"{name}: the kernel takes {names} tensors, got {dtype}")
-    rc = getattr(load(), f"{name}_{_DTYPE_SUFFIX[dtype]}")(*args, torch.get_num_threads())
-    if rc:
-        raise RuntimeError(f"{name} failed with code {rc}")
+    lib = load()
+    rc = getattr(lib, f"{name}_{_DTYPE_SUFFIX[dtype]}")(*args, torch.get_num_threads())
+    err = lib.tn_take_error()
+    if err == 1:
+        raise MemoryError(f"{name}: out of memory for the kernel's scratch buffers")
+    if err or rc:
+        raise RuntimeError(f"{name} failed ({'an exception in the kernel' if err else f'code {rc}'})")
 
 
 class NativeCausalLinearAttn(torch.autograd.Function):

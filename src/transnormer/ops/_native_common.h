@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -166,23 +167,50 @@ inline bool next_step(long& n, long& g, long lo, long hi, long G, bool reverse) 
 // it), and PyTorch's workers, which spin for a while after each of its parallel ops, pick the
 // work up instead of competing for the cores with threads of our own. (A PyTorch built with
 // another OpenMP runtime would get a second pool: slower, not wrong.)
+//
+// An exception (std::bad_alloc from a scratch buffer) must not unwind out of an OpenMP region or
+// through ctypes: either ends the process. Each range catches it and records it in error_flag();
+// the kernel's other ranges run on, and Python reads the flag after every call (tn_take_error,
+// _native.py's _call) and raises, discarding the outputs.
+inline std::atomic<int>& error_flag() {
+    static std::atomic<int> flag{0};  // 1: out of memory, 2: another exception
+    return flag;
+}
+
+template <typename F>
+inline void guarded(F&& f) {
+    try {
+        f();
+    } catch (const std::bad_alloc&) {
+        error_flag().store(1);
+    } catch (...) {
+        error_flag().store(2);
+    }
+}
+
 template <typename F>
 void parallel_ranges(long N, int nthreads, F body) {
     const int nt = (int)std::max<long>(1, std::min<long>(nthreads, N));
     if (nt == 1) {
-        body(0, N);
+        guarded([&] { body(0, N); });
         return;
     }
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(nt)
     {
         const long t = omp_get_thread_num(), n = omp_get_num_threads();
-        body(N * t / n, N * (t + 1) / n);
+        guarded([&] { body(N * t / n, N * (t + 1) / n); });
     }
 #else
-    auto work = [&](int t) { body(N * t / nt, N * (t + 1) / nt); };
+    auto work = [&](int t) { guarded([&] { body(N * t / nt, N * (t + 1) / nt); }); };
     std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) pool.emplace_back(work, t);
+    for (int t = 1; t < nt; ++t) {
+        try {
+            pool.emplace_back(work, t);
+        } catch (...) {  // no thread to be had (std::system_error): the range runs here
+            work(t);
+        }
+    }
     work(0);
     for (auto& th : pool) th.join();
 #endif
