@@ -528,6 +528,8 @@ def test_cosformer_attn_checks_its_positions():
     assert torch.isfinite(shifted).all()
     mask = torch.tensor([[True, True, True, False]])
     cosformer_attn(q, q, q, causal=True, positions=torch.tensor([[0, 1, 2, 9]]), max_len=3, key_padding_mask=mask)
+    with pytest.raises(ValueError, match="positions must be finite"):  # a NaN passed every comparison
+        cosformer_attn(q, q, q, causal=True, positions=torch.tensor([[0.0, 1.0, float("nan"), 3.0]]), max_len=8)
 
 
 def test_relu2_attention_refuses_a_second_derivative():

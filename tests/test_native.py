@@ -106,6 +106,8 @@ class _FakeLib:
     def __init__(self, path):
         if Path(path).read_bytes() == b"garbage":
             raise OSError(f"{path}: invalid ELF header")
+        if Path(path).read_bytes() == b"newer":
+            raise OSError(f"/lib/libstdc++.so.6: version `GLIBCXX_3.4.32' not found (required by {path})")
 
     def tn_abi_version(self):
         return _native._ABI
@@ -124,13 +126,20 @@ def test_a_build_without_the_fast_flags_says_why_at_every_load(monkeypatch, tmp_
     assert len(list((tmp_path / "native").glob("kernels_*.so"))) == 1
 
 
-def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_path):
-    # (a truncated file, or one built against another libstdc++, had turned the kernels off for good)
+def _fake_library_builds(monkeypatch, tmp_path) -> list:
+    """_open on a cache in tmp_path whose builds write b"ok" (listed in the returned list) and whose
+    loads are _FakeLib's."""
     built = []
     monkeypatch.setattr(_native, "_compile", lambda out, extra=(): (out.write_bytes(b"ok"), built.append(out)))
     monkeypatch.setenv("TRANSNORMER_CACHE", str(tmp_path))
     monkeypatch.setattr(_native.ctypes, "CDLL", _FakeLib)
     monkeypatch.setattr(_native, "_declare", lambda lib: None)
+    return built
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_path):
+    # (a truncated file, or one built against another libstdc++, had turned the kernels off for good)
+    built = _fake_library_builds(monkeypatch, tmp_path)
     _native._open()
     (path,) = built
     _native._open()
@@ -138,6 +147,27 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
     path.write_bytes(b"garbage")
     _native._open()
     assert built == [path, path] and path.read_bytes() == b"ok"
+    # a library this machine's libstdc++ is too old for: a rebuild would not help (every rank would
+    # delete and build it in turn), so the error stands and the file stays
+    path.write_bytes(b"newer")
+    with pytest.raises(OSError, match="GLIBCXX"):
+        _native._open()
+    assert len(built) == 2 and path.read_bytes() == b"newer"
+
+
+def test_a_lock_that_cannot_be_taken_does_not_stop_the_build(monkeypatch, tmp_path):
+    # (a read-only cache or another user's lock file had turned the kernels off: the lock is best effort)
+    built = _fake_library_builds(monkeypatch, tmp_path)
+    real_open = os.open
+
+    def no_lock(path, *a, **k):
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(_native.os, "open", no_lock)
+    _native._open()
+    assert len(built) == 1
 
 
 def test_the_compiler_may_come_with_arguments_and_the_cpu_unknown(monkeypatch, tmp_path):
@@ -286,8 +316,7 @@ def test_same_result_on_one_and_two_threads(native, causal, T):
 
 
 def test_chunks_past_the_kernel_limit_take_the_pytorch_form(monkeypatch):
-    """The kernels allocate c x c tiles per thread in C++, where running out of memory ends the
-    process; chunk_size = T = 32k asked 8 GiB per thread of them."""
+    """The kernels allocate c x c tiles per thread: chunk_size = T = 32k asked 8 GiB per thread."""
     def refuse(*a, **k):
         raise AssertionError("kernel called")
 
@@ -295,6 +324,10 @@ def test_chunks_past_the_kernel_limit_take_the_pytorch_form(monkeypatch):
     q = torch.randn(1, _native.MAX_KERNEL_CHUNK + 1, 1, 4, dtype=torch.float64)
     o, _ = norm_linear_attn(q, q, q, causal=True, chunk_size=q.shape[1])
     assert torch.allclose(o, norm_linear_attn_reference(q, q, q, causal=True)[0], atol=1e-9)
+    if _native.load() is not None:  # backend "native" promises the kernels or an error
+        monkeypatch.setattr(_native, "_mode", "native")
+        with pytest.raises(ValueError, match="the causal kernels take chunk_size <= 1024"):
+            norm_linear_attn(q, q, q, causal=True, chunk_size=q.shape[1])
 
 
 _OUT_OF_MEMORY = """

@@ -30,6 +30,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -58,8 +59,8 @@ _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-tree-loop-d
           "-fno-trapping-math"]
 _ABI = 13
 _lock = threading.Lock()
-# The causal kernels keep c x c score tiles per thread, allocated in C++ where running out of memory
-# ends the process (std::bad_alloc through ctypes): longer chunks take the PyTorch form, which raises.
+# The causal kernels keep c x c score tiles per thread (2 x 64 MB at c = 4096 in fp32): longer
+# chunks take the PyTorch form (in backend "native", a ValueError).
 MAX_KERNEL_CHUNK = 1024
 _lib: ctypes.CDLL | None = None
 _variants: dict[tuple[str, ...], ctypes.CDLL | Exception] = {}  # load_variant's libraries (or errors) by flags
@@ -84,18 +85,18 @@ def cpu_info() -> CpuInfo:
     """The first CPU of /proc/cpuinfo; empty fields where a line or the file is missing (not
     Linux). Read once for the kernel cache key, the fp32 GEMM routing (ops/dense.py) and the
     benchmarks' environment."""
-    fields = {"vendor_id": "", "model name": "", "flags": ""}
+    fields = {"vendor_id": "", "model name": "", "flags": "", "Features": ""}  # Features: ARM's flags
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 name, _, value = line.partition(":")
                 if fields.get(name.strip(), None) == "":
                     fields[name.strip()] = value.strip()
-                if all(fields.values()):
+                if fields["vendor_id"] and fields["model name"] and (fields["flags"] or fields["Features"]):
                     break
     except OSError:
         pass
-    return CpuInfo(fields["vendor_id"], fields["model name"], frozenset(fields["flags"].split()))
+    return CpuInfo(fields["vendor_id"], fields["model name"], frozenset((fields["flags"] or fields["Features"]).split()))
 
 
 def _cpu_signature() -> str:
@@ -241,45 +242,77 @@ def _declare(lib: ctypes.CDLL) -> None:
 @contextlib.contextmanager
 def _build_lock(lib: Path):
     """One build of a library at a time across processes (torchrun ranks, a shared home): the
-    others wait, then load what it built, instead of each running its own compilers and replacing
-    the file the others have loaded. No lock where flock is missing (not POSIX)."""
+    others wait, then load what it built, instead of each running its own compilers. Best effort:
+    where the lock file cannot be opened (a read-only cache) or locked (no flock: not POSIX, some
+    network filesystems), the build runs unlocked, as each publishes its file atomically anyway."""
     try:
         import fcntl
     except ImportError:
         yield
         return
     lib.parent.mkdir(parents=True, exist_ok=True)
-    with open(lib.with_suffix(".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    fd = None
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # (another user's lock file: read-only serves)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fd = os.open(lib.with_suffix(".lock"), flags, 0o666)
+            break
+        except OSError:
+            pass
+    try:
+        if fd is not None:
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    print(f"transnormer: waiting for another process to build the CPU kernels ({lib.name})",
+                          file=sys.stderr, flush=True)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # (releases the lock)
+
+
+# dlopen's words for a file that is not a whole library: building it again can help. Other load
+# errors (a libstdc++ older than the one it was built against) raise: a rebuild would not.
+_DAMAGED = ("invalid ELF header", "file too short", "cannot open shared object file")
+
+
+def _load_cached(path: Path) -> ctypes.CDLL | None:
+    """The cached library at ``path`` (RTLD_LOCAL: variants load beside the default one); None when
+    it is not there, or damaged (truncated, not a library), which is removed to be built again."""
+    if not path.exists():
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        if not any(word in str(exc) for word in _DAMAGED):
+            raise
+        path.unlink(missing_ok=True)
+        return None
 
 
 def _open(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The library built with ``extra_flags``, compiled first if the cache does not hold it, and
-    once more if the cached file does not load (truncated, or built against another libstdc++)."""
+    """The library built with ``extra_flags``, compiled first if the cache does not hold it (or
+    holds a damaged file); the lock is taken only to build."""
     compiler = _compiler() or []
     ident = " ".join([*_FLAGS, *_FLAGS_TRIED_FIRST, *extra_flags, *compiler, _compiler_identity(tuple(compiler)),
                       _cpu_signature()]).encode()
     key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + ident).hexdigest()
     path = _cache_dir() / f"kernels_{key[:16]}.so"
-    with _build_lock(path):
-        built = not path.exists()
-        if built:
-            _compile(path, extra_flags)
-        try:
-            lib = ctypes.CDLL(str(path))  # RTLD_LOCAL: variants load beside the default library
-        except OSError:
-            if built:
-                raise
-            path.unlink(missing_ok=True)
-            _compile(path, extra_flags)
-            lib = ctypes.CDLL(str(path))
-    note = _fallback_note(path)
-    if note.exists():
-        warnings.warn(note.read_text(), RuntimeWarning, stacklevel=3)
+    lib = _load_cached(path)
+    if lib is None:
+        with _build_lock(path):
+            lib = _load_cached(path)  # built by another process while this one waited
+            if lib is None:
+                _compile(path, extra_flags)
+                lib = ctypes.CDLL(str(path))
+    try:
+        warnings.warn(_fallback_note(path).read_text(), RuntimeWarning, stacklevel=3)
+    except FileNotFoundError:  # a build with the first-tried flags
+        pass
     if lib.tn_abi_version() != _ABI:
         raise RuntimeError(f"stale library {path} (ABI {lib.tn_abi_version()}, expected {_ABI})")
     _declare(lib)
@@ -321,7 +354,8 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError) as exc:
             _error = str(exc)
             warnings.warn(f"transnormer: fused CPU kernel unavailable, using the PyTorch form ({exc})", stacklevel=2)
-        _tried = True  # only now: a thread on the unlocked fast path must not read _lib mid-build
+        finally:  # only now (a thread on the unlocked fast path must not read _lib mid-build), and
+            _tried = True  # also after a warning raised as an error: not a new build at every call
         return _lib
 
 
@@ -436,8 +470,10 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
         names = " or ".join(str(d).removeprefix("torch.") for d, sfx in _DTYPE_SUFFIX.items() if sfx in suffixes)
         raise TypeError(f"{name}: the kernel takes {names} tensors, got {dtype}")
     lib = load()
-    rc = getattr(lib, f"{name}_{_DTYPE_SUFFIX[dtype]}")(*args, torch.get_num_threads())
-    err = lib.tn_take_error()
+    try:
+        rc = getattr(lib, f"{name}_{_DTYPE_SUFFIX[dtype]}")(*args, torch.get_num_threads())
+    finally:  # (taken even if an interrupt lands here, so that no later call reads this one's error)
+        err = lib.tn_take_error()
     if err == 1:
         raise MemoryError(f"{name}: out of memory for the kernel's scratch buffers")
     if err or rc:

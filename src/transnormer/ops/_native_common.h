@@ -161,6 +161,24 @@ inline bool next_step(long& n, long& g, long lo, long hi, long G, bool reverse) 
     return g >= 0 && g < G;
 }
 
+#if !defined(_OPENMP)
+// work(t) for t in [0, nt), t = 0 on the calling thread, the others on threads of their own (a
+// range that gets no thread, std::system_error, runs on the calling one)
+template <typename W>
+void run_on_threads(int nt, W work) {
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nt; ++t) {
+        try {
+            pool.emplace_back(work, t);
+        } catch (...) {
+            work(t);
+        }
+    }
+    work(0);
+    for (auto& th : pool) th.join();
+}
+#endif
+
 // body(lo, hi) on [0, N) split into contiguous ranges, one per thread (the caller's thread too).
 // Built with -fopenmp the threads come from the OpenMP runtime already in the process: with the
 // PyPI CPU wheels that is PyTorch's bundled libgomp.so.1 (same soname, so this library binds to
@@ -169,52 +187,48 @@ inline bool next_step(long& n, long& g, long lo, long hi, long G, bool reverse) 
 // another OpenMP runtime would get a second pool: slower, not wrong.)
 //
 // An exception (std::bad_alloc from a scratch buffer) must not unwind out of an OpenMP region or
-// through ctypes: either ends the process. Each range catches it and records it in error_flag();
-// the kernel's other ranges run on, and Python reads the flag after every call (tn_take_error,
-// _native.py's _call) and raises, discarding the outputs.
-inline std::atomic<int>& error_flag() {
-    static std::atomic<int> flag{0};  // 1: out of memory, 2: another exception
-    return flag;
+// through ctypes: either ends the process. Each range catches it and records it for this call;
+// the kernel's other ranges run on, and the error is left to the calling thread (call_error()),
+// which Python reads after every call on that thread (tn_take_error, _native.py's _call) and
+// raises, discarding the outputs. Per calling thread: kernels run from two Python threads at once
+// must not take each other's errors.
+
+inline int& call_error() {
+    thread_local int error = 0;  // 1: out of memory, 2: another exception
+    return error;
 }
 
 template <typename F>
-inline void guarded(F&& f) {
+inline void guarded(std::atomic<int>& error, F&& f) {
     try {
         f();
     } catch (const std::bad_alloc&) {
-        error_flag().store(1);
+        error.store(1);
     } catch (...) {
-        error_flag().store(2);
+        error.store(2);
     }
 }
 
 template <typename F>
 void parallel_ranges(long N, int nthreads, F body) {
     const int nt = (int)std::max<long>(1, std::min<long>(nthreads, N));
+    std::atomic<int> error{0};
     if (nt == 1) {
-        guarded([&] { body(0, N); });
-        return;
-    }
+        guarded(error, [&] { body(0, N); });
+    } else {
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(nt)
-    {
-        const long t = omp_get_thread_num(), n = omp_get_num_threads();
-        guarded([&] { body(N * t / n, N * (t + 1) / n); });
-    }
-#else
-    auto work = [&](int t) { guarded([&] { body(N * t / nt, N * (t + 1) / nt); }); };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nt; ++t) {
-        try {
-            pool.emplace_back(work, t);
-        } catch (...) {  // no thread to be had (std::system_error): the range runs here
-            work(t);
+        {
+            const long t = omp_get_thread_num(), n = omp_get_num_threads();
+            guarded(error, [&] { body(N * t / n, N * (t + 1) / n); });
         }
-    }
-    work(0);
-    for (auto& th : pool) th.join();
+#else
+        run_on_threads(nt, [&](int t) { guarded(error, [&] { body(N * t / nt, N * (t + 1) / nt); }); });
 #endif
+    }
+    if (error.load()) call_error() = error.load();
 }
+
 
 // body(p, r0, r1) for each of `parts` fixed row ranges [N p / parts, N (p + 1) / parts), the parts
 // spread over the threads: a kernel that sums a parameter's gradient over rows keeps one partial

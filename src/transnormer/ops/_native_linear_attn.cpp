@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "_native_common.h"
@@ -387,8 +388,9 @@ constexpr idx kBidirChunk = 64;  // rows per step of the bidirectional walk (any
 extern "C" {
 
 int tn_abi_version() { return 13; }
-// The error a kernel's ranges recorded (tn::parallel_ranges) since the last call, and reset it.
-int tn_take_error() { return tn::error_flag().exchange(0); }
+// The error the kernels called from this thread recorded (tn::parallel_ranges) since the last
+// take, and reset it.
+int tn_take_error() { return std::exchange(tn::call_error(), 0); }
 
 #define TN_DEFINE(SUFFIX, T)                                                                                    \
     int tn_causal_fwd_##SUFFIX(const T* q, const T* k, const T* v, T* o, const T* init, T* fin, idx B, idx Tn,   \

@@ -244,6 +244,8 @@ def check_cosformer_positions(positions, max_len, mask: torch.Tensor | None, bat
     if positions.numel() == 0:
         return
     p = positions.expand(batch, length).to(torch.float64)
+    if not bool(torch.isfinite(p).all()):  # (a NaN passes every comparison below)
+        raise ValueError("positions must be finite")
     real = torch.ones_like(p, dtype=torch.bool) if mask is None else mask
     lo, hi = torch.where(real, p, math.inf).amin(1), torch.where(real, p, -math.inf).amax(1)  # a row of padding: inf, -inf
     if from_zero and bool((lo < 0).any()):

@@ -119,6 +119,9 @@ def norm_linear_attn(
         # (an empty product of the inputs, so that the output stays in the graph as the other forms')
         return (q.sum() * 0 + v).to(q.dtype), (final if output_final_state else None)
     c = min(chunk_size, T)
+    if kernels_apply and c > _native.MAX_KERNEL_CHUNK and _native.backend() == "native":
+        raise ValueError(f"backend 'native': the causal kernels take chunk_size <= {_native.MAX_KERNEL_CHUNK} "
+                         f"(their c x c tiles per thread), got {chunk_size} (T = {T})")
     if kernels_apply and c <= _native.MAX_KERNEL_CHUNK:
         # Fused CPU kernels, the same chunked math tile by tile with no layout copies: bf16 on AMX
         # tiles or AVX512-BF16 (ops/_native_amx.cpp; it zero-pads a short last chunk, so its chunk
