@@ -156,6 +156,22 @@ def test_dual_encoder_forward_and_padding_invariance():
         model(input_ids=a, attention_mask=ma)
 
 
+def test_dual_encoder_loss_counts_trainers_items():
+    # it declares accepts_loss_kwargs (Trainer then skips its own division by the accumulation
+    # steps) and had returned each micro-batch's mean: k steps, a loss k times too large
+    torch.manual_seed(0)
+    model = _dual().eval()
+    a, ma = _inputs(257, B=4, T=20, lengths=(20, 12, 15, 9))
+    b, mb = _inputs(257, B=4, T=16, lengths=(9, 16, 10, 4))
+    labels = torch.tensor([0, 1, -100, 1])
+
+    def loss(sl, n=None):
+        return model(input_ids=a[sl], attention_mask=ma[sl], input_ids_2=b[sl], attention_mask_2=mb[sl],
+                     labels=labels[sl], num_items_in_batch=n).loss
+
+    torch.testing.assert_close(loss(slice(0, 2), 3) + loss(slice(2, 4), 3), loss(slice(0, 4)))
+
+
 def test_dual_encoder_save_load_round_trip(tmp_path):
     model = _dual().eval()
     a, ma = _inputs(257, B=2, T=20, lengths=(20, 7))

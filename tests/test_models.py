@@ -124,8 +124,8 @@ def test_num_items_in_batch_weighs_every_target_alike(task, return_logits):
         labels[0, 1], labels[1, 0] = ids[0, 1], ids[1, 0]
         labels[2:, ::2] = ids[2:, ::2]
         items = int((labels != -100).sum())
-    else:
-        labels, items = torch.tensor([0, 2, 1, 1]), 4
+    else:  # a -100 label is not scored, nor counted (it had been counted: the loss scaled by 4/3)
+        labels, items = torch.tensor([0, -100, 1, 1]), 3
     extra = {} if task == "cls" else {"return_logits": return_logits}
 
     def grads(*batches):

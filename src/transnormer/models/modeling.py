@@ -622,8 +622,16 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
             if self.config.problem_type is None:  # kept, as HF's heads do: pipelines read it
                 self.config.problem_type = infer_problem_type(logits, labels)
             loss = classification_loss(logits, labels, self.config.problem_type)
-            loss = over_items(loss, labels.numel, kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, scored_labels(labels, self.config.problem_type), kwargs.get("num_items_in_batch"))
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def scored_labels(labels: torch.Tensor, problem_type: str):
+    """The count of labels a classification loss averaged over (a callable, for over_items): the
+    cross-entropy skips -100, as HF Trainer's num_items_in_batch does; the others score them all."""
+    if problem_type == "single_label_classification":
+        return lambda: (labels != -100).sum()
+    return labels.numel
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
