@@ -759,3 +759,29 @@ def test_use_cache_default_skips_models_that_cannot_decode(option):
     assert out.cache is None and out.logits.shape == (1, 12, 97)
     with pytest.raises(ValueError, match="decod"):
         model(ids, use_cache=True)
+
+
+def test_layers_a_checkpoint_lacks_get_their_own_init(tmp_path):
+    """from_pretrained into a deeper model (or other layer types) had left the new layers'
+    projections and LRPE as uninitialised memory: NaN logits. HF skips a layer without direct
+    parameters and asks _init_weights for its linears, which now run their layer's init."""
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    saved = build_model("t2-lm-tiny", vocab_size=61)
+    saved.save_pretrained(tmp_path)
+    assert saved.config.num_hidden_layers == 4
+    types = ["diag", "diag", "norm", "norm", "norm", "softmax"]  # layers 4 and 5: not in the checkpoint
+    loaded = TransNormerForCausalLM.from_pretrained(tmp_path, num_hidden_layers=6, layer_types=types)
+    fresh = build_model("t2-lm-tiny", vocab_size=61, num_hidden_layers=6, layer_types=types)
+    for name, t in [*loaded.named_parameters(), *loaded.named_buffers()]:
+        assert torch.isfinite(t).all(), name
+    for a, b in zip(saved.model.layers[0].parameters(), loaded.model.layers[0].parameters(), strict=True):
+        assert torch.equal(a, b)  # what the checkpoint held stays
+    new, ref = loaded.model.layers[4].mixer, fresh.model.layers[4].mixer
+    assert torch.equal(new.lrpe.u, ref.lrpe.u) and torch.equal(new.lrpe.theta, ref.lrpe.theta)
+    assert torch.equal(new.out_proj.bias, torch.zeros_like(new.out_proj.bias))  # the layer's init, not the default
+    for name in ("q_proj.weight", "out_proj.weight"):
+        got, want = (dict(m.named_parameters())[name].std().item() for m in (new, ref))
+        assert abs(got / want - 1) < 0.2, name
+    assert torch.isfinite(loaded(torch.randint(3, 61, (2, 9))).logits).all()

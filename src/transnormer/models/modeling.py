@@ -29,7 +29,7 @@ from ..layers.base import padding_mask
 from ..modules.ffn import build_ffn
 from ..modules.lm_loss import linear_cross_entropy
 from ..modules.norms import build_norm
-from ..modules.positional import LearnedPositions, SinusoidalPositions
+from ..modules.positional import LRPE, LearnedPositions, SinusoidalPositions
 from ..modules.recompute import recompute_scope, record_scope
 from ..ops.rowwise import residual_add
 from . import layer_builders  # noqa: F401  (registers the core layer types)
@@ -133,6 +133,11 @@ class TransNormerPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         cfg = self.config
+        if isinstance(module, LRPE):
+            # θ and u are computed, not drawn through torch.nn.init (which HF guards while it loads
+            # a checkpoint): the ones the checkpoint held keep their flag, the others are computed
+            module.reset_parameters(keep=lambda t: getattr(t, "_is_hf_initialized", False))
+            return
         if isinstance(module, TransNormerLMHead):
             # its own output bias, a bare Parameter no branch below reaches: from_pretrained leaves
             # a head the checkpoint lacks (an encoder loaded as a masked LM) as torch.empty
@@ -150,24 +155,28 @@ class TransNormerPreTrainedModel(PreTrainedModel):
         if isinstance(module, nn.Embedding):  # fairseq LM: N(0, d^-1/2)
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)
         elif isinstance(module, (nn.Linear, nn.LayerNorm)):
-            # A layer's linears are its own (NormAttention's xavier gains, zero output bias): the
-            # layer set them when it was built, and HF never calls this on a layer without direct
-            # parameters, so resetting them here would leave PyTorch's default. The others (the
-            # heads) get that default: from_pretrained leaves weights a checkpoint lacks (a new
-            # classification head) uninitialised and relies on this call.
-            if id(module) not in self._layer_owned_ids():
-                module.reset_parameters()
+            # from_pretrained leaves weights a checkpoint lacks uninitialised and relies on this call:
+            # a new classification head gets PyTorch's default; a linear of a layer the checkpoint
+            # lacks (a deeper model, another layer type) gets its layer's own init (NormAttention's
+            # xavier gains, zero output bias), which HF would not ask for: a layer without direct
+            # parameters counts as initialised. torch.nn.init is guarded while HF loads, so the
+            # layer's weights that the checkpoint held stay as loaded.
+            module.reset_parameters()
+            owner = self._layer_owners().get(id(module))
+            if owner is not None:
+                owner.reset_parameters()
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()  # layers own the released code's init
 
-    def _layer_owned_ids(self) -> set:
-        """ids of the linears and layer norms inside a module that initialises them itself."""
-        owned = set()
-        for m in self.modules():
+    def _layer_owners(self) -> dict:
+        """id of each linear and layer norm inside a module that initialises it itself -> that module
+        (the innermost)."""
+        owners = {}
+        for m in self.modules():  # outer modules first: an inner owner overwrites
             if m is not self and hasattr(m, "reset_parameters") and not isinstance(
                     m, (nn.Linear, nn.LayerNorm, nn.Embedding)):
-                owned.update(id(c) for c in m.modules() if isinstance(c, (nn.Linear, nn.LayerNorm)))
-        return owned
+                owners.update({id(c): m for c in m.modules() if isinstance(c, (nn.Linear, nn.LayerNorm))})
+        return owners
 
 
 def _check_position_ids(position_ids, positions: torch.Tensor, mask: torch.Tensor | None) -> None:

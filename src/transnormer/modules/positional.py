@@ -74,18 +74,32 @@ class LRPE(nn.Module):
         check_positive_int("head_dim", head_dim)
         _check_pairing(pairing)  # (had waited for the first forward)
         self.head_dim, self.householder, self.pairing = head_dim, householder, pairing
-        n_pairs = head_dim // 2
-        theta = base ** (-2.0 * torch.arange(n_pairs, dtype=torch.float32) / head_dim)
+        self.base, self.seed = base, seed
+        theta = self._initial_theta()
         if learn_theta:
             self.theta = nn.Parameter(theta)
         else:
             self.register_buffer("theta", theta)
         if householder:
-            g = torch.Generator().manual_seed(seed)
-            z = torch.randn(head_dim, generator=g, dtype=torch.float32)  # fp32 under any default dtype
-            self.register_buffer("u", z / z.norm())
+            self.register_buffer("u", self._initial_u())
         else:
             self.u = None
+
+    def _initial_theta(self) -> torch.Tensor:
+        return self.base ** (-2.0 * torch.arange(self.head_dim // 2, dtype=torch.float32) / self.head_dim)
+
+    def _initial_u(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed)
+        z = torch.randn(self.head_dim, generator=g, dtype=torch.float32)  # fp32 under any default dtype
+        return z / z.norm()
+
+    @torch.no_grad()
+    def reset_parameters(self, keep=None) -> None:
+        """θ and u as built (computed from ``base`` and ``seed``, not drawn through torch.nn.init);
+        ``keep(tensor)``: leave those it says (Hugging Face's loading keeps the loaded ones)."""
+        for t, value in ((self.theta, self._initial_theta()), (self.u, None if self.u is None else self._initial_u())):
+            if value is not None and not (keep is not None and keep(t)):
+                t.copy_(value)
 
     def _apply(self, fn, recurse=True):
         """As nn.Module's (``.to``, ``.half()``, ``.cuda()``, ...), except that θ and u keep at least
