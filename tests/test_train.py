@@ -1135,6 +1135,26 @@ def test_compare_keeps_a_given_eval_every(corpus_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_resume_keeps_each_ranks_batch_norm_statistics(corpus_dir, tmp_path):
+    """Without synced batch norm each rank keeps running statistics of its own batches, and FSDP
+    never aligns them; the checkpoint had saved rank 0's alone and given them to every rank, so the
+    evaluation after a resume differed from the uninterrupted run's (found by a review)."""
+    def cfg(out, **kw):
+        c = cfg_for(corpus_dir, tmp_path, task="mlm", preset="t2-roberta-tiny", batch_size=2, max_steps=6,
+                    eval_every=0, strategy="fsdp", out_dir=str(tmp_path / out), **kw)
+        c.overrides = {**c.overrides, "norm_type": "batch", "dropout": 0.0, "attention_dropout": 0.0}
+        return c
+
+    run_runs_on_two_ranks(tmp_path, [("train", cfg("full")), ("train", cfg("part", save_every=4, stop_after=4))])
+    run_runs_on_two_ranks(tmp_path, [("train", cfg("part", save_every=4, resume=True))])  # a later launch
+
+    def records(run):
+        return [(r["kind"], r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+
+    full, part = records("full"), records("part")
+    assert any(kind == "eval" for kind, _, _ in full) and full == part
+
+
 def test_ddp_resume_is_exact_when_ranks_draw_different_amounts(tmp_path):
     """cls pads each rank's batch to its own longest example, so dropout draws a different number
     of random numbers per rank: a resume that gave every rank rank 0's saved generators drifted

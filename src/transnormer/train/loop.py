@@ -504,6 +504,22 @@ def autocast_factory(device: torch.device, dtype: str):
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def running_statistics(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The batch norms' running statistics of this rank's copy of the model, by buffer name (CPU copies)."""
+    return {name: buf.detach().cpu().clone() for name, buf in model.named_buffers()
+            if name.rsplit(".", 1)[-1] in _RUNNING_STATS}
+
+
+@torch.no_grad()
+def load_running_statistics(model: torch.nn.Module, stats: dict[str, torch.Tensor]) -> None:
+    for name, buf in model.named_buffers():
+        if name in stats:
+            buf.copy_(stats[name].to(buf.device))
+
+
 def peak_memory_mb(info: DistInfo) -> float:
     if info.device.type == "cuda":
         return torch.cuda.max_memory_allocated(info.device) / 2**20
@@ -629,6 +645,9 @@ def train(cfg: TrainConfig) -> dict:
     if resumed:
         load_optimizer_state(model, optimizer, state["optimizer"], info, cfg.strategy)
         scheduler.load_state_dict(state["scheduler"])
+        own_stats = state.get("running_stats_per_rank")
+        if own_stats and len(own_stats) == info.world_size:  # after wrap_model: DDP broadcasts rank 0's there
+            load_running_statistics(unwrap(model), own_stats[info.rank])
         state = None  # (the optimizer state's tensors are the optimizer's now)
     metrics = MetricsLogger(out / "metrics.jsonl", enabled=info.is_main, purge_step=step + 1 if resumed else None)
     if info.is_main:
@@ -652,6 +671,12 @@ def train(cfg: TrainConfig) -> dict:
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
         # their own longest example), so rank 0's state is not the others'
         state["rng_per_rank"] = gather_objects(state["rng"], info)
+        # and each rank's batch-norm statistics: the model's weights are rank 0's, but without synced
+        # batch norm each rank keeps statistics of its own batches (FSDP never aligns them; DDP does
+        # at the next training forward, after an evaluation made up on resume)
+        stats = running_statistics(unwrap(model))
+        if stats:
+            state["running_stats_per_rank"] = gather_objects(stats, info)
         if recorder is not None:  # grad_norms.jsonl reaches at least the checkpoint's step
             recorder.flush()
         if info.is_main:
