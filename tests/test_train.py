@@ -609,6 +609,8 @@ def test_resume_refuses_changed_settings_and_a_finished_run_trains_nothing(corpu
         train(cfg_for(corpus_dir, tmp_path, max_steps=8, resume=True))
     with pytest.raises(ValueError, match=r"lr: 0.003 -> 0.001"):
         train(cfg_for(corpus_dir, tmp_path, max_steps=4, lr=1e-3, resume=True))
+    with pytest.raises(ValueError, match=r"resume: .*global_batch_size: saved 4, now 2.*--batch-size x processes"):
+        train(cfg_for(corpus_dir, tmp_path, max_steps=4, batch_size=2, resume=True))
     summary = train(cfg_for(corpus_dir, tmp_path, max_steps=4, resume=True, eval_every=2))  # reporting may change
     final_eval = [r for r in records if r.get("kind") == "eval"][-1]
     assert summary["steps"] == 4 and summary["eval"]["loss"] == final_eval["loss"]
@@ -810,6 +812,18 @@ def test_the_last_step_is_logged_whatever_log_every(corpus_dir, tmp_path):
     assert steps == [1, 5, 7]  # step 7 had not been logged, and final_train_loss had been step 5's
     assert sparse["final_train_loss"] == every["final_train_loss"] == train_losses(tmp_path / "a" / "run")[-1]
     assert every["real_tokens"] == every["tokens"] == 7 * 4 * 32  # no padding in LM windows
+
+
+def test_a_resume_drops_the_interrupted_steps_record_off_the_log_grid(tmp_path):
+    # an interrupted run logs its last step wherever it falls; the run that goes on would not have
+    # (metrics.jsonl, loss.png and the median tokens/s had held one record more than a straight run)
+    from transnormer.train.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"kind": "train", "step": s} for s in (1, 3, 4, 5)] + [{"kind": "eval", "step": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    truncate_metrics(path, 4, log_every=3)
+    assert read_metrics(path) == [{"kind": "train", "step": 1}, {"kind": "train", "step": 3}, {"kind": "eval", "step": 4}]
 
 
 def test_compare_tabulates_a_classifiers_accuracy_not_perplexity(tmp_path):

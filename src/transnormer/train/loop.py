@@ -602,7 +602,11 @@ def train(cfg: TrainConfig) -> dict:
                              "resume with the original settings, or start a new run (--init-from for weights)")
         load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
         sched.update(state["sched"])
-        data.train.load_state_dict(state["data"])
+        try:
+            data.train.load_state_dict(state["data"])
+        except ValueError as exc:  # (its words had named neither the flags nor the resume)
+            raise ValueError(f"resume: {exc}; the data order was saved for the run's --batch-size x processes "
+                             "(and --seq-len): resume with those") from None
         per_rank = state.get("rng_per_rank")
         # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's,
         # and the other ranks a stream of their own from it, as at the start (the same state on every
@@ -617,7 +621,9 @@ def train(cfg: TrainConfig) -> dict:
         real_seen = state.get("real_tokens")  # None: a checkpoint from before the count
         total_steps = state["total_steps"]
         if info.is_main:
-            truncate_metrics(out / "metrics.jsonl", step)
+            # (a finished run keeps its last record, off the grid or not: nothing logs it again)
+            finished = total_steps is not None and step >= total_steps
+            truncate_metrics(out / "metrics.jsonl", step, 1 if finished else cfg.log_every)
             truncate_metrics(out / "grad_norms.jsonl", step)
         log(f"resumed from {ckpt} at step {step}")
         resumed = True

@@ -67,12 +67,15 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: str | Path, after_step: int) -> None:
-    """Drop records past ``after_step`` (a resumed run rewrites the steps it repeats)."""
+def truncate_metrics(path: str | Path, after_step: int, log_every: int = 1) -> None:
+    """Drop records past ``after_step`` (a resumed run rewrites the steps it repeats), and train
+    records off the ``log_every`` grid (not step 1 or a multiple of it): an interrupted run logs its
+    last step's record wherever it falls, which the run that goes on would not have logged."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= after_step]
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= after_step and not (
+        r.get("kind") == "train" and r.get("step", 0) != 1 and r.get("step", 0) % log_every)]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
