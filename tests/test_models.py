@@ -554,10 +554,12 @@ def test_an_encoder_loaded_as_masked_lm_gets_an_initialised_head(tmp_path, initi
     ("problem_type", "foo", "problem_type must be None or one of"),
     ("lrpe_seed", "a", "lrpe_seed must be an int"),
 ])
-def test_config_values_are_checked(field, value, match):
+def test_config_values_are_checked(field, value, match, tmp_path):
     # these used to fail deep inside a layer, or (a truthy string, a misspelt type) be accepted
     with pytest.raises((ValueError, TypeError), match=match):
         TransNormerConfig(**{field: value}).check()
+    with pytest.raises((ValueError, TypeError), match=match):  # save_pretrained had written them
+        TransNormerConfig(**{field: value}).save_pretrained(tmp_path)
 
 
 def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():
@@ -785,3 +787,17 @@ def test_layers_a_checkpoint_lacks_get_their_own_init(tmp_path):
         got, want = (dict(m.named_parameters())[name].std().item() for m in (new, ref))
         assert abs(got / want - 1) < 0.2, name
     assert torch.isfinite(loaded(torch.randint(3, 61, (2, 9))).logits).all()
+
+
+def test_build_model_from_a_config_takes_the_head_it_names(tmp_path):
+    from transnormer.models import TransNormerConfig
+    from transnormer.presets import build_model, get_config
+
+    cfg = get_config("t2-roberta-tiny", num_labels=3)
+    build_model(cfg, task="cls").save_pretrained(tmp_path)
+    loaded = TransNormerConfig.from_pretrained(tmp_path)
+    # a saved classifier's config had come back as a masked LM
+    assert isinstance(build_model(loaded), TransNormerForSequenceClassification)
+    assert isinstance(build_model(get_config("t2-lm-tiny")), TransNormerForCausalLM)
+    with pytest.raises(TypeError, match=r"overrides with a preset name, not with a config: set \['hidden_size'\]"):
+        build_model(cfg, hidden_size=64)  # had been ignored

@@ -601,9 +601,9 @@ def test_unusable_out_dir_is_refused_before_training(corpus_dir, tmp_path):
         train(cfg_for(corpus_dir, tmp_path, out_dir=str(tmp_path / "afile" / "run")))
 
 
-def test_resume_refuses_changed_settings_and_a_finished_run_trains_nothing(corpus_dir, tmp_path):
+def test_resume_refuses_changed_settings_and_a_finished_run_trains_nothing(corpus_dir, tmp_path, monkeypatch):
     cfg = cfg_for(corpus_dir, tmp_path, max_steps=4)
-    train(cfg)
+    first = train(cfg)
     records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
     with pytest.raises(ValueError, match=r"max_steps: 4 -> 8"):
         train(cfg_for(corpus_dir, tmp_path, max_steps=8, resume=True))
@@ -611,7 +611,11 @@ def test_resume_refuses_changed_settings_and_a_finished_run_trains_nothing(corpu
         train(cfg_for(corpus_dir, tmp_path, max_steps=4, lr=1e-3, resume=True))
     with pytest.raises(ValueError, match=r"resume: .*global_batch_size: saved 4, now 2.*--batch-size x processes"):
         train(cfg_for(corpus_dir, tmp_path, max_steps=4, batch_size=2, resume=True))
+    import transnormer.train.loop as loop
+
+    monkeypatch.setattr(loop, "peak_memory_mb", lambda info: 1.0)  # a process that trains nothing
     summary = train(cfg_for(corpus_dir, tmp_path, max_steps=4, resume=True, eval_every=2))  # reporting may change
+    assert first["peak_mem_mb"] >= summary["peak_mem_mb"] > 100  # the training process's (at its last checkpoint)
     final_eval = [r for r in records if r.get("kind") == "eval"][-1]
     assert summary["steps"] == 4 and summary["eval"]["loss"] == final_eval["loss"]
     assert read_metrics(Path(cfg.out_dir) / "metrics.jsonl") == records  # no second evaluation of step 4

@@ -123,7 +123,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
                    help="batches each process evaluates (under torchrun the split is shared out, so N processes "
                    "score up to N times as many; default: %(default)s)")
     p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--keep-last", type=int, default=d.keep_last)
+    p.add_argument("--keep-last", type=int, default=d.keep_last,
+                   help="checkpoints kept (the newest; 0 = all; default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
     p.add_argument("--grad-stats", action="store_true", help="record attention-gradient norms (RSD analysis)")
     p.add_argument("--no-progress", dest="progress", action="store_false")

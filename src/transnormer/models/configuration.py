@@ -163,11 +163,13 @@ class TransNormerConfig(PretrainedConfig):
                 raise ValueError(f"unknown layer type {t!r} in layer_types; known: {sorted(LAYER_TYPES)}")
 
     def validate(self) -> None:
-        """HF's validation (run by save_pretrained), with our layer-type check in place of HF's."""
+        """HF's validation (run by save_pretrained), with our layer-type check in place of HF's, and
+        ours (:meth:`check`): a config that no model can be built from is not saved."""
         for validator in PretrainedConfig.__class_validators__:
             if validator.__name__ != "validate_layer_type":
                 validator(self)
         self.validate_layer_type()
+        self.check()
 
     def check(self) -> None:
         """Raise ValueError/TypeError naming the field for an inconsistent config."""

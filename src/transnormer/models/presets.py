@@ -103,12 +103,19 @@ def get_config(name: str, **overrides) -> TransNormerConfig:
 
 
 def build_model(name_or_config, task: str | None = None, **overrides):
-    """Instantiate the model of a preset (or config) with the head for ``task`` (default: the preset's)."""
+    """Instantiate the model of a preset (or config) with the head for ``task`` (default: the preset's;
+    for a config, the head its ``architectures`` names, else a causal or masked LM by ``causal``)."""
     from .modeling import TransNormerForCausalLM, TransNormerForMaskedLM, TransNormerForSequenceClassification
 
     if isinstance(name_or_config, TransNormerConfig):
+        if overrides:  # (they had been ignored)
+            raise TypeError(f"build_model takes overrides with a preset name, not with a config: set "
+                            f"{sorted(overrides)} on the config")
         config = name_or_config
-        task = task or ("clm" if config.causal else "mlm")
+        named = {"TransNormerForCausalLM": "clm", "TransNormerForMaskedLM": "mlm",
+                 "TransNormerForSequenceClassification": "cls"}
+        task = task or next((named[a] for a in config.architectures or () if a in named),
+                            "clm" if config.causal else "mlm")
     else:
         config = get_config(name_or_config, **overrides)
         task = task or preset_task(name_or_config)

@@ -591,6 +591,7 @@ def train(cfg: TrainConfig) -> dict:
     # resume (the optimizer's and scheduler's states once they exist, after wrap_model below)
     step, tokens_seen, real_seen, elapsed = 0, 0, 0, 0.0
     resumed, state = False, None
+    peak_before = 0.0  # peak memory of the processes before a resume, MB
     # an evaluation due at the step a Ctrl-C / SIGTERM stopped: saved as pending and run first
     # thing on resume (the resumed run starts after that step and had never made it up)
     eval_pending = False
@@ -618,6 +619,7 @@ def train(cfg: TrainConfig) -> dict:
             torch.manual_seed(cfg.seed + 1_000_003 * info.rank + state["step"])
         step, tokens_seen, elapsed = state["step"], state["tokens"], state["elapsed"]
         eval_pending = bool(state.get("eval_pending"))
+        peak_before = state.get("peak_mem_mb", 0.0)  # (a finished run resumed trains nothing)
         real_seen = state.get("real_tokens")  # None: a checkpoint from before the count
         total_steps = state["total_steps"]
         if info.is_main:
@@ -673,7 +675,7 @@ def train(cfg: TrainConfig) -> dict:
                  "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(info.device), "total_steps": total_steps, "config": asdict(cfg),
-                 "eval_pending": eval_pending}
+                 "eval_pending": eval_pending, "peak_mem_mb": max(peak_before, peak_memory_mb(info))}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
         # their own longest example), so rank 0's state is not the others'
         state["rng_per_rank"] = gather_objects(state["rng"], info)
@@ -854,7 +856,8 @@ def train(cfg: TrainConfig) -> dict:
         "real_tokens": real_seen,  # the non-padding tokens trained on (None after an older checkpoint)
         "real_tokens_per_s": (float(np.median(real_speeds)) if real_speeds
                               else None if real_seen is None else real_seen / max(elapsed, 1e-9)),
-        "peak_mem_mb": peak_memory_mb(info), "final_train_loss": train_pts[-1][1] if train_pts else None,
+        "peak_mem_mb": max(peak_before, peak_memory_mb(info)),
+        "final_train_loss": train_pts[-1][1] if train_pts else None,
         "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
         "diverged_at": diverged_at,  # the step whose loss or gradient was not finite, else None
     }
