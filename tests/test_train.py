@@ -621,6 +621,16 @@ def test_resume_refuses_changed_settings_and_a_finished_run_trains_nothing(corpu
     assert read_metrics(Path(cfg.out_dir) / "metrics.jsonl") == records  # no second evaluation of step 4
 
 
+def test_resume_refuses_ranks_that_found_different_checkpoints(corpus_dir, tmp_path, monkeypatch):
+    # --out on storage rank 1 does not share: it had started from step 0 beside rank 0's step 4
+    import transnormer.train.loop as loop
+
+    train(cfg_for(corpus_dir, tmp_path, max_steps=4, save_every=2))
+    monkeypatch.setattr(loop, "gather_objects", lambda obj, info: [obj, None])  # as rank 1 would report
+    with pytest.raises(ValueError, match=r"different checkpoints .*\['step-00000004', None\]"):
+        train(cfg_for(corpus_dir, tmp_path, max_steps=4, save_every=2, resume=True))
+
+
 def test_logged_lr_is_the_one_the_step_used(corpus_dir, tmp_path):
     cfg = cfg_for(corpus_dir, tmp_path, max_steps=3, warmup=2)
     train(cfg)

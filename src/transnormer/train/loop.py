@@ -552,6 +552,10 @@ def train(cfg: TrainConfig) -> dict:
         # rank 0 first: finding the checkpoint may repair a save a kill interrupted (renames), which
         # two ranks must not do at once; the others then find the repaired folder
         ckpt = main_first(info, lambda: latest_valid_checkpoint(ckpt_root, log=log))
+        found = gather_objects(None if ckpt is None else ckpt.name, info)
+        if len(set(found)) > 1:  # (--out on storage a rank does not share: it would start at step 0 and hang)
+            raise ValueError(f"resume: the processes found different checkpoints under {ckpt_root} (by rank: "
+                             f"{found}); --out must be on storage every process sees")
         if ckpt is None:
             log(f"resume: no valid checkpoint under {ckpt_root}, starting from scratch")
     # data → model → optimizer
