@@ -220,6 +220,18 @@ def test_generation_continues_from_a_cache_passed_in(model):
     assert torch.equal(got.sequences, alone.sequences)
 
 
+def test_beams_and_return_sequences_from_a_cache_passed_in(model):
+    # the cache held the prompt's B rows and the input B x expand_size: "the cache holds 1 rows"
+    ids = torch.randint(3, 61, (1, 13))
+    for kw in (dict(num_beams=3), dict(do_sample=True, num_return_sequences=2)):
+        torch.manual_seed(1)
+        ref = model.generate(ids, max_new_tokens=5, **kw, **GEN)
+        with torch.no_grad():
+            prefix = model(input_ids=ids[:, :10], use_cache=True).cache
+        torch.manual_seed(1)
+        assert torch.equal(model.generate(ids, cache=prefix, max_new_tokens=5, **kw, **GEN), ref)
+
+
 def test_a_cache_of_the_whole_prompt_is_refused_clearly(model):
     # the next token comes from the last prompt token's logits: HF had failed with an IndexError
     ids = torch.randint(3, 61, (1, 9))

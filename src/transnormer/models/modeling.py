@@ -68,15 +68,23 @@ class TransNormerCache:
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> TransNormerCache:
         """Select rows (beam search)."""
-        def sel(obj):
+        return self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> TransNormerCache:
+        """Each row ``repeats`` times in a row (generate()'s beams or return sequences from a cache
+        passed in, as HF's caches do)."""
+        return self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _map_rows(self, fn) -> TransNormerCache:
+        def rows(obj):
             if isinstance(obj, torch.Tensor):
-                return obj.index_select(0, beam_idx.to(obj.device))
+                return fn(obj)
             if isinstance(obj, dict):
-                return {k: sel(v) for k, v in obj.items()}
+                return {k: rows(v) for k, v in obj.items()}
             return obj
 
-        self.layers = [sel(c) for c in self.layers]
-        self.seen = None if self.seen is None else sel(self.seen)
+        self.layers = [rows(c) for c in self.layers]
+        self.seen = None if self.seen is None else rows(self.seen)
         return self
 
 
@@ -484,6 +492,18 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
                 and model_kwargs.get("past_key_values") is None):
             model_kwargs["cache"] = TransNormerCache.empty(self.config.num_hidden_layers)
+
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
+                                      **model_kwargs):
+        """As GenerationMixin's, and a cache passed in is expanded too (beams or return sequences from
+        a cached prefix had failed: the cache held B rows, the input B x expand_size)."""
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids,
+                                                                        **model_kwargs)
+        if expand_size > 1:
+            for key in ("cache", "past_key_values"):
+                if isinstance(model_kwargs.get(key), TransNormerCache):
+                    model_kwargs[key] = model_kwargs[key].batch_repeat_interleave(expand_size)
+        return input_ids, model_kwargs
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None,
                                       use_cache=True, past_key_values=None, **kwargs):
