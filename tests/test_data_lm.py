@@ -84,6 +84,13 @@ def test_resume_rejects_mismatched_settings():
     assert b.step == 1
     with pytest.raises(TypeError, match="state"):
         b.load_state_dict({"position": 3})
+    # the same number of tokens with other contents (a --data folder edited before the resume)
+    edited = TOKENS.copy()
+    edited[len(edited) // 2] += 1
+    with pytest.raises(ValueError, match="tokens: saved"):
+        LMBatchIterator(edited, seq_len=32, batch_size=8, seed=0).load_state_dict(a.state_dict())
+    old = {k: v for k, v in a.state_dict().items() if k != "tokens"}  # a checkpoint from before the field
+    LMBatchIterator(edited, seq_len=32, batch_size=8, seed=0).load_state_dict(old)
 
 
 def test_rank_sharding_disjoint_and_matches_global_batch():

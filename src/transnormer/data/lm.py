@@ -114,6 +114,17 @@ class StepBatches:
     def state_dict(self) -> dict:
         raise NotImplementedError
 
+    def tokens_fingerprint(self) -> str:
+        """A hash of 4,096 tokens spread over the stream (and its length): on resume, a corpus whose
+        contents changed under the same token count (a --data folder edited between a run and its
+        resume) no longer matches. Sampled: hashing a stream of billions of tokens would take long."""
+        import hashlib
+
+        n = len(self.tokens)
+        picks = np.linspace(0, n - 1, num=min(n, 4096)).astype(np.int64) if n else np.zeros(0, np.int64)
+        sample = np.asarray(self.tokens[picks], dtype=np.int64)
+        return hashlib.sha256(sample.tobytes() + n.to_bytes(8, "little")).hexdigest()[:16]
+
     def __iter__(self):
         return self
 
@@ -243,6 +254,7 @@ class LMBatchIterator(StepBatches):
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
             "num_tokens": len(self.tokens),
+            "tokens": self.tokens_fingerprint(),
             "random_offset": self.random_offset,
             "packing": "contiguous",  # (BlockBatchIterator: "complete"): an MLM run cannot resume on the other
         }
