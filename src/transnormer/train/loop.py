@@ -610,8 +610,8 @@ def train(cfg: TrainConfig) -> dict:
         try:
             data.train.load_state_dict(state["data"])
         except ValueError as exc:  # (its words had named neither the flags nor the resume)
-            raise ValueError(f"resume: {exc}; the data order was saved for the run's --batch-size x processes "
-                             "(and --seq-len): resume with those") from None
+            raise ValueError(f"resume: {exc}; the data order was saved for the run's data, --seq-len and "
+                             "--batch-size x processes: resume with those") from None
         per_rank = state.get("rng_per_rank")
         # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's,
         # and the other ranks a stream of their own from it, as at the start (the same state on every
