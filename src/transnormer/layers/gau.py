@@ -418,7 +418,7 @@ class FLASH(_GatedUnit):
         g0 = torch.where(valid.any(1), first, positions[:, 0]) // C
         rel = (positions // C - g0[:, None]).clamp_min(0)  # [B, T]
         R = int(rel.max()) + 2
-        kv = (kg.to(sdt) * valid.to(sdt)[..., None]).transpose(1, 2)  # [B, s, T], padding weighs 0
+        kv = kg.to(sdt).transpose(1, 2)  # [B, s, T]; padding's rows are 0 (forward's zero_padded)
         onehot = torch.nn.functional.one_hot(rel, R).to(sdt)  # [B, T, R]
         with torch.autocast(dev.type, enabled=False):  # the states accumulate in sdt, as in _step
             sums = torch.einsum("bst,btr,bte->brse", kv, onehot, v.to(sdt))  # [B, R, s, e] per chunk
@@ -460,8 +460,8 @@ class FLASH(_GatedUnit):
         if self.global_branch:
             glob = (qg[:, None].to(s_prev.dtype) @ s_prev) / self._global_norm(pos, s_prev.dtype)
             out = out + glob[:, 0].to(out.dtype)
-        m = valid.to(s_cur.dtype)[:, None, None]
-        s_cur = s_cur + m * (kg.to(s_cur.dtype)[:, :, None] * v.to(s_cur.dtype)[:, None, :])
+        # a padded token adds 0: forward zeroed its kg and v (zero_padded)
+        s_cur = s_cur + kg.to(s_cur.dtype)[:, :, None] * v.to(s_cur.dtype)[:, None, :]
         closes = (valid & ((pos + 1) % C == 0))[:, None, None]  # the token ends its chunk
         s_prev = torch.where(closes, s_prev + s_cur, s_prev)
         s_cur = torch.where(closes, torch.zeros_like(s_cur), s_cur)
