@@ -53,7 +53,7 @@ def _faulted_mb() -> float:
     maps a transparent huge page."""
     import resource
 
-    from .timing import rss_mb
+    from ..runtime import rss_mb
 
     rss = rss_mb()
     return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize() / 2**20

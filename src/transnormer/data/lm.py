@@ -19,6 +19,7 @@ previous window are labelled ``-100`` so every token is scored at most once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -114,10 +115,13 @@ class StepBatches:
     def state_dict(self) -> dict:
         raise NotImplementedError
 
+    @functools.cached_property
     def tokens_fingerprint(self) -> str:
         """A hash of 4,096 tokens spread over the stream (and its length): on resume, a corpus whose
         contents changed under the same token count (a --data folder edited between a run and its
-        resume) no longer matches. Sampled: hashing a stream of billions of tokens would take long."""
+        resume) no longer matches. Sampled: hashing a stream of billions of tokens would take long;
+        computed once (the stream is fixed), not at every checkpoint's state_dict (4,096 reads
+        scattered over a memory-mapped file)."""
         import hashlib
 
         n = len(self.tokens)
@@ -254,7 +258,7 @@ class LMBatchIterator(StepBatches):
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
             "num_tokens": len(self.tokens),
-            "tokens": self.tokens_fingerprint(),
+            "tokens": self.tokens_fingerprint,
             "random_offset": self.random_offset,
             "packing": "contiguous",  # (BlockBatchIterator: "complete"): an MLM run cannot resume on the other
         }
