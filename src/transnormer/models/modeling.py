@@ -168,11 +168,18 @@ class TransNormerPreTrainedModel(PreTrainedModel):
             # lacks (a deeper model, another layer type) gets its layer's own init (NormAttention's
             # xavier gains, zero output bias), which HF would not ask for: a layer without direct
             # parameters counts as initialised. torch.nn.init is guarded while HF loads, so the
-            # layer's weights that the checkpoint held stay as loaded.
-            module.reset_parameters()
-            owner = self._layer_owners().get(id(module))
-            if owner is not None:
+            # layer's weights that the checkpoint held stay as loaded. A layer is reset once, at its
+            # first linear HF asks for, all its own linears with it (HF's mark then skips the rest).
+            owners = self._layer_owners()
+            owner = owners.get(id(module))
+            if owner is None:
+                module.reset_parameters()
+            elif not getattr(owner, "_is_hf_initialized", False):
+                for part in owner.modules():
+                    if owners.get(id(part)) is owner:
+                        part.reset_parameters()
                 owner.reset_parameters()
+                owner._is_hf_initialized = True
         elif hasattr(module, "reset_parameters"):
             module.reset_parameters()  # layers own the released code's init
 
