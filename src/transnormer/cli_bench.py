@@ -44,11 +44,12 @@ def _check_flags(args) -> None:
             except ImportError as e:
                 raise ValueError(f"--presets {preset}: {e}") from None
         else:
-            from .presets import get_config
+            from .bench.train_step import require_causal
 
-            if not get_config(preset).causal:  # (had been refused by the first measuring process)
-                raise ValueError(f"--presets: {preset!r} is bidirectional (causal=False); bench train/infer "
-                                 "measure causal LM steps: use an -lm preset")
+            try:  # (had been refused by the first measuring process, after the GEMM probe)
+                require_causal(preset)
+            except ValueError as e:
+                raise ValueError(f"--presets: {e}") from None
     if args.max_mem_gb is not None and args.max_mem_gb >= 2**20:
         raise ValueError(f"--max-mem-gb must be below 2^20 GB, got {args.max_mem_gb:g}")
 

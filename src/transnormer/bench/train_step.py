@@ -13,20 +13,27 @@ import time
 from .._files import atomic_write_text
 
 
+def require_causal(preset: str, **overrides) -> None:
+    """Raise unless the preset is causal: trained as an LM, a bidirectional model sees the tokens it predicts."""
+    from ..presets import get_config
+
+    if not get_config(preset, **overrides).causal:
+        raise ValueError(f"preset {preset!r} is bidirectional (causal=False): bench train/infer measure causal "
+                         "LM steps; use an -lm preset")
+
+
 def build_bench_model(preset: str, seq_len: int, vocab_size: int | None, overrides: dict):
     """A causal LM for benchmarking: one of our presets, or a peer (``peer:NAME``, see bench/peers.py)."""
     if preset.startswith("peer:"):
         from .peers import build_peer_model
 
         return build_peer_model(preset[5:], seq_len=seq_len, vocab_size=vocab_size, **overrides)
-    from ..presets import build_model, get_config
+    from ..presets import build_model
 
     kw = {"dropout": 0.0, "max_position_embeddings": max(seq_len, 512), **overrides}
     if vocab_size:
         kw["vocab_size"] = vocab_size
-    if not get_config(preset, **kw).causal:  # trained as an LM it would see the tokens it predicts
-        raise ValueError(f"preset {preset!r} is bidirectional (causal=False): bench train/infer measure causal "
-                         "LM steps; use an -lm preset")
+    require_causal(preset, **kw)
     return build_model(preset, task="clm", **kw)
 
 
