@@ -5,6 +5,19 @@
 
 #include "_native_common.h"
 
+namespace tn {
+
+// Query lanes of the softmax-attention kernels (queries along the vector lanes, one bit each).
+typedef uint64_t Lanes;  // one bit per query of a block
+
+inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64))
+    from = std::max<idx>(from, 0), to = std::min<idx>(to, 64);
+    if (from >= to) return 0;
+    return (to == 64 ? ~Lanes(0) : (Lanes(1) << to) - 1) & ~((Lanes(1) << from) - 1);
+}
+
+}  // namespace tn
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TN_AVX512 1
 #include <immintrin.h>
@@ -93,14 +106,6 @@ inline __m512 expm1_16(__m512 x) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_EQ_OQ), far, rq);
 }
 
-// Query lanes of the softmax-attention kernels (queries along the vector lanes, one bit each).
-typedef uint64_t Lanes;  // one bit per query of a block
-
-inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64))
-    from = std::max<idx>(from, 0), to = std::min<idx>(to, 64);
-    if (from >= to) return 0;
-    return (to == 64 ? ~Lanes(0) : (Lanes(1) << to) - 1) & ~((Lanes(1) << from) - 1);
-}
 inline __mmask16 half(Lanes v, int h) { return __mmask16(v >> (16 * h)); }
 
 // 2^f for |f| <= 1/2 by its Taylor polynomial of degree Deg (the two exp2 forms below share it).
@@ -271,6 +276,46 @@ inline void transpose8(__m256 r[8]) {
         r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
     }
 }
+
+#if defined(__FMA__)
+#define TN_AVX2_FMA 1  // the fp32 softmax kernel's AVX2 form (_native_softmax.cpp)
+
+// The eight lanes of vector h of a 64-lane block of Lanes as a vector mask (all ones or zero)
+inline __m256 lane_mask8(Lanes v, int h) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi32(int((v >> (8 * h)) & 0xFF)), bit);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
+}
+
+// exp2_bits (the AVX-512 section) on eight lanes, AVX2 having no scalef: 2^x = 2^n 2^f with
+// n = round(x) by the 1.5 * 2^23 shifter (ties to even), 2^f by the degree-Deg Taylor polynomial,
+// 2^n added to the exponent bits. Lanes outside keep (a vector mask) and x <= -125 give 0, a NaN
+// stays NaN, x is taken as at most 127. Needs IEEE arithmetic as written (no -ffast-math).
+template <int Deg = 7>
+inline __m256 exp2_8(__m256 keep, __m256 x) {
+    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
+                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!, as exp2_frac
+    const __m256 shifter = _mm256_set1_ps(12582912.0f), lo = _mm256_set1_ps(-125.0f);
+    const __m256 live = _mm256_and_ps(keep, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));  // NaN: not live
+    const __m256 nan = _mm256_and_ps(keep, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f));
+    const __m256 t = _mm256_add_ps(xc, shifter);  // its low mantissa bits hold n (two's complement)
+    const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, shifter));
+    __m256 p = _mm256_set1_ps(c[Deg]);
+    for (int k = Deg - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[k]));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(t), 23);  // n << 23
+    const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+    return _mm256_blendv_ps(_mm256_and_ps(live, r), x, nan);
+}
+
+// online_rescale (the AVX-512 section) on eight lanes; moved: whether any lane's max rose
+inline __m256 online_rescale8(__m256 m_old, __m256 m_new, __m256 c, bool& moved) {
+    const __m256 rose = _mm256_cmp_ps(m_new, m_old, _CMP_GT_OQ);
+    moved = _mm256_movemask_ps(rose) != 0;
+    const __m256 x = _mm256_max_ps(_mm256_mul_ps(_mm256_sub_ps(m_old, m_new), c), _mm256_set1_ps(-1000.0f));
+    return _mm256_blendv_ps(_mm256_set1_ps(1.0f), exp2_8<7>(rose, x), rose);
+}
+#endif  // __FMA__
 
 // transpose_rows (above) for fp32 on AVX2: nr <= 16 rows, each column of them one 64-byte line of
 // dst, as two 8 x 8 blocks in registers. The column-by-column loop it replaces gathered each

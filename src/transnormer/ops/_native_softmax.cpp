@@ -221,13 +221,213 @@ struct Worker : Walk {
 };
 
 }  // namespace
-#endif  // TN_AVX512
+#elif defined(TN_AVX2_FMA)
+#include <limits>
+
+namespace {
+using namespace tn_softmax;
+
+// The AVX2 form of the kernel above: the same walk, layouts and numerics (its exp is tn::exp2_8,
+// the bits form of exp2). Eight lanes a vector, sixteen registers: the lane-wise passes take one
+// vector of eight queries at a time over the step's 64 keys (the AVX-512 form's four vectors of
+// max, sum and rescale per pass, eight here, would spill).
+constexpr idx kQ = 64;      // queries per block (eight 8-lane vectors; the window granularity)
+constexpr int kV = kQ / 8;  // vectors per block
+constexpr idx kGroupQ = 4;  // forward: query blocks that take each key step in turn
+constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
+
+struct Worker : Walk {
+    const idx D, E, Tp;  // Tp: T rounded up to 64
+    tn::buffer<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, rows;
+    Lanes vis[kK];  // a masked step's visible query lanes per key
+
+    Worker(const Shape& s_, bool backward)
+        : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),
+          st(kK * kQ) {
+        if (backward) {
+            qp.resize(Tp * D), gp.resize(Tp * E), gt.resize(Tp * E), dpt.resize(kK * kQ), dqf.resize(Tp * D);
+            dkv.resize(kGroupK * kK * (D + E)), rows.resize(3 * Tp);
+        } else {
+            qp.resize(Tp * D), acc.resize(kGroupQ * kQ * E), ml.resize(2 * kGroupQ * kQ);
+        }
+    }
+    ~Worker() { _mm_sfence(); }  // the streamed output rows
+
+    // rows [0, T) of x (row stride ld, width C) into dst [Tp x C], zero rows below
+    void pack(const float* x, idx ld, idx C, float* dst) const {
+        for (idx t = 0; t < T; ++t) std::copy(x + t * ld, x + t * ld + C, dst + t * C);
+        std::fill(dst + T * C, dst + Tp * C, 0.0f);
+    }
+    // X^T per block of kQ rows: [Tp/kQ][C][kQ] from X [Tp x C] (C a multiple of 16)
+    void blocked_transpose(const float* x, idx C, float* dst) const {
+        for (idx b = 0; b < Tp; b += kQ)
+            for (idx r0 = 0; r0 < kQ; r0 += 8)
+                for (idx c0 = 0; c0 < C; c0 += 8) {
+                    __m256 r[8];
+                    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + (b + r0 + i) * C + c0);
+                    tn::transpose8(r);
+                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + b * C + (c0 + j) * kQ + r0, r[j]);
+                }
+    }
+    void load_qkv(const float* q, const float* k, const float* v, idx n) {
+        pack(q + at(n, 0, D, s.ldq), s.ldq, D, qp.data());
+        pack(k + at(n, 0, D, s.ldk), s.ldk, D, kp.data());
+        pack(v + at(n, 0, E, s.ldv), s.ldv, E, vp.data());
+        blocked_transpose(qp.data(), D, qt.data());
+    }
+    void scores(idx i0, idx j0) {  // S^T [kK x kQ] = K Q^T
+        gemm<float>(kK, kQ, D, kp.data() + j0 * D, D, 1, qt.data() + i0 * D, kQ, st.data(), kQ, false);
+    }
+    // rows of an fp32 [L x C] block (ld C, C a multiple of 8) streamed to out rows at stride ld_out
+    static void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
+        const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 31) == 0;
+        for (idx r = 0; r < L; ++r)
+            for (idx e = 0; e < C; e += 8) {
+                const __m256 y = _mm256_loadu_ps(x + r * C + e);
+                if (aligned) _mm256_stream_ps(out + r * ld_out + e, y);
+                else _mm256_storeu_ps(out + r * ld_out + e, y);
+            }
+    }
+    // each row r of X [kQ x C] times f[r]
+    static void scale_rows(float* x, idx C, const float* f) {
+        for (idx r = 0; r < kQ; ++r) {
+            const __m256 a = _mm256_set1_ps(f[r]);
+            for (idx e = 0; e < C; e += 8) _mm256_storeu_ps(x + r * C + e, _mm256_mul_ps(_mm256_loadu_ps(x + r * C + e), a));
+        }
+    }
+    // Which lanes of the step (i0, j0) see each key: all when full, else vis[] (filled here)
+    bool mark_visible(idx i0, idx j0) {
+        const bool full = all_visible(i0, kQ, j0);
+        if (!full)
+            for (idx r = 0; r < kK; ++r) vis[r] = visible(i0, j0 + r);
+        return full;
+    }
+    __m256 lanes(bool full, idx r, int h) const {
+        return full ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : tn::lane_mask8(vis[r], h);
+    }
+
+    // ---- forward -------------------------------------------------------------------------
+
+    // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
+    void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
+        const __m256 c = _mm256_set1_ps(s.scale * kLog2e);
+        scores(i0, j0);
+        const bool full = mark_visible(i0, j0);
+        alignas(32) float alpha[kQ];
+        bool moved = false;
+        for (int h = 0; h < kV; ++h) {  // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
+            const __m256 m_old = _mm256_loadu_ps(m + 8 * h);
+            __m256 mx = m_old;
+            for (idx r = 0; r < kK; ++r)
+                mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, _mm256_loadu_ps(st.data() + r * kQ + 8 * h)), lanes(full, r, h));
+            bool rose;
+            const __m256 a = tn::online_rescale8(m_old, mx, c, rose);
+            moved |= rose;
+            _mm256_store_ps(alpha + 8 * h, a);
+            _mm256_storeu_ps(m + 8 * h, mx);
+            __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(l + 8 * h), a);
+            for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^((s - m) c) on visible lanes
+                float* x = st.data() + r * kQ + 8 * h;
+                const __m256 p = tn::exp2_8<7>(lanes(full, r, h), _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), mx), c));
+                _mm256_storeu_ps(x, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            _mm256_storeu_ps(l + 8 * h, sum);
+        }
+        if (moved) scale_rows(acc, E, alpha);  // the max rose: rescale O
+        // O += P V with P = (P^T)^T read strided
+        gemm<float>(kQ, E, kK, st.data(), 1, kQ, vp.data() + j0 * E, E, acc, E, true);
+    }
+
+    void forward(const float* q, const float* k, const float* v, float* o, float* stats, idx n) {
+        load_qkv(q, k, v, n);
+        for (idx g0 = 0; g0 < T; g0 += kQ * kGroupQ) {
+            const idx nb = std::min(kGroupQ, (T - g0 + kQ - 1) / kQ);
+            std::fill(ml.begin(), ml.begin() + kGroupQ * kQ, -std::numeric_limits<float>::infinity());
+            std::fill(ml.begin() + kGroupQ * kQ, ml.end(), 0.0f);
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            const idx last = g0 + (nb - 1) * kQ;
+            for (idx j0 = fwd_start(g0); j0 < fwd_end(last, kQ); j0 += kK)
+                for (idx b = 0; b < nb; ++b) {
+                    const idx i0 = g0 + b * kQ;
+                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0, kQ))
+                        fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * kQ * E);
+                }
+            for (idx b = 0; b < nb; ++b) {  // O /= l; the stats m, log2 l
+                const idx i0 = g0 + b * kQ, L = std::min(kQ, T - i0);
+                const float* m = ml.data() + b * kQ;
+                const float* l = ml.data() + (kGroupQ + b) * kQ;
+                float inv[kQ];
+                for (idx r = 0; r < kQ; ++r) inv[r] = 1.0f / l[r];
+                scale_rows(acc.data() + b * kQ * E, E, inv);
+                for (idx r = 0; r < L; ++r) store_stats(stats, n, i0 + r, m[r], l[r]);
+                write_rows(acc.data() + b * kQ * E, L, E, o + at(n, i0, E, s.H * E), s.H * E);
+            }
+        }
+    }
+
+    // ---- backward ------------------------------------------------------------------------
+
+    // Key step j0 with query block i0: the block's m, log2 l and delta at mr, ll, dl (kQ each).
+    void bwd_step(idx i0, idx j0, const float* mr, const float* ll, const float* dl, float* dkb, float* dvb) {
+        const __m256 c = _mm256_set1_ps(s.scale * kLog2e), scale = _mm256_set1_ps(s.scale);
+        scores(i0, j0);
+        gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
+        const bool full = mark_visible(i0, j0);
+        for (int h = 0; h < kV; ++h) {  // P^T and dS^T in place
+            const __m256 m = _mm256_loadu_ps(mr + 8 * h), lg = _mm256_loadu_ps(ll + 8 * h);
+            const __m256 delta = _mm256_loadu_ps(dl + 8 * h);
+            for (idx r = 0; r < kK; ++r) {
+                float* x = st.data() + r * kQ + 8 * h;
+                float* d = dpt.data() + r * kQ + 8 * h;
+                const __m256 e = _mm256_fmsub_ps(_mm256_sub_ps(_mm256_loadu_ps(x), m), c, lg);
+                const __m256 p = tn::exp2_8<7>(lanes(full, r, h), e);
+                _mm256_storeu_ps(x, p);
+                _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(d), delta)), scale));
+            }
+        }
+        gemm<float>(kK, E, kQ, st.data(), kQ, 1, gp.data() + i0 * E, E, dvb, E, true);   // dV += P^T dO
+        gemm<float>(kK, D, kQ, dpt.data(), kQ, 1, qp.data() + i0 * D, D, dkb, D, true);  // dK += dS^T Q
+        gemm<float>(kQ, D, kK, dpt.data(), 1, kQ, kp.data() + j0 * D, D, dqf.data() + i0 * D, D, true);  // dQ += dS K
+    }
+
+    void backward(const float* q, const float* k, const float* v, const float* o, const float* dout, const float* stats,
+                  float* dq, float* dk, float* dv, idx n) {
+        load_qkv(q, k, v, n);
+        const idx ldo = s.H * E;
+        pack(dout + at(n, 0, E, ldo), ldo, E, gp.data());
+        blocked_transpose(gp.data(), E, gt.data());  // dO^T per query block: dP^T = V dO^T
+        query_rows(stats, n, o, ldo, gp.data(), Tp, rows.data());  // per query: m, log2 l, delta
+        std::fill(dqf.begin(), dqf.end(), 0.0f);
+        for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
+            const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
+            std::fill(dkv.begin(), dkv.end(), 0.0f);
+            const idx last = g0 + (nk - 1) * kK;
+            for (idx i0 = bwd_start(g0, kQ); i0 < bwd_end(last); i0 += kQ)
+                for (idx c = 0; c < nk; ++c) {
+                    const idx j0 = g0 + c * kK;
+                    if (i0 >= bwd_start(j0, kQ) && i0 < bwd_end(j0))
+                        bwd_step(i0, j0, rows.data() + i0, rows.data() + Tp + i0, rows.data() + 2 * Tp + i0,
+                                 dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
+                }
+            for (idx c = 0; c < nk; ++c) {
+                const idx j0 = g0 + c * kK, L = std::min(kK, T - j0);
+                write_rows(dkv.data() + c * kK * D, L, D, dk + at(n, j0, D, s.H * D), s.H * D);
+                write_rows(dkv.data() + (kGroupK * D + c * E) * kK, L, E, dv + at(n, j0, E, s.H * E), s.H * E);
+            }
+        }
+        write_rows(dqf.data(), T, D, dq + at(n, 0, D, s.H * D), s.H * D);
+    }
+};
+
+}  // namespace
+#endif  // TN_AVX512 / TN_AVX2_FMA
 
 extern "C" {
 
-// 1 when this build has the fp32 softmax kernel (AVX-512), else 0.
+// 1 when this build has the fp32 softmax kernel (AVX-512, or AVX2 with FMA), else 0.
 int tn_softmax_f32_ready() {
-#if defined(TN_AVX512)
+#if defined(TN_AVX512) || defined(TN_AVX2_FMA)
     return 1;
 #else
     return 0;
@@ -254,8 +454,9 @@ int tn_exp2_pair_f32(const float* x, float* masked, float* bits, idx n, int degr
 #endif
 }
 
-// Status: 0 ok, 1 bad shape (D, E multiples of 16, w of 64, scale > 0), 2 built without AVX-512.
-#if defined(TN_AVX512)
+// Status: 0 ok, 1 bad shape (D, E multiples of 16, w of 64, scale > 0), 2 built without AVX-512
+// or AVX2 with FMA.
+#if defined(TN_AVX512) || defined(TN_AVX2_FMA)
 #define TN_SOFTMAX_F32_RUN(BWD, CALL)                                                                  \
     const Shape s{B, T, H, D, E, w, causal != 0, scale, ldq, ldk, ldv};                                \
     if (!shape_ok(s, 16, kQ)) return 1;                                                                \

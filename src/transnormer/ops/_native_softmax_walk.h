@@ -1,5 +1,5 @@
-// The walk both softmax-attention kernels share (_native_softmax_amx.cpp: bf16 on AMX tiles or
-// AVX512-BF16; _native_softmax.cpp: fp32 on AVX-512): the call's shape, where a head's rows lie,
+// The walk the softmax-attention kernels share (_native_softmax_amx.cpp: bf16 on AMX tiles or
+// AVX512-BF16; _native_softmax.cpp: fp32 on AVX-512 or AVX2): the call's shape, where a head's rows lie,
 // which keys a block of queries sees (its windows, and j <= i when causal) as lane masks, the key
 // steps and query blocks each walk visits, delta = rowsum(dO * O), and the split of heads over
 // threads.
@@ -16,7 +16,7 @@
 #include "_native_common.h"
 #include "_native_simd.h"
 
-#if defined(TN_AVX512)
+#if defined(TN_AVX512) || defined(TN_AVX2_FMA)
 namespace tn_softmax {
 
 using tn::Lanes;
@@ -40,6 +40,7 @@ inline bool shape_ok(const Shape& s, idx de, idx wm) {
 }
 
 // sum_e a[e] b[e] in fp32 over a row of E values stored as fp32 or bf16 (delta = rowsum(dO * O))
+#if defined(TN_AVX512)
 template <typename T>
 inline float row_dot(const T* a, const T* b, idx E) {
     __m512 d = _mm512_setzero_ps();
@@ -49,6 +50,15 @@ inline float row_dot(const T* a, const T* b, idx E) {
     }
     return _mm512_reduce_add_ps(d);
 }
+#else  // AVX2: fp32 rows, E a multiple of 8 (the fp32 kernel's shapes)
+inline float row_dot(const float* a, const float* b, idx E) {
+    __m256 d = _mm256_setzero_ps();
+    for (idx e = 0; e < E; e += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), d);
+    alignas(32) float x[8];
+    _mm256_store_ps(x, d);
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+#endif
 
 struct Walk {
     const Shape& s;
@@ -118,4 +128,4 @@ void run_heads(const Shape& s, bool backward, int nthreads, F body) {
 }
 
 }  // namespace tn_softmax
-#endif  // TN_AVX512
+#endif  // TN_AVX512 || TN_AVX2_FMA
