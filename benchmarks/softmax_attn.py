@@ -6,8 +6,8 @@ Vanilla attention (causal, 8 heads of 64, batch = tokens / T, the vanilla-lm tra
 in one run per dtype: ``softmax_attn`` (our kernel: ``_native_softmax_amx.cpp`` in bf16,
 ``_native_softmax.cpp`` in fp32), PyTorch's ``scaled_dot_product_attention`` (its CPU
 flash-attention kernel) and, in bf16 up to 2k, the explicit form under autocast (bf16 products,
-fp32 softmax). Then DiagAttention's blocks (64 tokens, causal): ``block_attn`` on the kernel
-against its PyTorch form. Prints times, the speed-ups and GFLOP/s (causal forward 2·B·H·T²·D,
+fp32 softmax). Then, per dtype, DiagAttention's blocks (64 tokens, causal): ``block_attn`` on the
+kernel against its PyTorch form. Prints times, the speed-ups and GFLOP/s (causal forward 2·B·H·T²·D,
 fwd+bwd three times that) as a fraction of the 2048³ GEMM of the dtype measured in the same run.
 """
 
@@ -63,12 +63,13 @@ def main() -> None:
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         probe = torch.zeros(1, 1, 1, 64, dtype=dtype)
-        if not _native.softmax_usable(probe, probe, probe):
-            print(f"{dname}: no softmax kernel on this machine (bf16 needs AMX or AVX512-BF16; both need a C++ "
-                  "compiler)")
+        if not (_native.softmax_usable(probe, probe, probe) or _native.softmax_upcast_usable(probe, probe, probe)):
+            print(f"{dname}: no softmax kernel on this machine (fp32 needs AVX-512 or AVX2 with FMA; bf16 AMX, "
+                  "AVX512-BF16 or the fp32 kernel on copies; all need a C++ compiler)")
             continue
         vanilla_rows(dname, dtype, args)
-    blocks_rows(args)
+        if _native.softmax_usable(probe, probe, probe, window=64):  # (bf16 blocks take no fp32 copies)
+            blocks_rows(dname, dtype, args)
 
 
 def vanilla_rows(dname: str, dtype: torch.dtype, args) -> None:
@@ -92,16 +93,14 @@ def vanilla_rows(dname: str, dtype: torch.dtype, args) -> None:
               f"{flops / time['ours'] / 1e9 / gemm:.0%} |", flush=True)
 
 
-def blocks_rows(args) -> None:
-    if not _native.bf16_ready():
-        return
+def blocks_rows(dname: str, dtype: torch.dtype, args) -> None:
     H, D = 8, 64
-    print("\nbf16, DiagAttention blocks (64 tokens, causal), block_attn fwd+bwd:\n")
+    print(f"\n{dname}, DiagAttention blocks (64 tokens, causal), block_attn fwd+bwd:\n")
     print("| T | batch | kernel ms | PyTorch form ms | speed-up |")
     print("|---|---|---|---|---|")
     for T in args.lengths:
         B = max(1, args.tokens // T)
-        q, k, v, go = (torch.randn(B, T, H, D).bfloat16().requires_grad_() for _ in range(4))
+        q, k, v, go = (torch.randn(B, T, H, D, dtype=dtype).requires_grad_() for _ in range(4))
         time = {}
         for backend in ("auto", "torch"):
             set_kernel_backend(backend)

@@ -1,5 +1,5 @@
 """The softmax-attention kernels (bf16 on AMX tiles or AVX512-BF16: ops/_native_softmax_amx.cpp;
-fp32 on AVX-512: ops/_native_softmax.cpp) against the fp64 dense references: vanilla attention
+fp32 on AVX-512 or AVX2: ops/_native_softmax.cpp) against the fp64 dense references: vanilla attention
 (``softmax_attn``) and DiagAttention's blocks (``block_attn``).
 
 The oracle is the dense quadratic formula in fp64 on the same inputs. The fp32 kernel is held
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("bf16_engine")  # each bf16 product engine 
 
 
 needs_f32 = pytest.mark.skipif(not _native.softmax_f32_ready(),
-                               reason="no fp32 softmax kernel (needs AVX-512 and a C++ compiler)")
+                               reason="no fp32 softmax kernel (needs AVX-512 or AVX2 with FMA, and a C++ compiler)")
+needs_avx512 = pytest.mark.skipif(not _native._build_flag("tn_rows_avx512"), reason="a library built without AVX-512")
 
 
 @pytest.fixture
@@ -262,7 +263,7 @@ def test_scores_beyond_the_range_of_a_log_sum_exp(mode, kernel_calls, dtype, cau
     assert len(kernel_calls) == 3
 
 
-@needs_f32
+@needs_avx512
 @pytest.mark.parametrize("degree", [5, 7])
 def test_exp2_bits_is_exp2_masked_bit_for_bit(degree):
     """tn::exp2_bits (the bf16 backward's exp: 2^n added to the exponent bits) gives exp2_masked's
@@ -282,6 +283,34 @@ def test_exp2_bits_is_exp2_masked_bit_for_bit(degree):
     out, b = torch.empty_like(y), torch.empty_like(y)
     _native._call("tn_exp2_pair", torch.float32, _native._ptr(y), _native._ptr(out), _native._ptr(b), y.numel(), degree)
     assert (b[:4] == 0).all() and torch.isnan(b[4]) and b[5] == out[5]
+
+
+@needs_f32
+def test_fp32_kernel_exp2_is_exact_to_fp32_flushes_and_masks():
+    """The fp32 kernel's exp2 (AVX-512: VSCALEFPS; AVX2: 2^n added to the exponent bits) against
+    fp64 exp2: within 1e-7 relative above -125, at most 2^-125 at or below it (a softmax term that
+    small is below fp32's resolution beside the row's largest, ~1), NaN stays NaN, and a lane not
+    kept is 0 whatever it holds (+inf and NaN included: the lanes of queries with no visible key)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-124.99, 127.0, 20_011), torch.rand(5_000, generator=g) * -30,
+                   torch.arange(-124, 127, dtype=torch.float32) + 0.5, torch.tensor([-0.0, 0.0, -124.999])])
+    x = torch.cat([x, torch.tensor([-125.0, -130.0, -149.5, -1000.0, float("nan")])])
+    keep = torch.ones(x.numel(), dtype=torch.uint8)
+    got = torch.empty_like(x)
+    _native._call("tn_exp2_kernel", torch.float32, _native._ptr(x), _native._ptr(keep), _native._ptr(got), x.numel())
+    n = x.numel() - 5
+    assert torch.allclose(got[:n].double(), torch.exp2(x[:n].double()), rtol=1e-7, atol=0)
+    assert (got[n:n + 4] >= 0).all() and (got[n:n + 4] <= 2.0 ** -125).all() and torch.isnan(got[-1])
+    # every 3rd lane dropped, among them +inf and NaN; odd lengths take the partial vector
+    y = torch.tensor([1.0, float("inf"), float("nan"), -3.0, float("nan"), 0.5, 2.0, float("inf"), 4.0, 0.0, 7.0])
+    keep = (torch.arange(y.numel()) % 3 != 1).to(torch.uint8)
+    out = torch.full_like(y, 5.0)
+    _native._call("tn_exp2_kernel", torch.float32, _native._ptr(y), _native._ptr(keep), _native._ptr(out), y.numel())
+    dropped = keep == 0
+    assert (out[dropped] == 0).all()
+    kept = ~dropped & ~torch.isnan(y)
+    assert torch.allclose(out[kept].double(), torch.exp2(y[kept].double()), rtol=1e-7, atol=0)
+    assert torch.isnan(out[2])
 
 
 @needs_bf16_kernel

@@ -227,7 +227,8 @@ _SIGNATURES = {
     "tn_relu2_fwd": (("f32", "bf16"), [_P] * 5 + [_I64] * 2 + [_I32]),
     "tn_relu2_bwd": (("f32", "bf16"), [_P] * 2 + [_I64]),
     "tn_bmm": (("f32",), [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P] + [_I64] * 6 + [_I32]),
-    "tn_exp2_pair": (("f32",), [_P] * 3 + [_I64, _I32]),  # a test hook (_native_softmax.cpp)
+    "tn_exp2_pair": (("f32",), [_P] * 3 + [_I64, _I32]),  # test hooks (_native_softmax.cpp)
+    "tn_exp2_kernel": (("f32",), [_P] * 3 + [_I64]),
 }
 
 
@@ -421,7 +422,7 @@ def bf16_engine() -> str | None:
 
 
 def softmax_f32_ready() -> bool:
-    """Whether the fp32 softmax-attention kernel was built (AVX-512)."""
+    """Whether the fp32 softmax-attention kernel was built (AVX-512, or AVX2 with FMA)."""
     return _build_flag("tn_softmax_f32_ready")
 
 

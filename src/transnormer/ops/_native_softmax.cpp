@@ -1,6 +1,7 @@
-// fp32 softmax attention on AVX-512, forward and backward (the fp32 twin of
+// fp32 softmax attention on AVX-512 or AVX2 with FMA, forward and backward (the fp32 twin of
 // _native_softmax_amx.cpp: same walk, same layouts, the products on the fp32 micro-kernel of
-// _native_gemm.h instead of AMX tiles).
+// _native_gemm.h instead of AMX tiles). One Worker walks for both ISAs; each has its own
+// lane-wise passes (namespace lanes: the softmax of a step's scores, its gradient) and moves.
 //
 // Why this file exists: PyTorch's CPU SDPA kernel reaches about two thirds of the fp32 GEMM
 // rate over forward + backward (its backward is the slower half), and the softmax baseline
@@ -12,7 +13,7 @@
 // (w = 0) or those of i's window of w tokens (w a multiple of 64), only j <= i when causal.
 //
 // Numerics: all in fp32 (products accumulate in fp32, exp by a degree-7 polynomial, < 1e-8
-// relative). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
+// relative; AVX-512 scales by 2^n with VSCALEFPS, AVX2 on the exponent bits, flushing below 2^-125). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
 // vector lanes), so the softmax is lane-wise; P^T and dS^T then enter the products directly as
 // strided operands (P = (P^T)^T), with no repacking.
 // The walk: heads split over threads; per head the rows are packed zero-padded to a multiple
@@ -26,215 +27,187 @@
 #include "_native_simd.h"
 #include "_native_softmax_walk.h"
 
-#if defined(TN_AVX512)
+#if defined(TN_AVX512) || defined(TN_AVX2_FMA)
 #include <limits>
 
 namespace {
 using namespace tn_softmax;
+
+constexpr idx kQ = 64;      // queries per block (the window granularity)
+constexpr idx kGroupQ = 4;  // forward: query blocks that take each key step in turn
+constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
+
+// The lane-wise passes over a step's S^T [kK x kQ] (keys x queries, ld kQ), in place. vis[r]:
+// the query lanes that see key r, read only where !full (every lane sees every key).
+//   softmax_step: P^T = 2^((S^T - m) c) on visible lanes, 0 elsewhere; the running max m and
+//     sum l (kQ each) updated, alpha[kQ] the rescale of O's rows; returns whether any max rose.
+//   grad_step: P^T as the forward left it (m, log2 l of each query) and dS^T = P (dP - delta)
+//     scale in place of dP^T.
+// Also: blocked_transpose (X^T per block of kQ rows), scale_rows, write_rows (streamed).
+namespace lanes {
+#if defined(TN_AVX512)
 using tn::half;
 constexpr auto exp2_masked = tn::exp2_masked<7>;
 
-constexpr idx kQ = 64;      // queries per block (four 16-lane vectors; the window granularity)
-constexpr idx kGroupQ = 4;  // forward: query blocks that take each key step in turn
-constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
-
-struct Worker : Walk {
-    const idx D, E, Tp;  // Tp: T rounded up to 64
-    tn::buffer<float> qp, kp, vp, gp, qt, gt, st, dpt, acc, ml, dqf, dkv, rows;
-
-    Worker(const Shape& s_, bool backward)
-        : Walk(s_), D(s_.D), E(s_.E), Tp((s_.T + kK - 1) / kK * kK), kp(Tp * D), vp(Tp * E), qt(Tp * D),
-          st(kK * kQ) {
-        if (backward) {
-            qp.resize(Tp * D), gp.resize(Tp * E), gt.resize(Tp * E), dpt.resize(kK * kQ), dqf.resize(Tp * D);
-            dkv.resize(kGroupK * kK * (D + E)), rows.resize(3 * Tp);
-        } else {
-            qp.resize(Tp * D), acc.resize(kGroupQ * kQ * E), ml.resize(2 * kGroupQ * kQ);
+inline bool softmax_step(float* st, float* m, float* l, float* alpha, bool full, const Lanes* vis, float cf) {
+    const __m512 c = _mm512_set1_ps(cf);
+    __m512 mx[4], sum[4], a[4];
+    for (int h = 0; h < 4; ++h) mx[h] = _mm512_loadu_ps(m + 16 * h);
+    for (idx r = 0; r < kK; ++r) {
+        const Lanes v = full ? ~Lanes(0) : vis[r];
+        for (int h = 0; h < 4; ++h)
+            mx[h] = _mm512_mask_max_ps(mx[h], half(v, h), mx[h], _mm512_loadu_ps(st + r * kQ + 16 * h));
+    }
+    bool moved = false;
+    for (int h = 0; h < 4; ++h) {  // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
+        __mmask16 rose;
+        a[h] = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], c, rose);
+        moved |= rose != 0;
+        _mm512_storeu_ps(m + 16 * h, mx[h]);
+        _mm512_storeu_ps(alpha + 16 * h, a[h]);
+        sum[h] = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), a[h]);
+    }
+    for (idx r = 0; r < kK; ++r) {
+        const Lanes v = full ? ~Lanes(0) : vis[r];
+        for (int h = 0; h < 4; ++h) {
+            float* x = st + r * kQ + 16 * h;
+            const __m512 p = exp2_masked(half(v, h), _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), mx[h]), c));
+            _mm512_storeu_ps(x, p);
+            sum[h] = _mm512_add_ps(sum[h], p);
         }
     }
-    ~Worker() { _mm_sfence(); }  // the streamed output rows
+    for (int h = 0; h < 4; ++h) _mm512_storeu_ps(l + 16 * h, sum[h]);
+    return moved;
+}
 
-    // rows [0, T) of x (row stride ld, width C) into dst [Tp x C], zero rows below
-    void pack(const float* x, idx ld, idx C, float* dst) const {
-        for (idx t = 0; t < T; ++t) std::copy(x + t * ld, x + t * ld + C, dst + t * C);
-        std::fill(dst + T * C, dst + Tp * C, 0.0f);
+inline void grad_step(float* st, float* dpt, const float* mr, const float* ll, const float* dl, bool full,
+                      const Lanes* vis, float cf, float scalef) {
+    const __m512 c = _mm512_set1_ps(cf), scale = _mm512_set1_ps(scalef);
+    __m512 m[4], lg[4], delta[4];
+    for (int h = 0; h < 4; ++h) {
+        m[h] = _mm512_loadu_ps(mr + 16 * h);
+        lg[h] = _mm512_loadu_ps(ll + 16 * h);
+        delta[h] = _mm512_loadu_ps(dl + 16 * h);
     }
-    // X^T per block of kQ rows: [Tp/kQ][C][kQ] from X [Tp x C]
-    void blocked_transpose(const float* x, idx C, float* dst) const {
-        for (idx b = 0; b < Tp; b += kQ)
-            for (idx r0 = 0; r0 < kQ; r0 += 16)
-                for (idx c0 = 0; c0 < C; c0 += 16) tn::transpose16(x + (b + r0) * C + c0, C, dst + b * C + c0 * kQ + r0, kQ);
-    }
-    void load_qkv(const float* q, const float* k, const float* v, idx n) {
-        pack(q + at(n, 0, D, s.ldq), s.ldq, D, qp.data());
-        pack(k + at(n, 0, D, s.ldk), s.ldk, D, kp.data());
-        pack(v + at(n, 0, E, s.ldv), s.ldv, E, vp.data());
-        blocked_transpose(qp.data(), D, qt.data());
-    }
-    void scores(idx i0, idx j0) {  // S^T [kK x kQ] = K Q^T
-        gemm<float>(kK, kQ, D, kp.data() + j0 * D, D, 1, qt.data() + i0 * D, kQ, st.data(), kQ, false);
-    }
-    // rows of an fp32 [L x C] block (ld C) streamed to out rows at stride ld_out
-    static void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
-        const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 63) == 0 && C % 16 == 0;
-        for (idx r = 0; r < L; ++r)
-            for (idx e = 0; e < C; e += 16) {
-                const __m512 y = _mm512_loadu_ps(x + r * C + e);
-                if (aligned) _mm512_stream_ps(out + r * ld_out + e, y);
-                else _mm512_mask_storeu_ps(out + r * ld_out + e, tn::tail_mask(C - e), y);
-            }
-    }
-    // each row r of X [kQ x C] times the lane-r value of the four vectors f
-    static void scale_rows(float* x, idx C, const __m512* f) {
-        alignas(64) float fs[kQ];
-        for (int h = 0; h < 4; ++h) _mm512_store_ps(fs + 16 * h, f[h]);
-        for (idx r = 0; r < kQ; ++r) {
-            const __m512 a = _mm512_set1_ps(fs[r]);
-            for (idx e = 0; e < C; e += 16) {
-                const __mmask16 m = tn::tail_mask(C - e);
-                _mm512_mask_storeu_ps(x + r * C + e, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + r * C + e), a));
-            }
+    for (idx r = 0; r < kK; ++r) {
+        const Lanes v = full ? ~Lanes(0) : vis[r];
+        for (int h = 0; h < 4; ++h) {
+            float* x = st + r * kQ + 16 * h;
+            float* d = dpt + r * kQ + 16 * h;
+            const __m512 e = _mm512_fmsub_ps(_mm512_sub_ps(_mm512_loadu_ps(x), m[h]), c, lg[h]);
+            const __m512 p = exp2_masked(half(v, h), e);
+            _mm512_storeu_ps(x, p);
+            _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d), delta[h])), scale));
         }
     }
+}
 
-    // ---- forward -------------------------------------------------------------------------
-
-    // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
-    void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
-        const __m512 c = _mm512_set1_ps(s.scale * kLog2e);
-        scores(i0, j0);
-        const bool full = all_visible(i0, kQ, j0);
-        __m512 mx[4], sum[4], alpha[4];
-        for (int h = 0; h < 4; ++h) mx[h] = _mm512_loadu_ps(m + 16 * h);
-        for (idx r = 0; r < kK; ++r) {
-            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
-            for (int h = 0; h < 4; ++h)
-                mx[h] = _mm512_mask_max_ps(mx[h], half(vis, h), mx[h], _mm512_loadu_ps(st.data() + r * kQ + 16 * h));
-        }
-        bool moved = false;
-        for (int h = 0; h < 4; ++h) {  // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
-            __mmask16 rose;
-            alpha[h] = tn::online_rescale(_mm512_loadu_ps(m + 16 * h), mx[h], c, rose);
-            moved |= rose != 0;
-            _mm512_storeu_ps(m + 16 * h, mx[h]);
-            sum[h] = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * h), alpha[h]);
-        }
-        if (moved) scale_rows(acc, E, alpha);  // the max rose: rescale O
-        for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^((s - m) c) on visible lanes
-            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
-            for (int h = 0; h < 4; ++h) {
-                float* x = st.data() + r * kQ + 16 * h;
-                const __m512 p = exp2_masked(half(vis, h), _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), mx[h]), c));
-                _mm512_storeu_ps(x, p);
-                sum[h] = _mm512_add_ps(sum[h], p);
-            }
-        }
-        for (int h = 0; h < 4; ++h) _mm512_storeu_ps(l + 16 * h, sum[h]);
-        // O += P V with P = (P^T)^T read strided
-        gemm<float>(kQ, E, kK, st.data(), 1, kQ, vp.data() + j0 * E, E, acc, E, true);
+// X^T per block of kQ rows: [R/kQ][C][kQ] from X [R x C] (C a multiple of 16)
+inline void blocked_transpose(const float* x, idx R, idx C, float* dst) {
+    for (idx b = 0; b < R; b += kQ)
+        for (idx r0 = 0; r0 < kQ; r0 += 16)
+            for (idx c0 = 0; c0 < C; c0 += 16) tn::transpose16(x + (b + r0) * C + c0, C, dst + b * C + c0 * kQ + r0, kQ);
+}
+// each row r of X [kQ x C] times f[r] (C a multiple of 16)
+inline void scale_rows(float* x, idx C, const float* f) {
+    for (idx r = 0; r < kQ; ++r) {
+        const __m512 a = _mm512_set1_ps(f[r]);
+        for (idx e = 0; e < C; e += 16) _mm512_storeu_ps(x + r * C + e, _mm512_mul_ps(_mm512_loadu_ps(x + r * C + e), a));
     }
-
-    void forward(const float* q, const float* k, const float* v, float* o, float* stats, idx n) {
-        load_qkv(q, k, v, n);
-        for (idx g0 = 0; g0 < T; g0 += kQ * kGroupQ) {
-            const idx nb = std::min(kGroupQ, (T - g0 + kQ - 1) / kQ);
-            std::fill(ml.begin(), ml.begin() + kGroupQ * kQ, -std::numeric_limits<float>::infinity());
-            std::fill(ml.begin() + kGroupQ * kQ, ml.end(), 0.0f);
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            const idx last = g0 + (nb - 1) * kQ;
-            for (idx j0 = fwd_start(g0); j0 < fwd_end(last, kQ); j0 += kK)
-                for (idx b = 0; b < nb; ++b) {
-                    const idx i0 = g0 + b * kQ;
-                    if (j0 >= fwd_start(i0) && j0 < fwd_end(i0, kQ))
-                        fwd_step(i0, j0, ml.data() + b * kQ, ml.data() + (kGroupQ + b) * kQ, acc.data() + b * kQ * E);
-                }
-            for (idx b = 0; b < nb; ++b) {  // O /= l; the stats m, log2 l
-                const idx i0 = g0 + b * kQ, L = std::min(kQ, T - i0);
-                const float* m = ml.data() + b * kQ;
-                const float* l = ml.data() + (kGroupQ + b) * kQ;
-                __m512 inv[4];
-                for (int h = 0; h < 4; ++h) inv[h] = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + 16 * h));
-                scale_rows(acc.data() + b * kQ * E, E, inv);
-                for (idx r = 0; r < L; ++r) store_stats(stats, n, i0 + r, m[r], l[r]);
-                write_rows(acc.data() + b * kQ * E, L, E, o + at(n, i0, E, s.H * E), s.H * E);
-            }
+}
+// rows of an fp32 [L x C] block (ld C, C a multiple of 16) to out rows at stride ld_out,
+// streamed where the rows are aligned
+inline void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
+    const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 63) == 0;
+    for (idx r = 0; r < L; ++r)
+        for (idx e = 0; e < C; e += 16) {
+            const __m512 y = _mm512_loadu_ps(x + r * C + e);
+            if (aligned) _mm512_stream_ps(out + r * ld_out + e, y);
+            else _mm512_storeu_ps(out + r * ld_out + e, y);
         }
-    }
-
-    // ---- backward ------------------------------------------------------------------------
-
-    // Key step j0 with query block i0: the block's m, log2 l and delta in mr, ll, dl.
-    void bwd_step(idx i0, idx j0, const __m512* mr, const __m512* ll, const __m512* dl, float* dkb, float* dvb) {
-        const __m512 c = _mm512_set1_ps(s.scale * kLog2e), scale = _mm512_set1_ps(s.scale);
-        scores(i0, j0);
-        gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
-        const bool full = all_visible(i0, kQ, j0);
-        for (idx r = 0; r < kK; ++r) {  // P^T and dS^T in place
-            const Lanes vis = full ? ~Lanes(0) : visible(i0, j0 + r);
-            for (int h = 0; h < 4; ++h) {
-                float* x = st.data() + r * kQ + 16 * h;
-                float* d = dpt.data() + r * kQ + 16 * h;
-                const __m512 e = _mm512_fmsub_ps(_mm512_sub_ps(_mm512_loadu_ps(x), mr[h]), c, ll[h]);
-                const __m512 p = exp2_masked(half(vis, h), e);
-                _mm512_storeu_ps(x, p);
-                _mm512_storeu_ps(d, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(d), dl[h])), scale));
-            }
-        }
-        gemm<float>(kK, E, kQ, st.data(), kQ, 1, gp.data() + i0 * E, E, dvb, E, true);   // dV += P^T dO
-        gemm<float>(kK, D, kQ, dpt.data(), kQ, 1, qp.data() + i0 * D, D, dkb, D, true);  // dK += dS^T Q
-        gemm<float>(kQ, D, kK, dpt.data(), 1, kQ, kp.data() + j0 * D, D, dqf.data() + i0 * D, D, true);  // dQ += dS K
-    }
-
-    void backward(const float* q, const float* k, const float* v, const float* o, const float* dout, const float* stats,
-                  float* dq, float* dk, float* dv, idx n) {
-        load_qkv(q, k, v, n);
-        const idx ldo = s.H * E;
-        pack(dout + at(n, 0, E, ldo), ldo, E, gp.data());
-        blocked_transpose(gp.data(), E, gt.data());  // dO^T per query block: dP^T = V dO^T
-        query_rows(stats, n, o, ldo, gp.data(), Tp, rows.data());  // per query: m, log2 l, delta
-        std::fill(dqf.begin(), dqf.end(), 0.0f);
-        for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
-            const idx nk = std::min(kGroupK, (T - g0 + kK - 1) / kK);
-            std::fill(dkv.begin(), dkv.end(), 0.0f);
-            const idx last = g0 + (nk - 1) * kK;
-            for (idx i0 = bwd_start(g0, kQ); i0 < bwd_end(last); i0 += kQ) {
-                __m512 mr[4], ll[4], dl[4];
-                for (int h = 0; h < 4; ++h) {
-                    mr[h] = _mm512_loadu_ps(rows.data() + i0 + 16 * h);
-                    ll[h] = _mm512_loadu_ps(rows.data() + Tp + i0 + 16 * h);
-                    dl[h] = _mm512_loadu_ps(rows.data() + 2 * Tp + i0 + 16 * h);
-                }
-                for (idx c = 0; c < nk; ++c) {
-                    const idx j0 = g0 + c * kK;
-                    if (i0 >= bwd_start(j0, kQ) && i0 < bwd_end(j0))
-                        bwd_step(i0, j0, mr, ll, dl, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
-                }
-            }
-            for (idx c = 0; c < nk; ++c) {
-                const idx j0 = g0 + c * kK, L = std::min(kK, T - j0);
-                write_rows(dkv.data() + c * kK * D, L, D, dk + at(n, j0, D, s.H * D), s.H * D);
-                write_rows(dkv.data() + (kGroupK * D + c * E) * kK, L, E, dv + at(n, j0, E, s.H * E), s.H * E);
-            }
-        }
-        write_rows(dqf.data(), T, D, dq + at(n, 0, D, s.H * D), s.H * D);
-    }
-};
-
-}  // namespace
-#elif defined(TN_AVX2_FMA)
-#include <limits>
-
-namespace {
-using namespace tn_softmax;
-
-// The AVX2 form of the kernel above: the same walk, layouts and numerics (its exp is tn::exp2_8,
-// the bits form of exp2). Eight lanes a vector, sixteen registers: the lane-wise passes take one
-// vector of eight queries at a time over the step's 64 keys (the AVX-512 form's four vectors of
-// max, sum and rescale per pass, eight here, would spill).
-constexpr idx kQ = 64;      // queries per block (eight 8-lane vectors; the window granularity)
+}
+#else
+// AVX2, sixteen registers: one vector of eight queries at a time over the step's 64 keys (the
+// AVX-512 passes hold four vectors of max, sum and rescale each; eight here would spill).
 constexpr int kV = kQ / 8;  // vectors per block
-constexpr idx kGroupQ = 4;  // forward: query blocks that take each key step in turn
-constexpr idx kGroupK = 4;  // backward: key steps that take each query block in turn
+
+inline __m256 lane_mask(bool full, const Lanes* vis, idx r, int h) {
+    return full ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : tn::lane_mask8(vis[r], h);
+}
+
+inline bool softmax_step(float* st, float* m, float* l, float* alpha, bool full, const Lanes* vis, float cf) {
+    const __m256 c = _mm256_set1_ps(cf);
+    bool moved = false;
+    for (int h = 0; h < kV; ++h) {  // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
+        const __m256 m_old = _mm256_loadu_ps(m + 8 * h);
+        __m256 mx = m_old;
+        for (idx r = 0; r < kK; ++r)
+            mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, _mm256_loadu_ps(st + r * kQ + 8 * h)), lane_mask(full, vis, r, h));
+        bool rose;
+        const __m256 a = tn::online_rescale8(m_old, mx, c, rose);
+        moved |= rose;
+        _mm256_storeu_ps(alpha + 8 * h, a);
+        _mm256_storeu_ps(m + 8 * h, mx);
+        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(l + 8 * h), a);
+        for (idx r = 0; r < kK; ++r) {
+            float* x = st + r * kQ + 8 * h;
+            const __m256 p = tn::exp2_8<7>(lane_mask(full, vis, r, h), _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), mx), c));
+            _mm256_storeu_ps(x, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        _mm256_storeu_ps(l + 8 * h, sum);
+    }
+    return moved;
+}
+
+inline void grad_step(float* st, float* dpt, const float* mr, const float* ll, const float* dl, bool full,
+                      const Lanes* vis, float cf, float scalef) {
+    const __m256 c = _mm256_set1_ps(cf), scale = _mm256_set1_ps(scalef);
+    for (int h = 0; h < kV; ++h) {
+        const __m256 m = _mm256_loadu_ps(mr + 8 * h), lg = _mm256_loadu_ps(ll + 8 * h);
+        const __m256 delta = _mm256_loadu_ps(dl + 8 * h);
+        for (idx r = 0; r < kK; ++r) {
+            float* x = st + r * kQ + 8 * h;
+            float* d = dpt + r * kQ + 8 * h;
+            const __m256 e = _mm256_fmsub_ps(_mm256_sub_ps(_mm256_loadu_ps(x), m), c, lg);
+            const __m256 p = tn::exp2_8<7>(lane_mask(full, vis, r, h), e);
+            _mm256_storeu_ps(x, p);
+            _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(d), delta)), scale));
+        }
+    }
+}
+
+// X^T per block of kQ rows: [R/kQ][C][kQ] from X [R x C] (C a multiple of 8)
+inline void blocked_transpose(const float* x, idx R, idx C, float* dst) {
+    for (idx b = 0; b < R; b += kQ)
+        for (idx r0 = 0; r0 < kQ; r0 += 8)
+            for (idx c0 = 0; c0 < C; c0 += 8) {
+                __m256 v[8];
+                for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(x + (b + r0 + i) * C + c0);
+                tn::transpose8(v);
+                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + b * C + (c0 + j) * kQ + r0, v[j]);
+            }
+}
+// each row r of X [kQ x C] times f[r] (C a multiple of 8)
+inline void scale_rows(float* x, idx C, const float* f) {
+    for (idx r = 0; r < kQ; ++r) {
+        const __m256 a = _mm256_set1_ps(f[r]);
+        for (idx e = 0; e < C; e += 8) _mm256_storeu_ps(x + r * C + e, _mm256_mul_ps(_mm256_loadu_ps(x + r * C + e), a));
+    }
+}
+// rows of an fp32 [L x C] block (ld C, C a multiple of 8) to out rows at stride ld_out, streamed
+// where the rows are aligned
+inline void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
+    const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 31) == 0;
+    for (idx r = 0; r < L; ++r)
+        for (idx e = 0; e < C; e += 8) {
+            const __m256 y = _mm256_loadu_ps(x + r * C + e);
+            if (aligned) _mm256_stream_ps(out + r * ld_out + e, y);
+            else _mm256_storeu_ps(out + r * ld_out + e, y);
+        }
+}
+#endif
+}  // namespace lanes
 
 struct Worker : Walk {
     const idx D, E, Tp;  // Tp: T rounded up to 64
@@ -258,83 +231,32 @@ struct Worker : Walk {
         for (idx t = 0; t < T; ++t) std::copy(x + t * ld, x + t * ld + C, dst + t * C);
         std::fill(dst + T * C, dst + Tp * C, 0.0f);
     }
-    // X^T per block of kQ rows: [Tp/kQ][C][kQ] from X [Tp x C] (C a multiple of 16)
-    void blocked_transpose(const float* x, idx C, float* dst) const {
-        for (idx b = 0; b < Tp; b += kQ)
-            for (idx r0 = 0; r0 < kQ; r0 += 8)
-                for (idx c0 = 0; c0 < C; c0 += 8) {
-                    __m256 r[8];
-                    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + (b + r0 + i) * C + c0);
-                    tn::transpose8(r);
-                    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + b * C + (c0 + j) * kQ + r0, r[j]);
-                }
-    }
     void load_qkv(const float* q, const float* k, const float* v, idx n) {
         pack(q + at(n, 0, D, s.ldq), s.ldq, D, qp.data());
         pack(k + at(n, 0, D, s.ldk), s.ldk, D, kp.data());
         pack(v + at(n, 0, E, s.ldv), s.ldv, E, vp.data());
-        blocked_transpose(qp.data(), D, qt.data());
+        lanes::blocked_transpose(qp.data(), Tp, D, qt.data());
     }
     void scores(idx i0, idx j0) {  // S^T [kK x kQ] = K Q^T
         gemm<float>(kK, kQ, D, kp.data() + j0 * D, D, 1, qt.data() + i0 * D, kQ, st.data(), kQ, false);
     }
-    // rows of an fp32 [L x C] block (ld C, C a multiple of 8) streamed to out rows at stride ld_out
-    static void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
-        const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 31) == 0;
-        for (idx r = 0; r < L; ++r)
-            for (idx e = 0; e < C; e += 8) {
-                const __m256 y = _mm256_loadu_ps(x + r * C + e);
-                if (aligned) _mm256_stream_ps(out + r * ld_out + e, y);
-                else _mm256_storeu_ps(out + r * ld_out + e, y);
-            }
-    }
-    // each row r of X [kQ x C] times f[r]
-    static void scale_rows(float* x, idx C, const float* f) {
-        for (idx r = 0; r < kQ; ++r) {
-            const __m256 a = _mm256_set1_ps(f[r]);
-            for (idx e = 0; e < C; e += 8) _mm256_storeu_ps(x + r * C + e, _mm256_mul_ps(_mm256_loadu_ps(x + r * C + e), a));
-        }
-    }
-    // Which lanes of the step (i0, j0) see each key: all when full, else vis[] (filled here)
+    // whether every query of block i0 sees every key of step j0; if not, vis[] filled
     bool mark_visible(idx i0, idx j0) {
         const bool full = all_visible(i0, kQ, j0);
         if (!full)
             for (idx r = 0; r < kK; ++r) vis[r] = visible(i0, j0 + r);
         return full;
     }
-    __m256 lanes(bool full, idx r, int h) const {
-        return full ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : tn::lane_mask8(vis[r], h);
-    }
 
     // ---- forward -------------------------------------------------------------------------
 
     // One key step of query block i0: running max m and sum l (kQ floats each), O rows (acc).
     void fwd_step(idx i0, idx j0, float* m, float* l, float* acc) {
-        const __m256 c = _mm256_set1_ps(s.scale * kLog2e);
         scores(i0, j0);
         const bool full = mark_visible(i0, j0);
-        alignas(32) float alpha[kQ];
-        bool moved = false;
-        for (int h = 0; h < kV; ++h) {  // a lane with no visible key yet keeps m = -inf: alpha 1, p 0
-            const __m256 m_old = _mm256_loadu_ps(m + 8 * h);
-            __m256 mx = m_old;
-            for (idx r = 0; r < kK; ++r)
-                mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, _mm256_loadu_ps(st.data() + r * kQ + 8 * h)), lanes(full, r, h));
-            bool rose;
-            const __m256 a = tn::online_rescale8(m_old, mx, c, rose);
-            moved |= rose;
-            _mm256_store_ps(alpha + 8 * h, a);
-            _mm256_storeu_ps(m + 8 * h, mx);
-            __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(l + 8 * h), a);
-            for (idx r = 0; r < kK; ++r) {  // P^T in place, p = 2^((s - m) c) on visible lanes
-                float* x = st.data() + r * kQ + 8 * h;
-                const __m256 p = tn::exp2_8<7>(lanes(full, r, h), _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), mx), c));
-                _mm256_storeu_ps(x, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            _mm256_storeu_ps(l + 8 * h, sum);
-        }
-        if (moved) scale_rows(acc, E, alpha);  // the max rose: rescale O
+        alignas(64) float alpha[kQ];
+        if (lanes::softmax_step(st.data(), m, l, alpha, full, vis, s.scale * kLog2e))
+            lanes::scale_rows(acc, E, alpha);  // the max rose: rescale O
         // O += P V with P = (P^T)^T read strided
         gemm<float>(kQ, E, kK, st.data(), 1, kQ, vp.data() + j0 * E, E, acc, E, true);
     }
@@ -359,33 +281,22 @@ struct Worker : Walk {
                 const float* l = ml.data() + (kGroupQ + b) * kQ;
                 float inv[kQ];
                 for (idx r = 0; r < kQ; ++r) inv[r] = 1.0f / l[r];
-                scale_rows(acc.data() + b * kQ * E, E, inv);
+                lanes::scale_rows(acc.data() + b * kQ * E, E, inv);
                 for (idx r = 0; r < L; ++r) store_stats(stats, n, i0 + r, m[r], l[r]);
-                write_rows(acc.data() + b * kQ * E, L, E, o + at(n, i0, E, s.H * E), s.H * E);
+                lanes::write_rows(acc.data() + b * kQ * E, L, E, o + at(n, i0, E, s.H * E), s.H * E);
             }
         }
     }
 
     // ---- backward ------------------------------------------------------------------------
 
-    // Key step j0 with query block i0: the block's m, log2 l and delta at mr, ll, dl (kQ each).
-    void bwd_step(idx i0, idx j0, const float* mr, const float* ll, const float* dl, float* dkb, float* dvb) {
-        const __m256 c = _mm256_set1_ps(s.scale * kLog2e), scale = _mm256_set1_ps(s.scale);
+    // Key step j0 with query block i0 (its m, log2 l and delta: rows at i0, Tp + i0, 2 Tp + i0).
+    void bwd_step(idx i0, idx j0, float* dkb, float* dvb) {
         scores(i0, j0);
         gemm<float>(kK, kQ, E, vp.data() + j0 * E, E, 1, gt.data() + i0 * E, kQ, dpt.data(), kQ, false);  // dP^T
         const bool full = mark_visible(i0, j0);
-        for (int h = 0; h < kV; ++h) {  // P^T and dS^T in place
-            const __m256 m = _mm256_loadu_ps(mr + 8 * h), lg = _mm256_loadu_ps(ll + 8 * h);
-            const __m256 delta = _mm256_loadu_ps(dl + 8 * h);
-            for (idx r = 0; r < kK; ++r) {
-                float* x = st.data() + r * kQ + 8 * h;
-                float* d = dpt.data() + r * kQ + 8 * h;
-                const __m256 e = _mm256_fmsub_ps(_mm256_sub_ps(_mm256_loadu_ps(x), m), c, lg);
-                const __m256 p = tn::exp2_8<7>(lanes(full, r, h), e);
-                _mm256_storeu_ps(x, p);
-                _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(d), delta)), scale));
-            }
-        }
+        const float* r = rows.data() + i0;
+        lanes::grad_step(st.data(), dpt.data(), r, r + Tp, r + 2 * Tp, full, vis, s.scale * kLog2e, s.scale);
         gemm<float>(kK, E, kQ, st.data(), kQ, 1, gp.data() + i0 * E, E, dvb, E, true);   // dV += P^T dO
         gemm<float>(kK, D, kQ, dpt.data(), kQ, 1, qp.data() + i0 * D, D, dkb, D, true);  // dK += dS^T Q
         gemm<float>(kQ, D, kK, dpt.data(), 1, kQ, kp.data() + j0 * D, D, dqf.data() + i0 * D, D, true);  // dQ += dS K
@@ -396,7 +307,7 @@ struct Worker : Walk {
         load_qkv(q, k, v, n);
         const idx ldo = s.H * E;
         pack(dout + at(n, 0, E, ldo), ldo, E, gp.data());
-        blocked_transpose(gp.data(), E, gt.data());  // dO^T per query block: dP^T = V dO^T
+        lanes::blocked_transpose(gp.data(), Tp, E, gt.data());  // dO^T per query block: dP^T = V dO^T
         query_rows(stats, n, o, ldo, gp.data(), Tp, rows.data());  // per query: m, log2 l, delta
         std::fill(dqf.begin(), dqf.end(), 0.0f);
         for (idx g0 = 0; g0 < T; g0 += kK * kGroupK) {
@@ -407,21 +318,20 @@ struct Worker : Walk {
                 for (idx c = 0; c < nk; ++c) {
                     const idx j0 = g0 + c * kK;
                     if (i0 >= bwd_start(j0, kQ) && i0 < bwd_end(j0))
-                        bwd_step(i0, j0, rows.data() + i0, rows.data() + Tp + i0, rows.data() + 2 * Tp + i0,
-                                 dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
+                        bwd_step(i0, j0, dkv.data() + c * kK * D, dkv.data() + (kGroupK * D + c * E) * kK);
                 }
             for (idx c = 0; c < nk; ++c) {
                 const idx j0 = g0 + c * kK, L = std::min(kK, T - j0);
-                write_rows(dkv.data() + c * kK * D, L, D, dk + at(n, j0, D, s.H * D), s.H * D);
-                write_rows(dkv.data() + (kGroupK * D + c * E) * kK, L, E, dv + at(n, j0, E, s.H * E), s.H * E);
+                lanes::write_rows(dkv.data() + c * kK * D, L, D, dk + at(n, j0, D, s.H * D), s.H * D);
+                lanes::write_rows(dkv.data() + (kGroupK * D + c * E) * kK, L, E, dv + at(n, j0, E, s.H * E), s.H * E);
             }
         }
-        write_rows(dqf.data(), T, D, dq + at(n, 0, D, s.H * D), s.H * D);
+        lanes::write_rows(dqf.data(), T, D, dq + at(n, 0, D, s.H * D), s.H * D);
     }
 };
 
 }  // namespace
-#endif  // TN_AVX512 / TN_AVX2_FMA
+#endif  // TN_AVX512 || TN_AVX2_FMA
 
 extern "C" {
 
@@ -450,6 +360,32 @@ int tn_exp2_pair_f32(const float* x, float* masked, float* bits, idx n, int degr
     return 0;
 #else
     (void)x, (void)masked, (void)bits, (void)n, (void)degree;
+    return 2;
+#endif
+}
+
+// Test hook: the exp2 of this build's fp32 kernel (AVX-512: exp2_masked<7>; AVX2: exp2_8<7>) on
+// n values, lane i kept where keep[i] != 0 (0 elsewhere). 2 without the kernel.
+int tn_exp2_kernel_f32(const float* x, const uint8_t* keep, float* out, idx n, int) {
+#if defined(TN_AVX512)
+    for (idx i = 0; i < n; i += 16) {
+        const __mmask16 k = tn::tail_mask(n - i);
+        __mmask16 kept = 0;
+        for (idx j = 0; j < 16 && i + j < n; ++j) kept |= __mmask16(keep[i + j] != 0) << j;
+        _mm512_mask_storeu_ps(out + i, k, tn::exp2_masked<7>(kept, _mm512_maskz_loadu_ps(k, x + i)));
+    }
+    return 0;
+#elif defined(TN_AVX2_FMA)
+    for (idx i = 0; i < n; i += 8) {
+        alignas(32) float xs[8] = {}, ys[8];
+        Lanes kept = 0;
+        for (idx j = 0; j < 8 && i + j < n; ++j) xs[j] = x[i + j], kept |= Lanes(keep[i + j] != 0) << j;
+        _mm256_store_ps(ys, tn::exp2_8<7>(tn::lane_mask8(kept, 0), _mm256_load_ps(xs)));
+        std::copy(ys, ys + std::min<idx>(8, n - i), out + i);
+    }
+    return 0;
+#else
+    (void)x, (void)keep, (void)out, (void)n;
     return 2;
 #endif
 }
