@@ -59,6 +59,7 @@ template <> struct Vec<float> {
     static void stream(float* p, reg r) { _mm512_stream_ps(p, r); }
     static void storem(float* p, reg r, mask m) { _mm512_mask_storeu_ps(p, m, r); }
     static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+    static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
 };
 
 template <> struct Vec<double> {
@@ -74,6 +75,7 @@ template <> struct Vec<double> {
     static void stream(double* p, reg r) { _mm512_stream_pd(p, r); }
     static void storem(double* p, reg r, mask m) { _mm512_mask_storeu_pd(p, m, r); }
     static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
+    static reg mul(reg a, reg b) { return _mm512_mul_pd(a, b); }
 };
 
 constexpr int kMR = 6;  // rows of C per micro-kernel call: 6 x 4 accumulators + 4 B + 1 A = 29 regs
@@ -96,6 +98,7 @@ template <> struct Vec<float> {
     static void stream(float* p, reg r) { _mm256_stream_ps(p, r); }
     static void storem(float* p, reg r, mask m) { _mm256_maskstore_ps(p, m, r); }
     static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+    static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
 };
 
 template <> struct Vec<double> {
@@ -111,6 +114,7 @@ template <> struct Vec<double> {
     static void stream(double* p, reg r) { _mm256_stream_pd(p, r); }
     static void storem(double* p, reg r, mask m) { _mm256_maskstore_pd(p, m, r); }
     static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_pd(a, b, c); }
+    static reg mul(reg a, reg b) { return _mm256_mul_pd(a, b); }
 };
 
 constexpr int kMR = 6;  // 6 x 2 accumulators + 2 B + 1 A = 15 of the 16 registers

@@ -43,7 +43,7 @@ constexpr idx kGroupK = 4;  // backward: key steps that take each query block in
 //     sum l (kQ each) updated, alpha[kQ] the rescale of O's rows; returns whether any max rose.
 //   grad_step: P^T as the forward left it (m, log2 l of each query) and dS^T = P (dP - delta)
 //     scale in place of dP^T.
-// Also: blocked_transpose (X^T per block of kQ rows), scale_rows, write_rows (streamed).
+// Also per ISA: blocked_transpose (X^T per block of kQ rows); shared: scale_rows, write_rows.
 namespace lanes {
 #if defined(TN_AVX512)
 using tn::half;
@@ -108,24 +108,6 @@ inline void blocked_transpose(const float* x, idx R, idx C, float* dst) {
         for (idx r0 = 0; r0 < kQ; r0 += 16)
             for (idx c0 = 0; c0 < C; c0 += 16) tn::transpose16(x + (b + r0) * C + c0, C, dst + b * C + c0 * kQ + r0, kQ);
 }
-// each row r of X [kQ x C] times f[r] (C a multiple of 16)
-inline void scale_rows(float* x, idx C, const float* f) {
-    for (idx r = 0; r < kQ; ++r) {
-        const __m512 a = _mm512_set1_ps(f[r]);
-        for (idx e = 0; e < C; e += 16) _mm512_storeu_ps(x + r * C + e, _mm512_mul_ps(_mm512_loadu_ps(x + r * C + e), a));
-    }
-}
-// rows of an fp32 [L x C] block (ld C, C a multiple of 16) to out rows at stride ld_out,
-// streamed where the rows are aligned
-inline void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
-    const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 63) == 0;
-    for (idx r = 0; r < L; ++r)
-        for (idx e = 0; e < C; e += 16) {
-            const __m512 y = _mm512_loadu_ps(x + r * C + e);
-            if (aligned) _mm512_stream_ps(out + r * ld_out + e, y);
-            else _mm512_storeu_ps(out + r * ld_out + e, y);
-        }
-}
 #else
 // AVX2, sixteen registers: one vector of eight queries at a time over the step's 64 keys (the
 // AVX-512 passes hold four vectors of max, sum and rescale each; eight here would spill).
@@ -188,25 +170,30 @@ inline void blocked_transpose(const float* x, idx R, idx C, float* dst) {
                 for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + b * C + (c0 + j) * kQ + r0, v[j]);
             }
 }
-// each row r of X [kQ x C] times f[r] (C a multiple of 8)
+#endif
+
+// Both ISAs on _native_gemm.h's vectors (C a multiple of 16, so whole vectors):
+// each row r of X [kQ x C] times f[r]
 inline void scale_rows(float* x, idx C, const float* f) {
+    typedef Vec<float> V;
     for (idx r = 0; r < kQ; ++r) {
-        const __m256 a = _mm256_set1_ps(f[r]);
-        for (idx e = 0; e < C; e += 8) _mm256_storeu_ps(x + r * C + e, _mm256_mul_ps(_mm256_loadu_ps(x + r * C + e), a));
+        const V::reg a = V::bcast(f[r]);
+        for (idx e = 0; e < C; e += V::W) V::store(x + r * C + e, V::mul(V::load(x + r * C + e), a));
     }
 }
-// rows of an fp32 [L x C] block (ld C, C a multiple of 8) to out rows at stride ld_out, streamed
-// where the rows are aligned
+// rows of an fp32 [L x C] block (ld C) to out rows at stride ld_out, streamed where the rows are
+// aligned to a vector
 inline void write_rows(const float* x, idx L, idx C, float* out, idx ld_out) {
-    const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & 31) == 0;
+    typedef Vec<float> V;
+    constexpr uintptr_t kAlign = V::W * sizeof(float) - 1;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(out) | uintptr_t(ld_out * 4)) & kAlign) == 0;
     for (idx r = 0; r < L; ++r)
-        for (idx e = 0; e < C; e += 8) {
-            const __m256 y = _mm256_loadu_ps(x + r * C + e);
-            if (aligned) _mm256_stream_ps(out + r * ld_out + e, y);
-            else _mm256_storeu_ps(out + r * ld_out + e, y);
+        for (idx e = 0; e < C; e += V::W) {
+            const V::reg y = V::load(x + r * C + e);
+            if (aligned) V::stream(out + r * ld_out + e, y);
+            else V::store(out + r * ld_out + e, y);
         }
 }
-#endif
 }  // namespace lanes
 
 struct Worker : Walk {
