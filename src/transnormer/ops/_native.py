@@ -437,8 +437,8 @@ def bf16_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -
 
 
 def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether bf16 q, k, v run an fp32 AVX-512 kernel on fp32 copies: CPU bf16 tensors on a machine
-    whose bf16 kernels cannot run (AVX-512 without AVX512-BF16, or an AMX build whose tile state
+    """Whether bf16 q, k, v run an fp32 kernel on fp32 copies: CPU bf16 tensors on a machine whose bf16
+    kernels cannot run (AVX-512 without AVX512-BF16, AVX2 only, or an AMX build whose tile state
     Linux refused), under the current backend mode.
     There the PyTorch bf16 forms of causal ``norm_linear_attn`` and of softmax attention are the
     slower ones (docs/benchmarks.md, twelfth round); see also :func:`softmax_upcast_usable`."""
@@ -560,11 +560,11 @@ def native_bidir_linear_attn(q, k, v, init):
 
 # ------------------------------------------------------------------------------------------------
 # Softmax attention (vanilla attention and DiagAttention blocks): bf16 on AMX tiles or
-# AVX512-BF16 (_native_softmax_amx.cpp), fp32 on AVX-512 (_native_softmax.cpp)
+# AVX512-BF16 (_native_softmax_amx.cpp), fp32 on AVX-512 or AVX2 with FMA (_native_softmax.cpp)
 # ------------------------------------------------------------------------------------------------
 def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
     """Whether softmax attention of q, k [B, T, H, D], v [B, T, H, E] runs a fused CPU kernel: bf16 on
-    the bf16 kernel (D, E and ``window`` multiples of 32) or fp32 on AVX-512 (D, E multiples of 16,
+    the bf16 kernel (D, E and ``window`` multiples of 32) or fp32 on AVX-512 or AVX2 (D, E multiples of 16,
     ``window`` of 64); ``window`` 0 means all keys. Also: no empty dim, backend mode not "torch",
     not being traced."""
     if _mode == "torch" or torch.compiler.is_compiling():
@@ -591,7 +591,7 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
 
 
 class NativeSoftmaxAttn(torch.autograd.Function):
-    """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the bf16 kernel, fp32: the AVX-512 one) with
+    """q, k [B, T, H, D], v [B, T, H, E] of one dtype (bf16: the bf16 kernel, fp32: the AVX-512 or AVX2 one) with
     token rows readable in place (:func:`token_rows_ok`).
     Saves q, k, v, o and the per-query stats [B, H, 2, T] (fp32: the raw score max and log2 of the
     sum of exponentials) for the backward."""

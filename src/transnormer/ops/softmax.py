@@ -42,8 +42,9 @@ def softmax_attn(
     bf16 (on a CPU with AMX or AVX512-BF16) and fp32 inputs run the fused kernels
     (``_native_softmax_amx.cpp``, ``_native_softmax.cpp``; see ``_native.softmax_usable``) instead
     of SDPA: 2.3–3.4x (bf16) and ~1.2x (fp32) its speed fwd+bwd on an AMX machine, 3.5–6.3x (bf16)
-    on AVX512-BF16 (Zen 5); bf16 on an AVX-512 CPU with neither runs the fp32 kernel on fp32 copies
-    (1.7–3.5x SDPA's bf16). Under CPU autocast fp32 inputs are cast first, as for SDPA.
+    on AVX512-BF16 (Zen 5), 1.14–1.32x (fp32) on AVX2 (Zen 3); bf16 on a CPU with neither bf16
+    engine runs the fp32 kernel on fp32 copies (1.7–3.5x SDPA's bf16 on AVX-512, ~11x on AVX2).
+    Under CPU autocast fp32 inputs are cast first, as for SDPA.
     """
     check_qkv(q, k, v)
     check_scale(scale)
