@@ -32,7 +32,7 @@ def _native_macros() -> set[str]:
     return {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
 
 
-@pytest.mark.skipif(not _native.softmax_f32_ready(), reason="no library built with -march=native on AVX-512")
+@pytest.mark.skipif(not _native.softmax_f32_ready(), reason="no library built with -march=native on AVX-512 or AVX2")
 def test_bf16_engine_is_the_one_the_build_targets():
     """-march=native picks the engine: AMX tiles where the compiler targets AMX-BF16 for this CPU
     (it also needs the OS to enable the tile state), else AVX512-BF16 dot products where it targets

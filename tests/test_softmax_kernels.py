@@ -463,11 +463,27 @@ def test_bf16_without_bf16_kernel_runs_the_fp32_kernel_on_copies(monkeypatch, ca
 
 def test_a_scale_past_the_fp32_range_is_refused_before_any_kernel():
     """3.5e38 is finite in Python but rounds to inf as the kernels' fp32 argument: it had passed the
-    check ('finite and > 0 in fp32') and reached them; the fused path declines it too."""
-    assert not _native._fp32_positive(3.5e38) and not _native._fp32_positive(1e39)
-    assert _native._fp32_positive(3.0e38) and _native._fp32_positive(1e-44)
+    check ('finite and > 0 in fp32') and reached them; so had 3.0e38, whose product with log2(e)
+    (the kernels' exponent factor) is inf in fp32. The fused path declines them too."""
+    ok = _native._kernel_scale_ok
+    assert not ok(3.5e38) and not ok(1e39) and not ok(3.0e38) and not ok(1e-46)
+    assert ok(2.3e38) and ok(1e-44)
     q = torch.zeros(1, 64, 1, 64)
-    for bad in (3.5e38, 1e39, 1e-46):
+    for bad in (3.5e38, 3.0e38, 1e39, 1e-46):
         with pytest.raises(ValueError, match="scale must be finite and > 0 in fp32"):
             _native.native_softmax_attn(q, q, q, causal=True, scale=bad)
         assert _native.fused_softmax_attn(q, q, q, causal=True, scale=bad) is None
+
+
+@needs_f32
+def test_a_scale_whose_exponent_factor_overflows_runs_the_torch_form():
+    """Scores q·k of ~1e-38 under a scale of 3e38 are ordinary scaled scores, but the kernels' factor
+    scale·log2(e) is inf in fp32: every exponent was then NaN (0·inf on each row's max). Such a
+    scale runs SDPA, which scales the scores first, and matches the fp64 reference."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 65, 2, 16, generator=g) for _ in range(3))
+    q = q * 1e-19
+    k = k * 1e-19
+    out = softmax_attn(q, k, v, causal=True, scale=3.0e38)
+    ref = softmax_attn_reference(q.double(), k.double(), v.double(), causal=True, scale=3.0e38)
+    assert torch.isfinite(out).all() and rel_err(out.double(), ref) < 1e-5

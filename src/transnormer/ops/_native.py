@@ -631,21 +631,28 @@ def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(dtype) if x.device.type == "cpu" and x.dtype == torch.float32 else x for x in xs)
 
 
-def _fp32_positive(x: float) -> bool:
-    """Whether x is a finite number whose fp32 rounding is finite and > 0 (a ctypes float argument:
-    3.5e38 rounds to inf there)."""
+_LOG2E_F32 = ctypes.c_float(math.log2(math.e)).value  # the kernels' kLog2e
+
+
+def _kernel_scale_ok(x: float) -> bool:
+    """Whether the softmax kernels can take x as their scale: a finite number whose fp32 rounding is
+    finite and > 0 (a ctypes float argument: 3.5e38 rounds to inf there), and whose fp32 product
+    with log2(e), the kernels' exponent factor, is finite too (above ~2.36e38 it is inf, and
+    every exponent (s - m) scale log2(e) with s = m was 0·inf, NaN)."""
     if not math.isfinite(x):
         return False
     v = ctypes.c_float(x).value
-    return math.isfinite(v) and v > 0
+    # (two fp32 values multiply exactly in a double: rounding it to fp32 is the kernels' product)
+    return math.isfinite(v) and v > 0 and math.isfinite(ctypes.c_float(v * _LOG2E_F32).value)
 
 
 def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) -> torch.Tensor | None:
     """o from a fused softmax-attention kernel, or None where none takes these inputs (the caller's
     PyTorch form runs then). Inputs are cast as CPU autocast would first (:func:`autocast_inputs`);
     scale must be > 0 (the kernels keep the running max of the unscaled scores) and an fp32 above
-    0 (the kernels take it as one: 1e-46 had reached them as 0 and failed)."""
-    if _mode == "torch" or torch.compiler.is_compiling() or not _fp32_positive(scale):
+    0 (the kernels take it as one: 1e-46 had reached them as 0 and failed), at most ~2.36e38
+    (:func:`_kernel_scale_ok`)."""
+    if _mode == "torch" or torch.compiler.is_compiling() or not _kernel_scale_ok(scale):
         # (before anything that loads the library: its lock breaks a fullgraph torch.compile trace)
         return None
     q, k, v = autocast_inputs(q, k, v)
@@ -673,8 +680,9 @@ def native_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0)
 
     Query i sees all keys (``window`` 0) or those of its block of ``window`` tokens, and only
     keys j <= i when ``causal``."""
-    if not _fp32_positive(float(scale)):
-        raise ValueError(f"scale must be finite and > 0 in fp32 (the kernels take an fp32), got {scale!r}")
+    if not _kernel_scale_ok(float(scale)):
+        raise ValueError("scale must be finite and > 0 in fp32, and so must scale * log2(e) (the kernels' exponent "
+                         f"factor), got {scale!r}")
     q, k, v = (x if token_rows_ok(x) else x.contiguous() for x in (q, k, v))
     return NativeSoftmaxAttn.apply(q, k, v, causal, float(scale), window)
 

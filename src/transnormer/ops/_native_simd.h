@@ -16,6 +16,10 @@ inline Lanes lane_range(idx from, idx to) {  // lanes [max(from, 0), min(to, 64)
     return (to == 64 ? ~Lanes(0) : (Lanes(1) << to) - 1) & ~((Lanes(1) << from) - 1);
 }
 
+// ln(2)^k / k!: the Taylor coefficients of 2^f, f near 0 (the exp2 forms of both ISAs below)
+constexpr float kExp2Taylor[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
+                                  1.5403530e-4f, 1.5252734e-5f};
+
 }  // namespace tn
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -111,10 +115,8 @@ inline __mmask16 half(Lanes v, int h) { return __mmask16(v >> (16 * h)); }
 // 2^f for |f| <= 1/2 by its Taylor polynomial of degree Deg (the two exp2 forms below share it).
 template <int Deg>
 inline __m512 exp2_frac(__m512 f) {
-    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
-                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!
-    __m512 p = _mm512_set1_ps(c[Deg]);
-    for (int k = Deg - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    __m512 p = _mm512_set1_ps(kExp2Taylor[Deg]);
+    for (int k = Deg - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[k]));
     return p;
 }
 
@@ -293,16 +295,14 @@ inline __m256 lane_mask8(Lanes v, int h) {
 // stays NaN, x is taken as at most 127. Needs IEEE arithmetic as written (no -ffast-math).
 template <int Deg = 7>
 inline __m256 exp2_8(__m256 keep, __m256 x) {
-    static constexpr float c[8] = {1.0f, 0.69314718f, 0.24022651f, 5.5504109e-2f, 9.6181291e-3f, 1.3333558e-3f,
-                                   1.5403530e-4f, 1.5252734e-5f};  // ln(2)^k / k!, as exp2_frac
     const __m256 shifter = _mm256_set1_ps(12582912.0f), lo = _mm256_set1_ps(-125.0f);
     const __m256 live = _mm256_and_ps(keep, _mm256_cmp_ps(x, lo, _CMP_GT_OQ));  // NaN: not live
     const __m256 nan = _mm256_and_ps(keep, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f));
     const __m256 t = _mm256_add_ps(xc, shifter);  // its low mantissa bits hold n (two's complement)
     const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, shifter));
-    __m256 p = _mm256_set1_ps(c[Deg]);
-    for (int k = Deg - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[k]));
+    __m256 p = _mm256_set1_ps(kExp2Taylor[Deg]);
+    for (int k = Deg - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[k]));
     const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(t), 23);  // n << 23
     const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
     return _mm256_blendv_ps(_mm256_and_ps(live, r), x, nan);

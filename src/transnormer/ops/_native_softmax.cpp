@@ -13,7 +13,8 @@
 // (w = 0) or those of i's window of w tokens (w a multiple of 64), only j <= i when causal.
 //
 // Numerics: all in fp32 (products accumulate in fp32, exp by a degree-7 polynomial, < 1e-8
-// relative; AVX-512 scales by 2^n with VSCALEFPS, AVX2 on the exponent bits, flushing below 2^-125). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
+// relative; AVX-512 scales by 2^n with VSCALEFPS, AVX2 on the exponent bits, flushing below
+// 2^-125). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
 // vector lanes), so the softmax is lane-wise; P^T and dS^T then enter the products directly as
 // strided operands (P = (P^T)^T), with no repacking.
 // The walk: heads split over threads; per head the rows are packed zero-padded to a multiple
