@@ -1,6 +1,6 @@
 """Our softmax-attention kernels against PyTorch's SDPA (and the explicit autocast form), fwd+bwd.
 
-    python benchmarks/softmax_attn.py [--lengths 512 2048 8192 16384] [--tokens 16384] [--dtypes bf16 fp32]
+    python benchmarks/softmax_attn.py [--lengths 512 2048 8192 16384] [--tokens 16384] [--dtypes fp32 bf16]
 
 Vanilla attention (causal, 8 heads of 64, batch = tokens / T, the vanilla-lm training shapes)
 in one run per dtype: ``softmax_attn`` (our kernel: ``_native_softmax_amx.cpp`` in bf16,
@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from transnormer.bench import DTYPES, gemm_gflops, measure
+from transnormer.bench import DTYPES, default_dtypes, gemm_gflops, measure
 from transnormer.cli import positive_float, positive_int
 from transnormer.ops import _native, block_attn, set_kernel_backend
 from transnormer.ops.softmax import softmax_attn
@@ -57,9 +57,12 @@ def main() -> None:
     ap.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 2048, 8192, 16384])
     ap.add_argument("--tokens", type=positive_int, default=16384, help="tokens per call (batch = tokens / T)")
     ap.add_argument("--min-time", type=positive_float, default=2.0, help="seconds each op is repeated for")
-    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                    help="default fp32 and bf16, or fp32 alone on a CPU without bf16 products")
     args = ap.parse_args()
     tune_allocator()
+    if args.dtypes is None:
+        args.dtypes = default_dtypes()
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         probe = torch.zeros(1, 1, 1, 64, dtype=dtype)
