@@ -1,7 +1,8 @@
 // fp32 softmax attention on AVX-512 or AVX2 with FMA, forward and backward (the fp32 twin of
 // _native_softmax_amx.cpp: same walk, same layouts, the products on the fp32 micro-kernel of
 // _native_gemm.h instead of AMX tiles). One Worker walks for both ISAs; each has its own
-// lane-wise passes (namespace lanes: the softmax of a step's scores, its gradient) and moves.
+// lane-wise passes (namespace lanes: the softmax of a step's scores, its gradient, the blocked
+// transpose).
 //
 // Why this file exists: PyTorch's CPU SDPA kernel reaches about two thirds of the fp32 GEMM
 // rate over forward + backward (its backward is the slower half), and the softmax baseline
