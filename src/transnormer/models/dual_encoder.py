@@ -23,15 +23,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import can_return_tuple
 
 from .configuration import TransNormerConfig
-from .modeling import (
-    TransNormerModel,
-    TransNormerPreTrainedModel,
-    classification_loss,
-    infer_problem_type,
-    over_items,
-    pool,
-    scored_labels,
-)
+from .modeling import TransNormerModel, TransNormerPreTrainedModel, head_loss, pool
 
 PAIR_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
@@ -91,10 +83,5 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
                 return_dict=None, **kwargs) -> SequenceClassifierOutput:
         x1, x2 = self.encode_pair(input_ids, attention_mask, input_ids_2, attention_mask_2)
         logits = self.classifier(torch.cat([x1, x2, x1 * x2, x1 - x2], -1))
-        loss = None
-        if labels is not None:  # as the single-tower head: problem_type, and Trainer's item count
-            if self.config.problem_type is None:
-                self.config.problem_type = infer_problem_type(logits, labels)
-            loss = classification_loss(logits, labels, self.config.problem_type)
-            loss = over_items(loss, scored_labels(labels, self.config.problem_type), kwargs.get("num_items_in_batch"))
+        loss = None if labels is None else head_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
         return SequenceClassifierOutput(loss=loss, logits=logits)

@@ -653,13 +653,18 @@ class TransNormerForSequenceClassification(TransNormerPreTrainedModel):
                          output_hidden_states=output_hidden_states, output_attentions=kwargs.get("output_attentions"),
                          return_dict=True)
         logits = self.classifier(pool(out.last_hidden_state, attention_mask, self.config.classifier_pooling))
-        loss = None
-        if labels is not None:
-            if self.config.problem_type is None:  # kept, as HF's heads do: pipelines read it
-                self.config.problem_type = infer_problem_type(logits, labels)
-            loss = classification_loss(logits, labels, self.config.problem_type)
-            loss = over_items(loss, scored_labels(labels, self.config.problem_type), kwargs.get("num_items_in_batch"))
+        loss = None if labels is None else head_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def head_loss(config: TransNormerConfig, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None):
+    """A classification head's loss (one tower or two): ``config.problem_type`` inferred from the first
+    labels and kept, as HF's heads do (pipelines read it), then :func:`classification_loss` over the
+    labels it scores, or their sum over Trainer's ``num_items_in_batch`` (:func:`over_items`)."""
+    if config.problem_type is None:
+        config.problem_type = infer_problem_type(logits, labels)
+    loss = classification_loss(logits, labels, config.problem_type)
+    return over_items(loss, scored_labels(labels, config.problem_type), num_items_in_batch)
 
 
 def scored_labels(labels: torch.Tensor, problem_type: str):
