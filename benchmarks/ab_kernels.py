@@ -1,12 +1,13 @@
-"""The linear-attention kernels of two checkouts, interleaved in one process.
+"""The attention kernels of two checkouts, interleaved in one process.
 
     git worktree add /tmp/base <commit>      # the code to compare against
-    python benchmarks/ab_kernels.py --base /tmp/base [--dtype fp32|bf16] [--mode causal|bidir] \
+    python benchmarks/ab_kernels.py --base /tmp/base [--dtype fp32|bf16] [--mode causal|bidir|softmax] \
         [--lengths 4096 16384] [--reps 21] [--batch 1] [--heads 8]
 
 Both checkouts' ``src/transnormer/ops`` sources are compiled with this checkout's flags
 (``-O3 -march=native -fopenmp``) into two libraries, loaded side by side with ctypes, and
 ``norm_linear_attn``'s forward and backward walks (``tn_causal_*`` / ``tn_bidir_*``, heads of 64)
+or, with ``--mode softmax``, causal softmax attention's (``tn_softmax_*``: vanilla-lm's attention)
 are timed in alternation on the same inputs. Prints each side's median fwd / bwd / total, the
 ratio, and the largest difference between the two sides' outputs (0 for a change that keeps
 every sum).
@@ -67,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", type=Path, required=True, help="the other checkout's root (it has src/transnormer)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--mode", choices=["causal", "bidir"], default="bidir")
+    ap.add_argument("--mode", choices=["causal", "bidir", "softmax"], default="bidir")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--reps", type=int, default=21, help="timed calls per side and length")
     ap.add_argument("--batch", type=int, default=1)
@@ -96,7 +97,13 @@ def walk(lib, mode: str, sfx: str, inputs, outputs, threads: int) -> tuple[float
     o, dq, dk, dv, fin, dS = map(_ptr, outputs)
     B, T, H, D = inputs[0].shape
     t0 = time.perf_counter()
-    if mode == "bidir":
+    if mode == "softmax":  # causal, no window; fin holds the stats [B, H, 2, T] (it has room)
+        ld, scale = H * D, D ** -0.5
+        getattr(lib, f"tn_softmax_fwd_{sfx}")(q, k, v, ld, ld, ld, o, fin, B, T, H, D, D, 0, 1, scale, threads)
+        t1 = time.perf_counter()
+        getattr(lib, f"tn_softmax_bwd_{sfx}")(q, k, v, ld, ld, ld, o, do, fin, dq, dk, dv, B, T, H, D, D, 0, 1, scale,
+                                              threads)
+    elif mode == "bidir":
         getattr(lib, f"tn_bidir_fwd_{sfx}")(q, k, v, o, None, fin, B, T, H, D, D, threads)
         t1 = time.perf_counter()
         getattr(lib, f"tn_bidir_bwd_{sfx}")(q, k, v, do, fin, None, dq, dk, dv, dS, B, T, H, D, D, threads)
@@ -116,7 +123,8 @@ def run(libs: dict, args) -> None:
     for T in args.lengths:
         inputs = [torch.randn(B, T, H, D).mul_(0.3).to(dtype) for _ in range(4)]
         # two sets of outputs, swapped between the sides every repetition
-        outs = [[torch.zeros(B, T, H, D, dtype=dtype) for _ in range(4)] + [torch.zeros(B, H, D, D) for _ in range(2)]
+        state = (B, H, max(D, 2 * T // D + 1), D)  # the fp32 states, or the softmax stats
+        outs = [[torch.zeros(B, T, H, D, dtype=dtype) for _ in range(4)] + [torch.zeros(state) for _ in range(2)]
                 for _ in range(2)]
         times = {n: ([], []) for n in names}
         results = {}
