@@ -13,9 +13,9 @@
 // score max and log2 of its sum, _native_softmax_walk.h). Keys of query i: all
 // (w = 0) or those of i's window of w tokens (w a multiple of 64), only j <= i when causal.
 //
-// Numerics: all in fp32 (products accumulate in fp32, exp by a degree-7 polynomial, < 1e-8
-// relative; AVX-512 scales by 2^n with VSCALEFPS, AVX2 on the exponent bits, flushing below
-// 2^-125). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
+// Numerics: all in fp32 (products accumulate in fp32; exp within 7e-8 relative, by the degree-7
+// Taylor polynomial scaled by VSCALEFPS on AVX-512, the degree-6 minimax one times 2^n built in
+// the exponent bits on AVX2, flushing below 2^-125). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
 // vector lanes), so the softmax is lane-wise; P^T and dS^T then enter the products directly as
 // strided operands (P = (P^T)^T), with no repacking.
 // The walk: heads split over threads; per head the rows are packed zero-padded to a multiple
@@ -135,7 +135,7 @@ inline bool softmax_step(float* st, float* m, float* l, float* alpha, bool full,
         __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(l + 8 * h), a);
         for (idx r = 0; r < kK; ++r) {
             float* x = st + r * kQ + 8 * h;
-            const __m256 p = tn::exp2_8<7>(lane_mask(full, vis, r, h), _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), mx), c));
+            const __m256 p = tn::exp2_8(lane_mask(full, vis, r, h), _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), mx), c));
             _mm256_storeu_ps(x, p);
             sum = _mm256_add_ps(sum, p);
         }
@@ -154,7 +154,7 @@ inline void grad_step(float* st, float* dpt, const float* mr, const float* ll, c
             float* x = st + r * kQ + 8 * h;
             float* d = dpt + r * kQ + 8 * h;
             const __m256 e = _mm256_fmsub_ps(_mm256_sub_ps(_mm256_loadu_ps(x), m), c, lg);
-            const __m256 p = tn::exp2_8<7>(lane_mask(full, vis, r, h), e);
+            const __m256 p = tn::exp2_8(lane_mask(full, vis, r, h), e);
             _mm256_storeu_ps(x, p);
             _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(d), delta)), scale));
         }
@@ -353,7 +353,7 @@ int tn_exp2_pair_f32(const float* x, float* masked, float* bits, idx n, int degr
 #endif
 }
 
-// Test hook: the exp2 of this build's fp32 kernel (AVX-512: exp2_masked<7>; AVX2: exp2_8<7>) on
+// Test hook: the exp2 of this build's fp32 kernel (AVX-512: exp2_masked<7>; AVX2: exp2_8) on
 // n values, lane i kept where keep[i] != 0 (0 elsewhere). 2 without the kernel.
 int tn_exp2_kernel_f32(const float* x, const uint8_t* keep, float* out, idx n, int) {
 #if defined(TN_AVX512)
@@ -369,7 +369,7 @@ int tn_exp2_kernel_f32(const float* x, const uint8_t* keep, float* out, idx n, i
         alignas(32) float xs[8] = {}, ys[8];
         Lanes kept = 0;
         for (idx j = 0; j < 8 && i + j < n; ++j) xs[j] = x[i + j], kept |= Lanes(keep[i + j] != 0) << j;
-        _mm256_store_ps(ys, tn::exp2_8<7>(tn::lane_mask8(kept, 0), _mm256_load_ps(xs)));
+        _mm256_store_ps(ys, tn::exp2_8(tn::lane_mask8(kept, 0), _mm256_load_ps(xs)));
         std::copy(ys, ys + std::min<idx>(8, n - i), out + i);
     }
     return 0;
