@@ -200,7 +200,10 @@ needs_bmm_kernel = pytest.mark.skipif(not _native.rows_usable(torch.float32, tor
 
 
 @needs_bmm_kernel
-@pytest.mark.parametrize("n, M, K, N", [(1, 1, 1, 1), (3, 7, 5, 17), (2, 63, 64, 65), (1, 65, 1, 64), (4, 13, 0, 9)])
+# M: every remainder of its 6-row blocks (7, 63, 13: 1 and 3 rows, spread over the last two blocks;
+# 8, 64: 2 and 4, spread too; 65: 5, a block of its own)
+@pytest.mark.parametrize("n, M, K, N", [(1, 1, 1, 1), (3, 7, 5, 17), (2, 63, 64, 65), (1, 65, 1, 64), (4, 13, 0, 9),
+                                        (2, 8, 3, 16), (1, 64, 64, 64)])
 @pytest.mark.parametrize("a_layout", ["rows", "transposed"])
 def test_native_bmm_matches_fp64_for_any_left_operand_layout(n, M, K, N, a_layout):
     """_native.bmm against the fp64 product: a as rows or as a transposed view (read through its
