@@ -222,7 +222,8 @@ static bool stream_ok(const T* c, idx ldc, idx N) {
 // 12 AVX2 accumulators busy; the 64^3 products of the softmax walk ran 4-6% faster (Zen 3).
 struct RowBlocks {
     idx M, n, r;  // rows, blocks, rows past the last whole kMR (0 unless spread)
-    explicit RowBlocks(idx M_) : M(M_), n((M_ + kMR - 1) / kMR), r(M_ > kMR && M_ % kMR <= kMR - 2 ? M_ % kMR : 0) {}
+    explicit RowBlocks(idx M_)
+        : M(M_), n((M_ + kMR - 1) / kMR), r(M_ > kMR && M_ % kMR <= kMR - 2 ? M_ % kMR : 0) {}
     idx first(idx b) const { return b * kMR - (r && b == n - 1 ? (kMR - r) / 2 : 0); }
     idx rows(idx b) const {
         if (!r || b < n - 2) return std::min<idx>(kMR, M - b * kMR);

@@ -15,9 +15,9 @@
 //
 // Numerics: all in fp32 (products accumulate in fp32; exp within 7e-8 relative, by the degree-7
 // Taylor polynomial scaled by VSCALEFPS on AVX-512, the degree-6 minimax one times 2^n built in
-// the exponent bits on AVX2, flushing below 2^-125). Scores are computed transposed (S^T = K Q^T, keys x 64 queries, queries along the
-// vector lanes), so the softmax is lane-wise; P^T and dS^T then enter the products directly as
-// strided operands (P = (P^T)^T), with no repacking.
+// the exponent bits on AVX2, flushing below 2^-125). Scores are computed transposed (S^T = K Q^T,
+// keys x 64 queries, queries along the vector lanes), so the softmax is lane-wise; P^T and dS^T
+// then enter the products directly as strided operands (P = (P^T)^T), with no repacking.
 // The walk: heads split over threads; per head the rows are packed zero-padded to a multiple
 // of 64 (Q^T and dO^T in blocks of 64 queries, the B operands of the score products).
 // Forward: groups of query blocks take each key step in turn (online softmax, O accumulated
