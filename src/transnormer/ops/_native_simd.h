@@ -313,11 +313,12 @@ inline __m256 exp2_8(__m256 keep, __m256 x) {
     return _mm256_and_ps(live, _mm256_mul_ps(p, scale));
 }
 
-// online_rescale (the AVX-512 section) on eight lanes; moved: whether any lane's max rose
+// online_rescale (the AVX-512 section) on eight lanes; moved: whether any lane's max rose. No clamp
+// of the exponent: exp2_8 gives 0 at -inf (m_old = -inf), where exp2_masked gives NaN.
 inline __m256 online_rescale8(__m256 m_old, __m256 m_new, __m256 c, bool& moved) {
     const __m256 rose = _mm256_cmp_ps(m_new, m_old, _CMP_GT_OQ);
     moved = _mm256_movemask_ps(rose) != 0;
-    const __m256 x = _mm256_max_ps(_mm256_mul_ps(_mm256_sub_ps(m_old, m_new), c), _mm256_set1_ps(-1000.0f));
+    const __m256 x = _mm256_mul_ps(_mm256_sub_ps(m_old, m_new), c);
     return _mm256_blendv_ps(_mm256_set1_ps(1.0f), exp2_8(rose, x), rose);
 }
 #endif  // __FMA__
