@@ -1,5 +1,6 @@
 """The benchmark harness's verdict lines (bench/suite.py)."""
 
+import json
 import mmap
 import sys
 
@@ -443,6 +444,29 @@ def test_train_and_peer_limits_are_the_faster_of_two_probes(monkeypatch, tmp_pat
     assert row["mfu"] == pytest.approx(row["model_gflops"] / 250.0)
     (mfu,) = [v for v in res["verdicts"] if "MFU" in v]
     assert "of 250 GFLOP/s GEMM" in mfu
+    # both probes reported: far apart, the machine's speed changed under the sweep
+    assert "probed 100 before the sweep, 250 after" in mfu
+    assert json.loads((tmp_path / "train.json").read_text())["gemm_probes_gflops"] == {"fp32": [100.0, 250.0]}
+
+
+def test_peer_verdicts_report_both_gemm_probes(monkeypatch, tmp_path):
+    from transnormer.bench import peers, suite
+
+    def fake(preset, T, **kw):
+        return {"preset": preset, "seq_len": T, "step_s": 1.0, "tokens_per_s": float(T), "params": 1e6,
+                "peak_mem_mb": 1.0}
+
+    probes = iter([300.0, 200.0])
+    monkeypatch.setattr(suite, "train_step_throughput", fake)
+    monkeypatch.setattr(suite, "counted_step_flops", lambda p, T, **kw: 1e9)
+    monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: next(probes))
+    monkeypatch.setattr(suite, "_peer_output_verdict", lambda: "PASS  outputs")
+    monkeypatch.setattr(peers, "_import_peer", lambda name: None)
+    monkeypatch.setattr(peers, "peer_versions", lambda: {})
+    res = suite.bench_peers(tmp_path, dtypes=("bf16",), rounds=1)
+    assert all("of the 300 GFLOP/s GEMM" in v and "probed 300 before the sweep, 200 after" in v
+               for v in res["verdicts"][1:])
+    assert json.loads((tmp_path / "peers.json").read_text())["gemm_probes_gflops"] == {"bf16": [300.0, 200.0]}
 
 
 def test_bench_peers_alternates_its_rounds(monkeypatch, tmp_path):

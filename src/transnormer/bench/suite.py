@@ -156,10 +156,11 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
         raise ValueError(f"max_step_s must be > 0 seconds, got {max_step_s!r}")
     rows, verdicts = [], []
     # The GEMM limit is probed before and after each dtype's sweep and the faster kept: a sweep can
-    # run for an hour, and one probe in a slow spell would inflate every MFU.
-    peaks = {}
+    # run for an hour, and one probe in a slow spell would inflate every MFU. Both are reported:
+    # far apart, they say the machine's speed changed under the sweep.
+    peaks, probes = {}, {}
     for dname in dtypes:
-        peaks[dname] = gemm_gflops(2048, DTYPES[dname], device=_device())
+        probes[dname] = [gemm_gflops(2048, DTYPES[dname], device=_device())]
         mfu_rows = []  # (T, row of the first preset): judged once the second probe is in
         # preset -> (first T not measured, why): past a failure that T itself, past a slow step the next one
         stopped = {}
@@ -218,7 +219,8 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                                                   basis="counting the kernels' backward recompute"))
             if mode == "train" and dname == "fp32" and fa is not None:
                 mfu_rows.append((T, got[a]))
-        peaks[dname] = max(peaks[dname], gemm_gflops(2048, DTYPES[dname], device=_device()))
+        probes[dname].append(gemm_gflops(2048, DTYPES[dname], device=_device()))
+        peaks[dname] = max(probes[dname])
         for r in rows:
             if r.get("dtype") == dname and "model_gflops" in r:
                 r["mfu"] = r["model_gflops"] / peaks[dname]
@@ -228,15 +230,20 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
                 verdicts.append(verdict(name, False, f"not measured ({r['status']})"))
             else:
                 verdicts.append(verdict(name, r["mfu"] >= 0.5, f"{r['model_gflops']:.1f} GFLOP/s = {r['mfu']:.1%} of "
-                                        f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%)"))
+                                        f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%; {_probes_read(probes[dname])})"))
     columns = ["label", "seq_len", "batch", "step_s", "tokens_per_s", "peak_mem_mb", "mfu", "ideal_ratio",
                "ideal_ratio_3x", "measured_ratio"]
     if any(r["status"] != "ok" for r in rows):
         columns.append("status")
     rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "tokens_per_s", "peak_mem_mb"),
-                       extra={"verdicts": verdicts, "peak_gflops": peaks,
+                       extra={"verdicts": verdicts, "peak_gflops": peaks, "gemm_probes_gflops": probes,
                               "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb}})
     return {"rows": rows, "verdicts": verdicts, **rep}
+
+
+def _probes_read(rates: list[float]) -> str:
+    """The GEMM probes before and after a sweep, in words for its verdicts."""
+    return f"probed {rates[0]:.0f} before the sweep, {rates[-1]:.0f} after"
 
 
 def _progress(line: str) -> None:
@@ -329,9 +336,9 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
     _import_peer(PEER_MODULES["flash-pytorch"])  # a missing peer fails here, before the long counts and steps
     presets = ["flash-lm", "t2-lm", "peer:flash-pytorch"]
     counted = {p: counted_step_flops(p, seq_len, vocab_size=vocab_size) for p in presets}
-    rows, verdicts = [], [_peer_output_verdict()]
+    rows, verdicts, probes = [], [_peer_output_verdict()], {}
     for dtype in dtypes:
-        peak = gemm_gflops(2048, DTYPES[dtype], device=_device())
+        probed = probes[dtype] = [gemm_gflops(2048, DTYPES[dtype], device=_device())]
         timed = alternating_median(
             lambda p, dtype=dtype: train_step_throughput(p, seq_len, dtype=dtype, tokens_per_step=seq_len,
                                                          vocab_size=vocab_size, steps=steps), presets, rounds)
@@ -342,7 +349,8 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
             r["gflop_step"] = counted[p] / 1e9
             r["gflops"] = r["gflop_step"] / r["step_s"]  # forward + backward FLOPs over the whole step's time
             got.append(r)
-        peak = max(peak, gemm_gflops(2048, DTYPES[dtype], device=_device()))  # before and after: the faster
+        probed.append(gemm_gflops(2048, DTYPES[dtype], device=_device()))
+        peak = max(probed)  # before and after: the faster
         for r in got:
             r["frac_gemm"] = r["gflops"] / peak
         peer = got[-1]
@@ -356,12 +364,14 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
                 f"{r['vs_peer']:.2f}x its training throughput ({r['params'] / 1e6:.1f}M vs {peer['params'] / 1e6:.1f}M "
                 f"params; target >= 2x). Counted FLOPs {r['gflop_step']:.0f} vs {peer['gflop_step']:.0f} GFLOP a step: "
                 f"{r['equal_rate_ratio']:.2f}x at equal GFLOP/s; 2x needs {needs:.0f} GFLOP/s = {needs / peak:.0%} "
-                f"of the {peak:.0f} GFLOP/s GEMM (now {r['gflops']:.0f}, the peer {peer['gflops']:.0f})"))
+                f"of the {peak:.0f} GFLOP/s GEMM (now {r['gflops']:.0f}, the peer {peer['gflops']:.0f}; "
+                f"{_probes_read(probed)})"))
         rows += got
     rep = write_report(rows, out_dir, "peers", ["label", "params", "seq_len", "step_s", "tokens_per_s", "vs_peer",
                                                 "gflop_step", "gflops", "frac_gemm", "equal_rate_ratio",
                                                 "peak_mem_mb"],
-                       series="label", plots=(), extra={"verdicts": verdicts, "versions": peer_versions()})
+                       series="label", plots=(), extra={"verdicts": verdicts, "versions": peer_versions(),
+                                                             "gemm_probes_gflops": probes})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
 
