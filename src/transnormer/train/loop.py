@@ -596,6 +596,10 @@ def train(cfg: TrainConfig) -> dict:
     step, tokens_seen, real_seen, elapsed = 0, 0, 0, 0.0
     resumed, state = False, None
     peak_before = 0.0  # peak memory of the processes before a resume, MB
+
+    def peak_mb() -> float:  # the run's peak memory so far, across its resumes, MB
+        return max(peak_before, peak_memory_mb(info))
+
     # an evaluation due at the step a Ctrl-C / SIGTERM stopped: saved as pending and run first
     # thing on resume (the resumed run starts after that step and had never made it up)
     eval_pending = False
@@ -679,7 +683,7 @@ def train(cfg: TrainConfig) -> dict:
                  "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(info.device), "total_steps": total_steps, "config": asdict(cfg),
-                 "eval_pending": eval_pending, "peak_mem_mb": max(peak_before, peak_memory_mb(info))}
+                 "eval_pending": eval_pending, "peak_mem_mb": peak_mb()}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
         # their own longest example), so rank 0's state is not the others'
         state["rng_per_rank"] = gather_objects(state["rng"], info)
@@ -860,7 +864,7 @@ def train(cfg: TrainConfig) -> dict:
         "real_tokens": real_seen,  # the non-padding tokens trained on (None after an older checkpoint)
         "real_tokens_per_s": (float(np.median(real_speeds)) if real_speeds
                               else None if real_seen is None else real_seen / max(elapsed, 1e-9)),
-        "peak_mem_mb": max(peak_before, peak_memory_mb(info)),
+        "peak_mem_mb": peak_mb(),
         "final_train_loss": train_pts[-1][1] if train_pts else None,
         "eval": last_eval, "dtype": cfg.dtype, "world_size": info.world_size, "data": cfg.data,
         "diverged_at": diverged_at,  # the step whose loss or gradient was not finite, else None
