@@ -170,6 +170,21 @@ def test_a_lock_that_cannot_be_taken_does_not_stop_the_build(monkeypatch, tmp_pa
     assert len(built) == 1
 
 
+def test_a_filesystem_without_flock_builds_unlocked(monkeypatch, tmp_path):
+    # (some network filesystems: the lock file opens, flock fails with ENOLCK)
+    import errno
+    import fcntl
+
+    built = _fake_library_builds(monkeypatch, tmp_path)
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    _native._open()
+    assert len(built) == 1
+
+
 def test_the_compiler_may_come_with_arguments_and_the_cpu_unknown(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "ccache g++")  # had been run as one program name: kernels off
     assert _native._compiler() == ["ccache", "g++"]

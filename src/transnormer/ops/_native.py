@@ -261,15 +261,13 @@ def _build_lock(lib: Path):
             pass
     try:
         if fd is not None:
-            try:
+            with contextlib.suppress(OSError):  # (no flock on this filesystem: the build runs unlocked)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     print(f"transnormer: waiting for another process to build the CPU kernels ({lib.name})",
                           file=sys.stderr, flush=True)
                     fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:
-                pass
         yield
     finally:
         if fd is not None:
