@@ -158,7 +158,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     # The GEMM limit is probed before and after each dtype's sweep and the faster kept: a sweep can
     # run for an hour, and one probe in a slow spell would inflate every MFU. Both are reported:
     # far apart, they say the machine's speed changed under the sweep.
-    peaks, probes = {}, {}
+    probes = {}  # dtype -> [before, after], GFLOP/s
     for dname in dtypes:
         probes[dname] = [gemm_gflops(2048, DTYPES[dname], device=_device())]
         mfu_rows = []  # (T, row of the first preset): judged once the second probe is in
@@ -220,23 +220,24 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
             if mode == "train" and dname == "fp32" and fa is not None:
                 mfu_rows.append((T, got[a]))
         probes[dname].append(gemm_gflops(2048, DTYPES[dname], device=_device()))
-        peaks[dname] = max(probes[dname])
+        peak = max(probes[dname])
         for r in rows:
             if r.get("dtype") == dname and "model_gflops" in r:
-                r["mfu"] = r["model_gflops"] / peaks[dname]
+                r["mfu"] = r["model_gflops"] / peak
         for T, r in mfu_rows:
             name = f"{presets[0]} MFU fp32 T={T}"
             if "mfu" not in r:
                 verdicts.append(verdict(name, False, f"not measured ({r['status']})"))
             else:
                 verdicts.append(verdict(name, r["mfu"] >= 0.5, f"{r['model_gflops']:.1f} GFLOP/s = {r['mfu']:.1%} of "
-                                        f"{peaks[dname]:.0f} GFLOP/s GEMM (target 50%; {_probes_read(probes[dname])})"))
+                                        f"{peak:.0f} GFLOP/s GEMM (target 50%; {_probes_read(probes[dname])})"))
     columns = ["label", "seq_len", "batch", "step_s", "tokens_per_s", "peak_mem_mb", "mfu", "ideal_ratio",
                "ideal_ratio_3x", "measured_ratio"]
     if any(r["status"] != "ok" for r in rows):
         columns.append("status")
     rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "tokens_per_s", "peak_mem_mb"),
-                       extra={"verdicts": verdicts, "peak_gflops": peaks, "gemm_probes_gflops": probes,
+                       extra={"verdicts": verdicts, "peak_gflops": {d: max(p) for d, p in probes.items()},
+                              "gemm_probes_gflops": probes,
                               "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb}})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
