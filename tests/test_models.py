@@ -144,6 +144,70 @@ def test_num_items_in_batch_weighs_every_target_alike(task, return_logits):
         assert out.item() == 0.0 and all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("task", ["clm", "mlm"])
+def test_num_items_in_batch_counting_labels_no_head_scores_warns(task):
+    """HF's collators give padding the label -100 but, left-padding, keep the first real token's,
+    and Trainer counts it (labels[:, 1:]); the causal head never predicts it from the pad before it
+    (whose state has seen the whole row), so the loss is a sum over too large a count (4 rows with
+    0/5/3/6 pads of 8: 14 targets over Trainer's 17). The head cannot correct a count of the whole
+    step, so it warns; with the count matching what it scores, it is silent."""
+    import warnings
+
+    torch.manual_seed(0)
+    head = TransNormerForCausalLM if task == "clm" else TransNormerForMaskedLM
+    m = head(small(num_hidden_layers=1, causal=task == "clm")).double().eval()
+    ids = torch.randint(5, 97, (4, 8))
+    mask = torch.ones_like(ids)
+    for r, pads in enumerate([0, 5, 3, 6]):
+        mask[r, :pads] = 0
+    if task == "clm":
+        labels = ids.masked_fill(mask == 0, -100)  # as DataCollatorForLanguageModeling(mlm=False)
+        trainer, scored = int((labels[:, 1:] != -100).sum()), 14
+    else:  # a collator that labels a pad: Trainer counts it, the head never scores a pad
+        labels = torch.full_like(ids, -100)
+        labels[:, -1], labels[1, 0] = ids[:, -1], ids[1, 0]
+        trainer, scored = 5, 4
+    assert trainer > scored
+    with torch.no_grad():
+        mean = m(ids, attention_mask=mask, labels=labels).loss
+        with pytest.warns(UserWarning, match="num_items_in_batch counts labels of this batch that the head does not"):
+            low = m(ids, attention_mask=mask, labels=labels, num_items_in_batch=trainer).loss
+        torch.testing.assert_close(low, mean * scored / trainer, rtol=1e-12, atol=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fixed = labels.masked_fill((mask == 0) | (mask.cumsum(1) == 1), -100) if task == "clm" else \
+                labels.masked_fill(mask == 0, -100)
+            assert int((fixed[:, 1:] if task == "clm" else fixed).ne(-100).sum()) == scored
+            same = m(ids, attention_mask=mask, labels=fixed, num_items_in_batch=scored).loss
+    torch.testing.assert_close(same, mean, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (lambda ids, d: {"input_ids": ids.to(torch.uint8)}, "input_ids must be an int64 or int32 tensor"),
+    (lambda ids, d: {"input_ids": ids.bool()}, "input_ids must be an int64 or int32 tensor"),
+    (lambda ids, d: {"input_ids": ids, "attention_mask": [[1] * 6] * 2}, "attention_mask must be a torch.Tensor"),
+    (lambda ids, d: {"inputs_embeds": torch.randn(2, 6, d, dtype=torch.float64)},
+     "inputs_embeds must have the model's dtype torch.float32, got torch.float64"),
+    (lambda ids, d: {"inputs_embeds": torch.randn(2, 6, d).bfloat16()},
+     "inputs_embeds must have the model's dtype torch.float32, got torch.bfloat16"),
+])
+def test_inputs_of_a_wrong_type_raise_type_errors_naming_them(bad, error):
+    """These had failed deep inside the embedding or the first product (RuntimeError, AttributeError)."""
+    torch.manual_seed(0)
+    m = TransNormerForCausalLM(small(num_hidden_layers=1)).eval()
+    ids = torch.randint(5, 97, (2, 6))
+    with pytest.raises(TypeError, match=error.replace("(", r"\(")):
+        m(**bad(ids, m.config.hidden_size))
+    m(input_ids=ids.int())  # int32 ids are the embedding's other index type
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the products' fp32/bf16 operands itself
+        m(inputs_embeds=torch.randn(2, 6, m.config.hidden_size).bfloat16())
+        with pytest.raises(TypeError, match="got torch.float64"):  # (never fp64 ones)
+            m(inputs_embeds=torch.randn(2, 6, m.config.hidden_size, dtype=torch.float64))
+    c = TransNormerForSequenceClassification(small(num_hidden_layers=1, num_labels=3)).eval()
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor, got list"):
+        c(ids, labels=[0, 1])
+
+
 def test_config_json_loads_as_a_generic_hf_config(tmp_path):
     """HF's generic PreTrainedConfig (Trainer's resume, AutoTokenizer in a process that has not
     imported transnormer) refused ``layer_types`` holding our mixer names: it is saved as mixer_types."""
@@ -222,7 +286,7 @@ def test_input_errors():
     model = TransNormerModel(small(abs_pos="learned", max_position_embeddings=16))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(TypeError, match="integer"):
+    with pytest.raises(TypeError, match="int64 or int32 tensor of token ids, got torch.float32"):
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         model(torch.zeros(4, dtype=torch.long))

@@ -10,6 +10,7 @@ Positions count real tokens, so padded and unpadded inputs give the same outputs
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -269,8 +270,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if input_ids is not None:
             if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
-            if input_ids.is_floating_point():
-                raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+            if input_ids.dtype not in (torch.int64, torch.int32):  # (the embedding's index types)
+                raise TypeError(f"input_ids must be an int64 or int32 tensor of token ids, got {input_ids.dtype}")
             check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             x = self.embed_tokens(input_ids)
         else:
@@ -280,6 +281,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
                 raise ValueError(f"inputs_embeds must be a floating-point [B, T, hidden_size={d}] tensor, got "
                                  f"{getattr(inputs_embeds, 'dtype', type(inputs_embeds))} "
                                  f"{tuple(getattr(inputs_embeds, 'shape', ()))}")
+            want = self.embed_tokens.weight.dtype
+            if inputs_embeds.dtype != want and (torch.float64 in (inputs_embeds.dtype, want)
+                                                or not torch.is_autocast_enabled(inputs_embeds.device.type)):
+                # (autocast casts the products' fp32/half operands, never fp64; without it, or for
+                # fp64, the first product met two dtypes)
+                raise TypeError(f"inputs_embeds must have the model's dtype {want}, got {inputs_embeds.dtype} "
+                                "(cast it, or the model with .to(dtype))")
             x = inputs_embeds
         x = x * self.embed_scale
         B, T = x.shape[:2]
@@ -308,6 +316,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
 
         mask = None
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
             # HF passes past + current columns while decoding; otherwise the mask is exactly [B, T]
             width = T + (cache.length if decoding else 0)
             # (two comparisons, not `in (T, width)`: under torch.compile with a dynamic T, dynamo's
@@ -457,9 +467,11 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         logits = loss = None
         # Shift the labels, not the logits: slicing [B, T, V] logits copies them (and their gradient).
         shifted = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)
+        given = shifted  # the targets as HF Trainer counts them (labels[:, 1:] other than -100)
         if shifted is not None and attention_mask is not None:
             # A target is scored only from a real position to a real token: left padding's last pad
-            # would otherwise predict the first real token, and right padding's first pad be a target.
+            # would otherwise predict the first real token (from a state that has seen the whole
+            # row: the model runs left padding on the right), and right padding's first pad be a target.
             real = padding_mask(attention_mask[:, -labels.shape[1]:])
             shifted = shifted.masked_fill(~(real & F.pad(real[:, 1:], (0, 1), value=False)), -100)
         if shifted is not None and not return_logits:
@@ -470,7 +482,8 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
                 loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]),
                                        shifted.reshape(-1), ignore_index=-100)
         if loss is not None:
-            loss = over_items(loss, lambda: (shifted != -100).sum(), kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, lambda: (shifted != -100).sum(), kwargs.get("num_items_in_batch"),
+                              given=lambda: (given != -100).sum())
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # Generation ------------------------------------------------------------------------------
@@ -597,20 +610,22 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
         h = out.last_hidden_state
         if labels is not None:
             check_labels(labels, h.shape[:2])
+            given = labels  # as HF Trainer counts them
             if attention_mask is not None:  # a padded position is never a target, whatever its label
                 labels = labels.masked_fill(~padding_mask(attention_mask), -100)
         if labels is not None and not return_logits:
             picked = labels.reshape(-1) != -100
             sel = self.lm_head(h.reshape(-1, h.shape[-1])[picked])
             loss = F.cross_entropy(_fp32_unless_autocast(sel), labels.reshape(-1)[picked])
-            loss = over_items(loss, picked.sum, kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, picked.sum, kwargs.get("num_items_in_batch"), given=lambda: (given != -100).sum())
             return MaskedLMOutput(loss=loss, logits=None, hidden_states=out.hidden_states)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                    ignore_index=-100)
-            loss = over_items(loss, lambda: (labels != -100).sum(), kwargs.get("num_items_in_batch"))
+            loss = over_items(loss, lambda: (labels != -100).sum(), kwargs.get("num_items_in_batch"),
+                              given=lambda: (given != -100).sum())
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
@@ -661,6 +676,8 @@ def head_loss(config: TransNormerConfig, logits: torch.Tensor, labels: torch.Ten
     """A classification head's loss (one tower or two): ``config.problem_type`` inferred from the first
     labels and kept, as HF's heads do (pipelines read it), then :func:`classification_loss` over the
     labels it scores, or their sum over Trainer's ``num_items_in_batch`` (:func:`over_items`)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if config.problem_type is None:
         config.problem_type = infer_problem_type(logits, labels)
     loss = classification_loss(logits, labels, config.problem_type)
@@ -697,15 +714,25 @@ def check_labels(labels, shape) -> None:
         raise ValueError(f"labels must have the tokens' shape [B, T] = {list(shape)}, got {list(labels.shape)}")
 
 
-def over_items(mean_loss: torch.Tensor, count, num_items_in_batch) -> torch.Tensor:
+def over_items(mean_loss: torch.Tensor, count, num_items_in_batch, given=None) -> torch.Tensor:
     """``mean_loss`` over ``count()`` targets as their sum over ``num_items_in_batch`` (HF Trainer's
     count of the step's targets over its accumulated micro-batches: labels other than -100, after the
     causal shift); unchanged when that is None. ``count`` is called only then: a plain training step
     does not count. Trainer's count must be of the targets the head scores: a collator gives padding
-    the label -100 (HF's do); the heads never score a padded position, whatever its label."""
+    the label -100 (HF's do); the heads never score a padded position, whatever its label.
+
+    ``given()``: the micro-batch's labels as Trainer counts them. Where it exceeds ``count()`` the
+    step's loss reads low by the labels' share that no head scores (HF's collators, left-padding,
+    keep the first real token's label, which the causal head does not score from the pad before
+    it), and a warning says so: the count is of the whole step, so the head cannot correct it."""
     if num_items_in_batch is None:
         return mean_loss
     n = count()
+    if given is not None and int(given()) > int(n):  # (one message, so that Python shows it once)
+        warnings.warn("num_items_in_batch counts labels of this batch that the head does not score (a "
+                      "padded position, or the first real token after left padding, which the causal head never "
+                      "predicts from the pad before it), so the loss is their sum over too large a count: give "
+                      "them the label -100 in the collator, or pad on the right", UserWarning, stacklevel=2)
     if int(n) == 0:  # the mean of nothing is NaN; the sum is 0 (and its gradient)
         return mean_loss.nan_to_num(0.0) * 0.0
     return mean_loss * n / num_items_in_batch
