@@ -836,8 +836,21 @@ def test_a_resume_drops_the_interrupted_steps_record_off_the_log_grid(tmp_path):
     path = tmp_path / "metrics.jsonl"
     records = [{"kind": "train", "step": s} for s in (1, 3, 4, 5)] + [{"kind": "eval", "step": 4}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    truncate_metrics(path, 4, log_every=3)
+    truncate_metrics(path, 4, redo=("train",))
     assert read_metrics(path) == [{"kind": "train", "step": 1}, {"kind": "train", "step": 3}, {"kind": "eval", "step": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    truncate_metrics(path, 4, redo=("eval",))  # records before the step are kept, whatever their grid
+    assert read_metrics(path) == [{"kind": "train", "step": s} for s in (1, 3, 4)]
+
+
+def test_a_resume_with_another_log_every_keeps_the_records_logged_before(corpus_dir, tmp_path):
+    """--log-every may change on resume; the earlier run's records off the new grid had been deleted
+    (log every step to step 3, then every 2nd: steps 1, 2, 3 became 1, 2)."""
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=6, save_every=3)
+    assert train(replace(cfg, stop_after=3)) == {"stopped_at": 3}
+    train(replace(cfg, resume=True, log_every=2))
+    assert [r["step"] for r in read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if r["kind"] == "train"] == \
+        [1, 2, 3, 4, 6]
 
 
 def test_compare_tabulates_a_classifiers_accuracy_not_perplexity(tmp_path):
@@ -1423,6 +1436,9 @@ def test_ctrl_c_saves_the_step_and_resume_continues_exactly(corpus_dir, tmp_path
         signal.signal(signal.SIGINT, before)
     monkeypatch.setattr(torch.optim.AdamW, "step", orig)
     assert not [r for r in read_metrics(Path(part.out_dir) / "metrics.jsonl") if r.get("kind") == "eval"]
+    # a resume killed before its next checkpoint, after making the evaluation up: the next resume
+    # makes it up again, from the same checkpoint, and its record had then been logged twice
+    assert train(replace(part, resume=True, stop_after=4)) == {"stopped_at": 4}
     train(replace(part, resume=True))
     assert train_losses(part.out_dir) == pytest.approx(train_losses(full.out_dir), rel=0, abs=1e-6)
 

@@ -631,9 +631,16 @@ def train(cfg: TrainConfig) -> dict:
         real_seen = state.get("real_tokens")  # None: a checkpoint from before the count
         total_steps = state["total_steps"]
         if info.is_main:
-            # (a finished run keeps its last record, off the grid or not: nothing logs it again)
+            # The interrupted run logged its last step's train record wherever it fell; the run that goes
+            # on would not have, unless that step is on its logging grid (before a resume that changes
+            # --log-every: on either run's). A finished run keeps it: nothing logs it again. A pending
+            # evaluation is made up below, and its record written again (an earlier resume from this
+            # checkpoint, killed before its next, may have written it already).
+            every = (state["config"].get("log_every", cfg.log_every), cfg.log_every)
             finished = total_steps is not None and step >= total_steps
-            truncate_metrics(out / "metrics.jsonl", step, 1 if finished else cfg.log_every)
+            off_grid = step != 1 and all(step % n for n in every)
+            redo = ("train",) * (off_grid and not finished) + ("eval",) * eval_pending
+            truncate_metrics(out / "metrics.jsonl", step, redo)
             truncate_metrics(out / "grad_norms.jsonl", step)
         log(f"resumed from {ckpt} at step {step}")
         resumed = True

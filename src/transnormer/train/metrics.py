@@ -67,15 +67,17 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: str | Path, after_step: int, log_every: int = 1) -> None:
-    """Drop records past ``after_step`` (a resumed run rewrites the steps it repeats), and train
-    records off the ``log_every`` grid (not step 1 or a multiple of it): an interrupted run logs its
-    last step's record wherever it falls, which the run that goes on would not have logged."""
+def truncate_metrics(path: str | Path, after_step: int, redo: tuple[str, ...] = ()) -> None:
+    """Drop records past ``after_step`` (a resumed run rewrites the steps it repeats), and those at
+    ``after_step`` of a kind in ``redo``: the resume's loop says which (an interrupted run's last
+    train record off the logging grid, which the run that goes on would not have logged; an
+    evaluation the resume makes up, whose record an earlier resume may have written already).
+    Records before ``after_step`` are kept whatever their kind."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= after_step and not (
-        r.get("kind") == "train" and r.get("step", 0) != 1 and r.get("step", 0) % log_every)]
+    kept = [r for r in read_metrics(path) if r.get("step", 0) < after_step or (
+        r.get("step", 0) == after_step and r.get("kind") not in redo)]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
