@@ -1409,6 +1409,61 @@ def test_a_resumed_classifier_refuses_data_whose_classes_differ(tmp_path):
         train(replace(cfg, resume=True))
 
 
+@pytest.mark.parametrize("task", ["cls", "lra"])
+def test_a_resume_refuses_a_training_split_changed_since_the_checkpoint(tmp_path, task):
+    """A classifier (or LRA) run resumed over edited texts (the tokenizer trained again on them: every
+    id another word's) or regenerated data had trained on without a word; the LM runs refused theirs.
+    The data state now carries the split's fingerprint, checked before the weights (other data can
+    mean another vocabulary, which the weights had reported as a raw size mismatch)."""
+    from transnormer.data.lra import prepare
+
+    if task == "cls":
+        rows = [("good fine great movie", "pos"), ("bad awful poor film", "neg")] * 12
+        (tmp_path / "data").mkdir()
+
+        def write(edit):
+            for split in ("train", "dev"):
+                (tmp_path / "data" / f"{split}.tsv").write_text(
+                    "sentence\tlabel\n" + "".join(f"{edit(t)}\t{y}\n" for t, y in rows))
+
+        write(lambda t: t)
+        cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path / "data"), vocab_size=300,
+                          seq_len=16, batch_size=4, max_steps=3, save_every=1, out_dir=str(tmp_path / "run"),
+                          progress=False, cache_dir=str(tmp_path / "cache"))
+        def change():  # the same rows and labels, every word edited
+            write(lambda t: " ".join(w[::-1] + "q" for w in t.split()))
+    else:
+        settings = dict(n_train=16, n_val=4, n_test=4, min_length=5, max_length=40)
+        prepare("listops", tmp_path / "lra", seed=0, **settings)
+        cfg = TrainConfig(task="cls", preset="t2-lra-listops-tiny", data=f"lra:listops:{tmp_path / 'lra'}",
+                          seq_len=40, batch_size=4, max_steps=3, save_every=1, out_dir=str(tmp_path / "run"),
+                          progress=False, cache_dir=str(tmp_path / "cache"))
+        def change():  # regenerated with another seed: the same counts, other trees
+            import shutil
+
+            shutil.rmtree(tmp_path / "lra")
+            prepare("listops", tmp_path / "lra", seed=1, **settings)
+    assert train(replace(cfg, stop_after=1)) == {"stopped_at": 1}
+    change()
+    with pytest.raises(ValueError, match="the training split is not the one the run was saved with"):
+        train(replace(cfg, resume=True))
+
+
+def test_weights_of_another_shape_are_a_checkpoint_error(tmp_path):
+    """(a raw RuntimeError before, where missing or unexpected keys were a CheckpointError)"""
+    from transnormer.models import TransNormerConfig, TransNormerForCausalLM
+    from transnormer.train.checkpoint import load_model_weights
+
+    def model(vocab):
+        return TransNormerForCausalLM(TransNormerConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1,
+                                                        num_attention_heads=2, block_size=8, chunk_size=8))
+
+    model(64).save_pretrained(tmp_path)
+    load_model_weights(model(64), tmp_path)
+    with pytest.raises(CheckpointError, match="(?s)does not match the model: .*size mismatch for model.embed_tokens.weight"):
+        load_model_weights(model(80), tmp_path)
+
+
 def test_ctrl_c_saves_the_step_and_resume_continues_exactly(corpus_dir, tmp_path, monkeypatch):
     """Without --save-every a Ctrl-C had left nothing to resume: the step in flight now finishes, is
     saved, and the same command with --resume continues as if never stopped. The evaluation due

@@ -23,6 +23,7 @@ with an error naming the file and line (``truncate=False``).
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -515,9 +516,23 @@ class ClassificationDataset(torch.utils.data.Dataset):
                 self.labels.append(label_set.index(ex.label, source=ex.source, line=ex.line))
         self.label_set = label_set
         self.max_length = max_length
+        self._fingerprint: str | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 hex over the items' token ids and labels (computed once): a resumed run checks
+        that it goes on over the data it was saved with (edited texts, or a tokenizer trained again
+        on them, change the ids)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(torch.tensor([len(x) for x in self.input_ids], dtype=torch.int64).numpy().tobytes())
+            h.update(torch.cat(self.input_ids).numpy().tobytes())
+            h.update(torch.tensor([-1 if y is None else y for y in self.labels], dtype=torch.int64).numpy().tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def __getitem__(self, i: int) -> dict:
         item: dict = {"input_ids": self.input_ids[i]}

@@ -264,7 +264,10 @@ def load_model_weights(model, path: str | os.PathLike) -> None:
         state = load_file(str(f))
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint file {f} cannot be read: {e}") from e
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that differ (another vocabulary or width): its own words, as a ValueError
+        raise CheckpointError(f"checkpoint file {f} does not match the model: {e}") from None
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:

@@ -609,13 +609,14 @@ def train(cfg: TrainConfig) -> dict:
         if changed:
             raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
                              "resume with the original settings, or start a new run (--init-from for weights)")
-        load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
-        sched.update(state["sched"])
-        try:
+        try:  # the data first: other data can mean another vocabulary, which the weights would only
+            # report as a size mismatch
             data.train.load_state_dict(state["data"])
         except ValueError as exc:  # (its words had named neither the flags nor the resume)
             raise ValueError(f"resume: {exc}; the data order was saved for the run's data, --seq-len and "
                              "--batch-size x processes: resume with those") from None
+        load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
+        sched.update(state["sched"])
         per_rank = state.get("rng_per_rank")
         # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's,
         # and the other ranks a stream of their own from it, as at the start (the same state on every

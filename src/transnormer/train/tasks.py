@@ -127,9 +127,14 @@ class ClsBatches:
         return self.collate([self.dataset[int(i)] for i in next(self.sampler)])
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        fingerprint = getattr(self.dataset, "fingerprint", None)  # (the LM batches keep their tokens')
+        return {**self.sampler.state_dict(), **({"data": fingerprint} if fingerprint else {})}
 
     def load_state_dict(self, state: dict) -> None:
+        saved, now = state.get("data") if isinstance(state, dict) else None, getattr(self.dataset, "fingerprint", None)
+        if saved and now and saved != now:  # (a checkpoint from before the fingerprint has none)
+            raise ValueError(f"the training split is not the one the run was saved with (fingerprint {now[:12]} "
+                             f"now, {saved[:12]} saved: edited or regenerated data, or another tokenizer)")
         self.sampler.load_state_dict(state)
 
 

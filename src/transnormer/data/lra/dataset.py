@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,6 +68,15 @@ class LRADataset(Dataset):
     @property
     def pair(self) -> bool:
         return self.inputs_2 is not None
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 hex over the task, split, ``dataset_id`` (a generator's seed and settings) and the
+        labels: a resumed run checks that it goes on over the data it was saved with. (Not over the
+        inputs: a task's splits run to gigabytes, and data regenerated otherwise has another id.)"""
+        h = hashlib.sha256(f"{self.task}\0{self.split}\0{self.dataset_id}\0".encode())
+        h.update(np.ascontiguousarray(self.labels, dtype=np.int64).tobytes())
+        return h.hexdigest()
 
     def __len__(self) -> int:
         return len(self.labels)
