@@ -393,6 +393,10 @@ def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, caps
     (["--set", "hidden_size"], "transnormer train: error: --set expects KEY=VALUE"),  # had exited 1, no prefix
     (["--config", "/nonexistent/config.json"], "is not a readable JSON config"),
     (["--set", "hidden_size=33"], "hidden_size (33) must be divisible by the number of heads"),
+    # the preset had been ignored, and recorded in train_config.json as the run's
+    (["--preset", "vanilla-lm-tiny", "--init-from", "/nonexistent"],
+     "--preset names a model to build; with --init-from the model is that one"),
+    (["--preset", "vanilla-lm-tiny", "--config", "/nonexistent/config.json"], "with --config the model is that one"),
 ])
 def test_train_refuses_bad_settings_before_any_data_work(tmp_path, capsys, flags, match):
     """Each had been found after the corpus and tokenizer were built (or not at all)."""
@@ -415,3 +419,14 @@ def test_outputs_are_checked_before_any_work(run_dir, tmp_path, capsys):
     assert "is a file; give a folder" in capsys.readouterr().err
     assert _exit_code(["generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "-1"]) == 2
     assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_train_refuses_an_out_inside_a_runs_checkpoints(run_dir, capsys):
+    """--resume with --out RUN/checkpoints (or one checkpoint) had found no checkpoint "under
+    RUN/checkpoints/checkpoints" and trained a new run inside the old one's checkpoints."""
+    root, out = run_dir
+    for inside in (out / "checkpoints", out / "checkpoints" / "step-00000003"):
+        before = sorted(p.name for p in inside.iterdir())
+        assert _exit_code(["train", "--data", str(root), "--max-steps", "1", "--out", str(inside), "--resume"]) == 2
+        assert f"is a run's checkpoint folder; give the run directory {str(out)!r}" in capsys.readouterr().err
+        assert sorted(p.name for p in inside.iterdir()) == before

@@ -843,6 +843,15 @@ def test_a_resume_drops_the_interrupted_steps_record_off_the_log_grid(tmp_path):
     assert read_metrics(path) == [{"kind": "train", "step": s} for s in (1, 3, 4)]
 
 
+def test_a_run_no_longer_than_its_warmup_says_so(corpus_dir, tmp_path, capsys):
+    """A time budget too short for the warm-up said so; --max-steps (or a token budget) did not,
+    and the rate then never reached --lr."""
+    train(cfg_for(corpus_dir, tmp_path / "a", max_steps=2, warmup=2))
+    assert "the run has 2 steps, no more than warmup=2" in capsys.readouterr().out
+    train(cfg_for(corpus_dir, tmp_path / "b", max_steps=3, warmup=2))
+    assert "warming up" not in capsys.readouterr().out
+
+
 def test_a_resume_with_another_log_every_keeps_the_records_logged_before(corpus_dir, tmp_path):
     """--log-every may change on resume; the earlier run's records off the new grid had been deleted
     (log every step to step 3, then every 2nd: steps 1, 2, 3 became 1, 2)."""

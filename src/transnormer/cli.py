@@ -78,7 +78,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     d = TrainConfig()
     p.add_argument("--task", default="clm", choices=["clm", "mlm", "cls"])
     if not preset_required:
-        p.add_argument("--preset", default=d.preset, help="preset name (python -m transnormer.presets)")
+        p.add_argument("--preset", help=f"preset name (python -m transnormer.presets; default: {d.preset}); "
+                       "not with --config or --init-from")
         p.add_argument("--config", dest="config_file", help="a config.json instead of a preset")
         p.add_argument("--init-from", help="pretrained model directory to fine-tune")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -152,8 +153,13 @@ def _train_config(args) -> object:
     if args.vocab_size is not None and (args.tokenizer or getattr(args, "init_from", None)):
         raise ValueError("--vocab-size sizes the BPE trained on the data; with --tokenizer or --init-from the "
                          "given tokenizer's vocabulary is used: leave --vocab-size out")
+    model_from = "--init-from" if getattr(args, "init_from", None) else "--config" if getattr(args, "config_file", None) else None
+    if model_from and getattr(args, "preset", None):
+        raise ValueError(f"--preset names a model to build; with {model_from} the model is that one: leave --preset out")
     fields = TrainConfig.__dataclass_fields__
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if model_from:
+        kw["preset"] = None  # (train_config.json had recorded the default preset as the run's)
     kw["betas"] = tuple(args.betas)
     return TrainConfig(overrides=overrides, cls_read_kwargs=read, **kw)
 

@@ -30,6 +30,7 @@ import torch
 from .._files import atomic_write_text, check_output
 from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb
 from .checkpoint import (
+    STATE,
     latest_valid_checkpoint,
     list_checkpoints,
     load_model_weights,
@@ -526,6 +527,16 @@ def peak_memory_mb(info: DistInfo) -> float:
     return peak_rss_mb()
 
 
+def _run_dir_holding(path: Path) -> Path | None:
+    """The run directory whose ``checkpoints/`` folder, or one checkpoint in it, ``path`` is; else None."""
+    if path.parent.name == "checkpoints" and (path / STATE).is_file():
+        return path.parent.parent
+    if path.name == "checkpoints" and path.is_dir() and (
+            (path / "latest").is_file() or any(p.name.startswith("step-") for p in path.iterdir())):
+        return path.parent
+    return None
+
+
 def train(cfg: TrainConfig) -> dict:
     cfg.check()
     info = setup_distributed(cfg.device)
@@ -537,6 +548,10 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     log = print if info.is_main else (lambda *a, **k: None)
+    run_dir = _run_dir_holding(out)
+    if run_dir is not None:  # (a resume there found no checkpoint and trained a new run inside the old one)
+        raise ValueError(f"out_dir {str(out)!r} is a run's checkpoint folder; give the run directory "
+                         f"{str(run_dir)!r} (--resume finds its newest checkpoint there)")
     if info.is_main:  # before any data or model work: a run must not train only to fail at its first save
         try:  # (nothing created: a run refused later had left an empty checkpoints/ behind)
             check_output(ckpt_root, "out_dir", directory=True)
@@ -591,6 +606,9 @@ def train(cfg: TrainConfig) -> dict:
         total_steps = min(total_steps or math.inf, max(1, math.ceil(budget / tokens_per_step)))
     sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or _UNFITTED,
              "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
+    if ckpt is None and total_steps is not None and total_steps <= cfg.warmup:  # (a time budget: once fitted)
+        log(f"the run has {total_steps} steps, no more than warmup={cfg.warmup}: the learning rate will not "
+            "finish warming up (give a smaller --warmup)")
 
     # resume (the optimizer's and scheduler's states once they exist, after wrap_model below)
     step, tokens_seen, real_seen, elapsed = 0, 0, 0, 0.0
