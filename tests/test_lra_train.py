@@ -298,6 +298,10 @@ def test_cli_train_writes_provenance(listops_root, tmp_path, capsys):
     assert main(["lra", "eval", "listops", "--model", str(run), "--out", str(run / "lra_result.json")]) == 2
     assert "is the result of an `lra train` run" in capsys.readouterr().err  # it had been replaced
     assert (run / "lra_result.json").read_text() == before
+    for stem in ("lra_result", "lra_result.txt"):  # the .md beside the JSON had replaced the run's table
+        assert main(["lra", "eval", "listops", "--model", str(run), "--out", str(run / stem)]) == 2
+        assert "or the .md written beside it, is the result" in capsys.readouterr().err
+    assert (run / "lra_result.md").read_text() == md
 
 
 def test_cli_train_of_a_diverged_run_writes_no_result(listops_root, tmp_path, capsys, monkeypatch):

@@ -415,8 +415,11 @@ def cmd_eval(args) -> int:
     task = _canonical(args.task)
     if args.out and Path(args.out).suffix == ".md":  # the JSON goes to --out, the table beside it as .md
         raise ValueError(f"--out {args.out}: give the JSON file's name (the markdown is written beside it as .md)")
-    if args.out and _result_kind(Path(args.out)) == "lra-result":  # `lra report` reads only those
-        raise ValueError(f"--out {args.out} is the result of an `lra train` run: write the evaluation elsewhere")
+    # `lra report` reads only an `lra train` run's result; its table is the .md beside it, which an
+    # --out of the same stem and another suffix (or none) would overwrite
+    if args.out and any(_result_kind(f) == "lra-result" for f in (Path(args.out), Path(args.out).with_suffix(".json"))):
+        raise ValueError(f"--out {args.out}: it, or the .md written beside it, is the result of an `lra train` run: "
+                         "write the evaluation elsewhere")
     model, path = load_model_dir(Path(args.model))
     _check_classifier_for(task, model, path)
     # By default the run's own data settings (sequence length, provenance label, Text's validation
