@@ -1343,6 +1343,23 @@ def test_resume_takes_mlm_packing_none_as_complete():
     assert config_changes({**asdict(cfg), "mlm_packing": None}, cfg) == []
 
 
+def test_resume_takes_the_same_data_path_spelled_another_way(tmp_path, monkeypatch):
+    """A run given --data corpus.txt had refused --resume with --data /abs/path/corpus.txt."""
+    from dataclasses import asdict
+
+    from transnormer.train.loop import config_changes
+
+    (tmp_path / "corpus.txt").write_text("a b c\n")
+    (tmp_path / "other.txt").write_text("a b c\n")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    saved = asdict(TrainConfig(data="corpus.txt", max_steps=1))
+    assert config_changes(saved, TrainConfig(data=str(tmp_path / "corpus.txt"), max_steps=1)) == []
+    assert config_changes(saved, TrainConfig(data=str(tmp_path / "sub" / ".." / "corpus.txt"), max_steps=1)) == []
+    assert config_changes(saved, TrainConfig(data="other.txt", max_steps=1)) == ["data: 'corpus.txt' -> 'other.txt'"]
+    assert config_changes(asdict(TrainConfig(data="stdlib", max_steps=1)), TrainConfig(data="corpus.txt", max_steps=1))
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("warmup_init_lr", 1e-4, "warmup_init_lr=0.0001 needs warmup >= 1"),
     ("overrides", {"num_labels": 7}, "num_labels applies to task 'cls' only"),

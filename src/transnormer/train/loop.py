@@ -291,7 +291,20 @@ def config_changes(saved: dict, cfg: TrainConfig) -> list[str]:
     now = json.loads(json.dumps(asdict(cfg), default=str))
     saved = json.loads(json.dumps(saved, default=str))
     return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items()
-            if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v]
+            if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+            and not (k in _PATH_FIELDS and _same_path(saved[k], v))]
+
+
+# Fields naming a file or folder: the same one spelled another way (relative, absolute, through a
+# link) is no change. (Other data under the same name is: the training batches' fingerprint.)
+_PATH_FIELDS = ("data", "tokenizer", "init_from", "config_file")
+
+
+def _same_path(a, b) -> bool:
+    try:
+        return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
+    except (OSError, ValueError):  # a name that is not a path here (stdlib, hf:…), or gone
+        return False
 
 
 def parse_budget(budget: str) -> tuple[str, float]:
