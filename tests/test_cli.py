@@ -62,7 +62,8 @@ def test_generate_starts_the_prompt_as_training_starts_a_document(run_dir, monke
     occurs there (starting from it cost a trained model ~3 nats on the first token)."""
     from transformers import GenerationMixin
 
-    from transnormer.cli import generate_text, load_tokenizer_for, resolve_model_dir
+    from transnormer.cli import generate_text, resolve_model_dir
+    from transnormer.train.checkpoint import model_tokenizer
 
     _, out = run_dir
     seen = []
@@ -74,7 +75,7 @@ def test_generate_starts_the_prompt_as_training_starts_a_document(run_dir, monke
 
     monkeypatch.setattr(GenerationMixin, "generate", spy)
     generate_text(out, "def return", max_new_tokens=2, stream=False)
-    tok = load_tokenizer_for(resolve_model_dir(out), None)
+    tok = model_tokenizer(resolve_model_dir(out))
     assert seen == [[tok.eos_id] + tok.encode("def return")]
 
 
@@ -361,7 +362,50 @@ def test_compare_and_generate_refuse_bad_input_up_front(run_dir, tmp_path, capsy
     big = train_bpe([(root / "train.txt").read_text()], vocab_size=600)
     big.save(tmp_path / "big")
     assert main(["generate", "--model", str(out), "--tokenizer", str(tmp_path / "big"), "--prompt", "x"]) == 2
+    assert "is not the tokenizer the model in" in capsys.readouterr().err
+    from transformers import AutoModelForCausalLM
+
+    from transnormer.cli import resolve_model_dir
+
+    AutoModelForCausalLM.from_pretrained(resolve_model_dir(out)).save_pretrained(tmp_path / "bare")  # no tokenizer
+    assert main(["generate", "--model", str(tmp_path / "bare"), "--tokenizer", str(tmp_path / "big"), "--prompt",
+                 "x"]) == 2
     assert "more than the model's vocab_size" in capsys.readouterr().err
+
+
+def test_a_tokenizer_other_than_the_models_own_is_refused(run_dir, tmp_path, capsys):
+    """eval (and a fine-tune with --init-from) had run on with another tokenizer given by
+    --tokenizer: a smaller one silently (ppl 12,369: every id another token's embedding), a larger
+    one with a message about --vocab-size, which eval does not have. The model's own, given by
+    --tokenizer, is taken."""
+    from transnormer.cli import resolve_model_dir
+    from transnormer.data import train_bpe
+
+    root, out = run_dir
+    train_bpe([(root / "train.txt").read_text()], vocab_size=280).save(tmp_path / "other")
+    common = ["--data", str(root), "--seq-len", "32", "--cache-dir", str(root / "cache")]
+    for argv in (["eval", "--model", str(out), "--max-batches", "1"],
+                 ["train", "--init-from", str(out), "--max-steps", "1", "--out", str(tmp_path / "ft")]):
+        assert main([*argv, *common, "--tokenizer", str(tmp_path / "other")]) == 2
+        err = capsys.readouterr().err
+        assert f"is not the tokenizer the model in {resolve_model_dir(out)} was trained with" in err, err
+    assert not (tmp_path / "ft").exists()
+    own = resolve_model_dir(out) / "tokenizer"
+    assert main(["eval", "--model", str(out), "--max-batches", "1", *common, "--tokenizer", str(own)]) == 0
+
+
+def test_dilution_names_its_flag_and_refuses_a_name_both_preset_and_folder(run_dir, tmp_path, capsys, monkeypatch):
+    """--models t2-lm-tiny in a folder holding a run of that name had analysed the run, labelled
+    as the preset; a folder with no model was reported under --model."""
+    root, _ = run_dir
+    (tmp_path / "t2-lm-tiny").mkdir()
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path)
+    argv = ["analyze", "dilution", "--data", str(root), "--seq-len", "32", "--samples", "1", "--out", "dil"]
+    assert main([*argv, "--models", "t2-lm-tiny"]) == 2
+    assert "'t2-lm-tiny' is both a preset and a folder here; write ./t2-lm-tiny" in capsys.readouterr().err
+    assert main([*argv, "--models", "empty"]) == 2
+    assert "--models: no model in empty" in capsys.readouterr().err
 
 
 def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, capsys, monkeypatch):

@@ -219,17 +219,6 @@ def resolve_model_dir(path: str | Path) -> Path:
     return resolve(path, what="--model")
 
 
-def load_tokenizer_for(model_dir: Path, spec: str | None = None):
-    from .data.tokenizer import load_tokenizer
-
-    if spec:
-        return load_tokenizer(spec)
-    for cand in (model_dir / "tokenizer", model_dir):
-        if (cand / "tokenizer.json").is_file():
-            return load_tokenizer(cand)
-    raise ValueError(f"no tokenizer in {model_dir}; pass --tokenizer")
-
-
 def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.8,
                   top_p: float = 0.95, top_k: int = 0, tokenizer: str | None = None, stream: bool = True,
                   seed: int = 0) -> str:
@@ -239,10 +228,11 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     from transformers import AutoModelForCausalLM, TextStreamer
 
     from . import models  # noqa: F401  (registers the Auto classes)
+    from .train.checkpoint import model_tokenizer
 
     model_dir = resolve_model_dir(model_path)
     _check_head_for("clm", model_dir, flag="generate needs")  # a classifier's config had failed inside HF
-    tok = load_tokenizer_for(model_dir, tokenizer)
+    tok = model_tokenizer(model_dir, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     if tok.vocab_size > model.config.vocab_size:  # its ids past the embedding would fail inside the model
         raise ValueError(f"--tokenizer has {tok.vocab_size} ids, more than the model's vocab_size "

@@ -33,12 +33,22 @@ def _text_ids(data: str, tokenizer, seq_len: int, n: int, cache_dir):
     return torch.tensor(ids[: seq_len * n]).view(n, seq_len)
 
 
+def _is_preset(name: str) -> bool:
+    from .models.presets import preset_task
+
+    try:
+        preset_task(name)
+    except ValueError:
+        return False
+    return True
+
+
 def cmd_dilution(args) -> int:
     from .analysis import run_dilution
-    from .cli import load_tokenizer_for, resolve_model_dir
     from .data.corpus import load_corpus
     from .data.tokenizer import MIN_VOCAB, build_tokenizer, load_tokenizer
     from .presets import get_config
+    from .train.checkpoint import model_tokenizer, resolve_model_dir
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     if not names:
@@ -51,6 +61,8 @@ def cmd_dilution(args) -> int:
     for name in names:  # an unknown preset: said before the corpus and tokenizer are built
         if not Path(name).exists():
             get_config(name)
+        elif _is_preset(name):  # (the folder had been analysed, under the preset's name)
+            raise ValueError(f"--models: {name!r} is both a preset and a folder here; write ./{name} for the folder")
     if not args.tokenizer and not all(Path(n).exists() for n in names) and args.vocab_size < MIN_VOCAB:
         raise ValueError(f"--vocab-size must be >= {MIN_VOCAB} (5 specials and 256 bytes), got {args.vocab_size}")
     models, toks = {}, {}
@@ -60,9 +72,9 @@ def cmd_dilution(args) -> int:
 
             from . import models as _  # noqa: F401
 
-            d = resolve_model_dir(name)
+            d = resolve_model_dir(name, what="--models")
             models[name] = AutoModel.from_pretrained(d).eval()
-            toks[name] = load_tokenizer_for(d, args.tokenizer)
+            toks[name] = model_tokenizer(d, args.tokenizer)
             if toks[name].vocab_size > models[name].config.vocab_size:  # ids past its embedding
                 raise ValueError(f"--tokenizer: {toks[name].vocab_size} ids, more than the vocab_size "
                                  f"{models[name].config.vocab_size} of {name}")

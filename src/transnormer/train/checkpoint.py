@@ -276,6 +276,28 @@ def load_model_weights(model, path: str | os.PathLike) -> None:
         model.tie_weights()
 
 
+def model_tokenizer(model_dir: Path, spec: str | None = None, *, flag: str = "--tokenizer"):
+    """The tokenizer of the model in ``model_dir`` (a resolved model directory): its own, in
+    ``tokenizer/`` or beside its weights, or ``spec`` (a saved tokenizer or HF name) for a model
+    saved without one. Where the model has its own, ``spec`` must be that one (the same fingerprint):
+    another tokenizer's ids index other tokens' embeddings, and evaluations and fine-tunes had run
+    on with it silently. ``flag`` names ``spec`` in the messages."""
+    from ..data.tokenizer import load_tokenizer
+
+    own = next((c for c in (model_dir / "tokenizer", model_dir) if (c / "tokenizer.json").is_file()), None)
+    given = load_tokenizer(spec) if spec else None
+    if own is None:
+        if given is None:
+            raise ValueError(f"no tokenizer in {model_dir} (tokenizer/ or tokenizer.json); pass {flag} with the one "
+                             "the model was trained with")
+        return given
+    tok = load_tokenizer(own)
+    if given is not None and given.fingerprint != tok.fingerprint:
+        raise ValueError(f"{flag} {spec} is not the tokenizer the model in {model_dir} was trained with (saved in "
+                         f"{own}): its ids would index other tokens' embeddings; leave {flag} out to use that one")
+    return tok
+
+
 def latest_valid_checkpoint(root: str | os.PathLike, log=print) -> Path | None:
     """Newest checkpoint under ``root`` that passes verification (corrupt ones are reported and skipped)."""
     for ckpt in reversed(list_checkpoints(root)):

@@ -141,17 +141,13 @@ class ClsBatches:
 def get_tokenizer(cfg, corpus: Corpus | None, info: DistInfo):
     """The run's tokenizer: a given one, the one of the model a run starts from (its embeddings
     are indexed by that tokenizer's ids), or a BPE trained (once, by rank 0) on the training split."""
+    if cfg.init_from:
+        from .checkpoint import model_tokenizer, resolve_model_dir
+
+        return model_tokenizer(resolve_model_dir(cfg.init_from, what="init_from"), cfg.tokenizer,
+                               flag="tokenizer (--tokenizer)")
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    if cfg.init_from:
-        from .checkpoint import resolve_model_dir
-
-        init = resolve_model_dir(cfg.init_from, what="init_from")
-        for cand in (init / "tokenizer", init):
-            if (cand / "tokenizer.json").is_file():
-                return load_tokenizer(cand)
-        raise ValueError(f"init_from: {init} has no tokenizer (tokenizer/ or tokenizer.json); pass --tokenizer "
-                         "with the one it was trained with")
     if corpus is None:
         raise ValueError("tokenizer: this task needs --tokenizer (or --init-from a checkpoint that has one)")
     return main_first(info, lambda: build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir))
