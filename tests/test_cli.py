@@ -441,6 +441,9 @@ def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, caps
     (["--preset", "vanilla-lm-tiny", "--init-from", "/nonexistent"],
      "--preset names a model to build; with --init-from the model is that one"),
     (["--preset", "vanilla-lm-tiny", "--config", "/nonexistent/config.json"], "with --config the model is that one"),
+    # (had failed after the corpus and tokenizer, naming TransNormerForMaskedLM's config)
+    (["--task", "mlm"], "but preset 't2-lm-tiny' is causal (causal=True); use a -roberta preset"),
+    (["--preset", "t2-roberta-tiny"], "task 'clm' needs a causal model, but preset 't2-roberta-tiny' is bidirectional"),
 ])
 def test_train_refuses_bad_settings_before_any_data_work(tmp_path, capsys, flags, match):
     """Each had been found after the corpus and tokenizer were built (or not at all)."""

@@ -129,7 +129,7 @@ def test_a_train_split_too_small_fails_before_the_model_is_built(corpus_dir, tmp
 
     built = []
     monkeypatch.setattr(loop, "build_model_for", lambda *a, **k: built.append(1))
-    kw = {"mlm_packing": "contiguous"} if task == "mlm" else {}
+    kw = {"mlm_packing": "contiguous", "preset": "t2-roberta-tiny"} if task == "mlm" else {}
     with pytest.raises(ValueError, match="fewer than batch_size\\*world_size=100000"):
         train(cfg_for(corpus_dir, tmp_path, task=task, batch_size=100_000, **kw))
     assert not built

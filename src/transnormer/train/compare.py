@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from .._files import atomic_write_text
@@ -26,15 +27,9 @@ def compare(presets: list[str], base: TrainConfig, *, evals_per_run: int = 8) ->
         raise ValueError("presets: give at least one preset name")
     if len(set(presets)) != len(presets):  # each run writes to out/NAME: a repeat would overwrite the first
         raise ValueError(f"presets: each preset once, got {list(presets)}")
-    from ..presets import get_config
-
     base.check()  # e.g. neither max_steps nor budget: said before any arithmetic on them
-    for p in presets:
-        config = get_config(p)  # fail fast on an unknown name, before any training
-        if base.task == "clm" and not config.causal:  # found only after the earlier presets trained
-            raise ValueError(f"presets: {p!r} is bidirectional; task 'clm' needs causal (-lm) presets")
-        if base.task == "mlm" and config.causal:  # a masked LM must see both sides of a mask
-            raise ValueError(f"presets: {p!r} is causal; task 'mlm' needs bidirectional (-roberta) presets")
+    for p in presets:  # an unknown name, or one the task cannot train: said before any training
+        replace(base, preset=p).check()
     # Under torchrun every rank runs this and rank 0 writes; one process group for all the runs.
     # (No cleanup on an error: its barrier would wait for ranks stuck in a collective.)
     info = setup_distributed(base.device)

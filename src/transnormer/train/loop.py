@@ -208,6 +208,8 @@ class TrainConfig:
                 setattr(config, k, v)
         if config is not None:
             config.check()
+            check_task_fits(config, self.task, f"config_file (--config) {self.config_file!r}" if self.config_file
+                            else f"preset {self.preset!r}")
             if self.sync_batch_norm and config.norm_type != "batch":  # (wrap_model checks an init_from model)
                 raise ValueError(f"sync_batch_norm (--sync-batch-norm) needs norm_type 'batch'; this model's "
                                  f"norm_type is {config.norm_type!r}")
@@ -276,11 +278,21 @@ def run_name(cfg: TrainConfig) -> str:
     return cfg.init_from or cfg.config_file or cfg.preset
 
 
+def check_task_fits(config, task: str, model: str) -> None:
+    """A causal LM must not see the tokens it predicts, a masked LM must see both sides of a mask.
+    ``model`` names the model in the message."""
+    causal = getattr(config, "causal", True)
+    if task == "clm" and not causal:
+        raise ValueError(f"task 'clm' needs a causal model, but {model} is bidirectional (causal=False); use an LM "
+                         "(-lm) preset or task 'mlm'")
+    if task == "mlm" and causal:
+        raise ValueError(f"task 'mlm' needs a bidirectional model, but {model} is causal (causal=True); use a "
+                         "-roberta preset (e.g. t2-roberta-tiny)")
+
+
 def check_model_fits(config, cfg: TrainConfig, vocab_size: int) -> None:
     """The model must suit the task and cover the tokenizer's ids (before any training)."""
-    if cfg.task == "clm" and not getattr(config, "causal", True):  # it would see the tokens it predicts
-        raise ValueError(f"task 'clm' needs a causal model, but {run_name(cfg)} "
-                         "is bidirectional (causal=False); use an LM preset or task 'mlm'")
+    check_task_fits(config, cfg.task, run_name(cfg))
     if config.vocab_size < vocab_size:  # an embedding lookup past its end
         raise ValueError(f"vocab_size {config.vocab_size} is below the tokenizer's {vocab_size} ids; "
                          "leave vocab_size unset (it follows the tokenizer) or give a smaller tokenizer")
