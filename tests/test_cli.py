@@ -181,6 +181,7 @@ def _exit_code(argv) -> int:
     (["--stride", "64"], "--stride must be at most --seq-len (32), got 64"),
     (["--task", "mlm", "--stride", "8"], "--stride applies to --task clm only"),
     (["--text-column", "0"], "apply to --task cls only"),
+    (["--no-truncate"], "--drop-label and --no-truncate apply to --task cls only, not --task clm"),
     # an LM scored as a classifier had loaded a fresh random head and printed its accuracy, rc 0
     (["--task", "cls"], "is a TransNormerForCausalLM (trained with --task clm); --task cls needs a "
                         "*ForSequenceClassification model"),
@@ -225,6 +226,16 @@ def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
                  "--header", "no", "--drop-label", "-"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["n"] == summary["eval"]["n"] and "cls: truncated" in captured.err
+    # the note names --no-truncate, which eval did not have; and another --tokenizer had been taken
+    argv = ["eval", "--task", "cls", "--model", str(out), "--data", str(tmp_path), "--seq-len", "12", "--cache-dir",
+            str(tmp_path / "cache"), "--text-column", "0", "--label-column", "1", "--header", "no", "--drop-label", "-"]
+    assert main([*argv, "--no-truncate"]) == 2
+    assert "tokens exceed max_length=12" in capsys.readouterr().err
+    from transnormer.data import train_bpe
+
+    train_bpe([(tmp_path / "dev.tsv").read_text()], vocab_size=270).save(tmp_path / "other")
+    assert main([*argv, "--tokenizer", str(tmp_path / "other")]) == 2
+    assert "is not the tokenizer the model in" in capsys.readouterr().err
 
 
 def test_train_refuses_cls_flags_for_clm(run_dir, capsys):

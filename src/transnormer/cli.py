@@ -300,6 +300,7 @@ def cmd_eval(args) -> int:
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
                       seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
                       cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read,
+                      no_truncate=args.no_truncate,
                       mlm_packing=args.mlm_packing)
     cfg.check()
     info = setup_distributed(args.device)
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--device")
     _add_cls_column_args(p)
+    p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 

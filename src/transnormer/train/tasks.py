@@ -291,8 +291,8 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         from ..data.classification import ClassificationCollator, load_classification_splits
 
         files = _find_cls_files(cfg.data)
-        if cfg.tokenizer:
-            tok = load_tokenizer(cfg.tokenizer)
+        if cfg.tokenizer or cfg.init_from:  # (the model's own, or --tokenizer checked against it)
+            tok = get_tokenizer(cfg, None, info)
         else:
             from ..data.classification import read_classification_file
 
