@@ -178,7 +178,9 @@ def test_flop_model_is_only_used_where_it_exists(monkeypatch, tmp_path):
     monkeypatch.setattr(suite, "gemm_gflops", lambda *a, **k: 100.0)
     for presets in (["peer:flash-pytorch", "t2-lm"], ["flash-lm", "vanilla-lm"]):  # no ratio, no crash
         res = suite.bench_train(tmp_path / presets[0], presets=presets, lengths=(64,), dtypes=("fp32",))
-        assert not [v for v in res["verdicts"] if " vs " in v]
+        compared = [v for v in res["verdicts"] if " vs " in v]  # a SKIP that says why (it had been silent)
+        assert compared == [f"SKIP  {presets[0]} vs {presets[1]} fp32 T=64: no FLOP count for {presets[0]} (a "
+                            "peer, or a layer type the FLOP model lacks), so no ideal ratio to compare with"]
 
 
 def test_threads_reach_the_measuring_process(monkeypatch):

@@ -106,8 +106,9 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="speed/memory benchmarks against T with the performance targets")
     p.add_argument("what", choices=["ops", "train", "infer", "memory", "long", "peers", "all"])
     p.add_argument("--presets", nargs="+",
-                   help="for train/infer (memory, long and peers use their own; default t2-lm vanilla-lm): the "
-                        "first is compared with the last; peers as peer:NAME")
+                   help="for train/infer (memory, long and peers use their own; default t2-lm vanilla-lm); "
+                        "train compares the first with the last against their FLOP ratio (not a peer: no FLOP "
+                        "count) and gives the first's MFU; peers as peer:NAME")
     p.add_argument("--lengths", type=positive_int, nargs="+", help="ops, train, infer")
     p.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"],
                    help="default fp32 bf16, or fp32 alone on a CPU without bf16 products (AVX512-BF16 or AMX); "

@@ -201,6 +201,10 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
             fa, fb = _flops_per_token(a, vocab_size, T), _flops_per_token(b, vocab_size, T)
             ea, eb = (_flops_per_token(p, vocab_size, T, recompute=True) for p in (a, b))
             missing = "; ".join(f"{p}: {got[p]['status']}" for p in (a, b) if "tokens_per_s" not in got[p])
+            if mode == "train" and a != b and (fa is None or fb is None):  # (it had been left out silently)
+                verdicts.append(f"SKIP  {a} vs {b} {dname} T={T}: no FLOP count for "
+                                f"{' and '.join(p for p, f in ((a, fa), (b, fb)) if f is None)} (a peer, or a layer "
+                                "type the FLOP model lacks), so no ideal ratio to compare with")
             if mode == "train" and a != b and fa is not None and fb is not None:
                 name = f"{a} vs {b} {dname} T={T}"
                 if missing:
