@@ -26,6 +26,10 @@ def test_norm_attn_flops_counts_the_chunked_algorithm():
     assert norm_attn_flops(T, D, E, causal=False, chunk=c, batch_heads=1) == 3.0 * 4 * T * D * E
     useful = 4 * T * D * E + T * c * (D + E)  # the kernels skip the zero half of the score tiles
     assert norm_attn_flops(T, D, E, causal=True, chunk=c, batch_heads=1, useful=True) == 3.0 * useful
+    # a partial last chunk of 36 rows: 36 x 36 tiles, not 36 x 64 (T=100 had read 8.5% high)
+    T = 100
+    fwd = 4 * T * D * E + 2 * (64 * 64 + 36 * 36) * (D + E)
+    assert norm_attn_flops(T, D, E, causal=True, chunk=c, batch_heads=1) == 3.0 * fwd
 
 
 def test_op_throughput_reports_the_backend_that_ran():

@@ -23,8 +23,13 @@ from .timing import measure
 
 def norm_attn_flops(T: int, D: int, E: int, *, causal: bool, chunk: int, batch_heads: int,
                     useful: bool = False) -> float:
+    """FLOPs of ``norm_linear_attn``'s forward + backward (3x the forward) over ``batch_heads`` heads:
+    per token the state products (k^T v, q S: 4 D E), and causal, per chunk of L rows the L x L
+    score and output products (2 L^2 (D + E); ``useful``: their lower half, which the kernels run).
+    A last chunk of T mod c rows counts its own L (it had been counted as c wide)."""
     c = min(chunk, T)
-    intra = 2 * T * c * (D + E) // (2 if useful else 1)
+    squares = (T // c) * c * c + (T % c) ** 2  # sum of L^2 over the chunks
+    intra = 2 * squares * (D + E) // (2 if useful else 1)
     fwd = 4 * T * D * E + (intra if causal else 0)
     return 3.0 * fwd * batch_heads
 

@@ -213,8 +213,10 @@ def counted_step_flops(preset: str, seq_len: int, *, vocab_size: int | None = 32
     baddbmm_ our PyTorch forms accumulate with, which it does not know) with the fused kernels
     switched off and attention on SDPA's math path, so our models and a peer are counted the same
     way. This is the work each model's PyTorch forms *do*, not the FLOPs its math needs: a chunked
-    or blocked form counts its full c x c products, SDPA its full T x T scores (our fused kernels
-    skip the causal zero halves, under 1% of t2-lm's count at 4k). The ratio of two
+    or blocked form counts its full c x c products, SDPA its full T x T scores, and LRPE's PyTorch
+    form its rotation of q and k as an [e, 2e] product. Our fused CPU kernels skip the causal zero
+    halves and rotate without a product, so t2-lm's count at 4k is ~2% above what its CPU step
+    runs (0.6% the halves, 1.4% the rotation). The ratio of two
     counts is the speed ratio the two would have at equal GFLOP/s. Runs in a fresh process unless
     ``isolate=False``: a child inherits its parent's peak RSS, so counting in the benchmark's own
     process would inflate every later memory reading.
