@@ -187,6 +187,21 @@ def test_softmax_attn_matches_dense_with_empty_rows(causal, left):
     assert rel_err(o_nomask, softmax_attn_reference(q, k, v, causal=causal)) < TOL
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_attn_a_nan_padded_query_leaves_the_real_gradients_finite(causal):
+    """Its output was 0, but in the backward its NaN scores times a zero output gradient had put
+    NaN into the gradient of every real key and value."""
+    q, k, v = (rand(2, 8, 1, 16).detach() for _ in range(3))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    q[1, 5:] = float("nan")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = softmax_attn(q, k, v, causal=causal, key_padding_mask=mask)
+    o[mask].sum().backward()
+    assert torch.isfinite(o).all() and (o[1, 5:] == 0).all()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v)) and (q.grad[1, 5:] == 0).all()
+
+
 # ------------------------------------------------------------------------------------------------
 # GAU (FLASH-Quad) and FLASH
 # ------------------------------------------------------------------------------------------------

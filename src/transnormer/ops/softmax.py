@@ -63,8 +63,9 @@ def softmax_attn(
         return o.transpose(1, 2)
     if mask is None:  # SDPA's is_causal path returned NaN rows for scale <= 0 (torch 2.13, CPU)
         mask = torch.ones(B, T, dtype=torch.bool, device=q.device)
-    else:  # a padded key or value holding inf/NaN: weight 0 times it would be NaN
-        kh, vh = (x.masked_fill(~mask[:, None, :, None], 0.0) for x in (kh, vh))
+    else:  # a padded key or value holding inf/NaN: weight 0 times it would be NaN; a padded query's
+        # NaN scores, times its zero output gradient, had put NaN into every real key's and value's
+        qh, kh, vh = (x.masked_fill(~mask[:, None, :, None], 0.0) for x in (qh, kh, vh))
     allowed = mask[:, None, None, :].expand(B, 1, T, T)
     if causal:
         allowed = allowed & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
