@@ -46,6 +46,30 @@ class AttentionMap:
     note: str = ""
     negative_fraction: float = 0.0
     num_allowed: int = 0
+    dead_fraction: float = 0.0  # ReLA: the share of real query rows (x heads) with no positive score
+    num_query_rows: int = 0  # the rows it is a share of
+
+
+def negative_note(fraction: float) -> str:
+    return f"{fraction:.1%} of the scores q̂·k̂ are negative; weights use |s| / Σ|s|"
+
+
+def dead_rows_note(fraction: float) -> str:
+    return f"{fraction:.1%} of rows have no positive score (all-zero rows)"
+
+
+def pooled_note(maps: list[AttentionMap]) -> str:
+    """The note of one layer's maps made chunk by chunk, its shares over all the chunks (each
+    chunk's own note gave that chunk's share)."""
+    if len(maps) == 1:
+        return maps[0].note
+    if any(m.kind == "linear_abs" for m in maps):
+        return negative_note(sum(m.negative_fraction * m.num_allowed for m in maps)
+                             / max(1, sum(m.num_allowed for m in maps)))
+    if any(m.dead_fraction for m in maps):
+        return dead_rows_note(sum(m.dead_fraction * m.num_query_rows for m in maps)
+                              / max(1, sum(m.num_query_rows for m in maps)))
+    return next((m.note for m in maps if m.note), "")
 
 
 class NoAttentionMap(TypeError):
@@ -95,7 +119,7 @@ def linear_attention_map(scores: torch.Tensor, allowed: torch.Tensor | None = No
     if bool(neg.any()):
         return AttentionMap(
             row_normalize(scores.abs()), kind="linear_abs", flagged=True, negative_fraction=neg_fraction,
-            note=f"{neg_fraction:.1%} of the scores q̂·k̂ are negative; weights use |s| / Σ|s|", num_allowed=n_allowed,
+            note=negative_note(neg_fraction), num_allowed=n_allowed,
         )
     return AttentionMap(row_normalize(scores), kind="linear", num_allowed=n_allowed)
 
@@ -157,10 +181,10 @@ def diag_attention_map(layer, x, attention_mask=None, positions=None) -> Attenti
     if layer.kernel == "softmax":
         return AttentionMap(p, kind="softmax")
     empty = p.sum(-1) == 0  # [B, H, T]; padded query rows are empty by construction and not counted
-    dead = float(empty.double().mean()) if mask is None else \
-        float((empty & mask[:, None, :]).sum()) / max(int(mask.sum()) * p.shape[1], 1)
-    note = f"{dead:.1%} of rows have no positive score (all-zero rows)" if dead > 0 else ""
-    return AttentionMap(row_normalize(p, RELA_ROW_SUM_MIN), kind="rela", note=note)
+    rows = empty.numel() if mask is None else int(mask.sum()) * p.shape[1]
+    dead = float(empty.sum() if mask is None else (empty & mask[:, None, :]).sum()) / max(rows, 1)
+    return AttentionMap(row_normalize(p, RELA_ROW_SUM_MIN), kind="rela", note=dead_rows_note(dead) if dead > 0 else "",
+                        dead_fraction=dead, num_query_rows=rows)
 
 
 def find_map_fn(layer) -> Callable | None:

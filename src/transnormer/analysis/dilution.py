@@ -27,7 +27,7 @@ import torch
 
 from ..layers.base import default_positions
 from ._io import new_figure, save_figure, save_json
-from .attention_maps import NoAttentionMap, attention_map, eval_mode
+from .attention_maps import NoAttentionMap, attention_map, eval_mode, pooled_note
 
 MODES = ("clip", "shift", "causal")
 MAP_ELEMENTS_BUDGET = 2**27  # float64 entries of attention maps held at once (1 GiB)
@@ -205,12 +205,11 @@ def dilution_curves(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         rows = torch.cat(rows)
         num_rows = rows.shape[0]
         curve = rows.mean(0)
-        worst = max(maps, key=lambda m: m[0].negative_fraction)[0]
         # the samples' maps come in chunks; one flagged chunk (|s|, which equals s where no score is
         # negative) names the layer's kind, not whichever chunk came first
         kind = next((m.kind for m, _ in maps if m.flagged), maps[0][0].kind)
         layers.append({**info, "kind": kind, "flagged": any(m.flagged for m, _ in maps),
-                       "note": worst.note or next((m.note for m, _ in maps if m.note), ""),
+                       "note": pooled_note([m for m, _ in maps]),  # (it had been the worst chunk's)
                        # a share of all the chunks' allowed scores (not a mean over samples, which
                        # would change with how the batch was chunked)
                        "negative_fraction": (sum(m.negative_fraction * m.num_allowed for m, _ in maps)
