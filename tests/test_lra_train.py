@@ -437,6 +437,8 @@ def test_results_table_naming_rule():
     # a run cut below the task length is not the benchmark, and a full-length one is preferred to it
     cut = [{**r, "dataset_id": r["dataset_id"] + ", cut to 256"} for r in five]
     assert "LRA average" not in results_table(cut)
+    # and the average's name says so (§6.3: named after its data; it had read "Retrieval (official)")
+    assert "avg over ListOps (official, cut) + Text (official)" in results_table([cut[0], five[1]])
     short = [{**r, "seq_len": 256} for r in five]  # a result written before the ", cut to N" label
     assert "LRA average" not in results_table(short)
     better_but_cut = {**cut[0], "test": {"accuracy": 0.9}}

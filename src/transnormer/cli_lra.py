@@ -162,7 +162,8 @@ def results_table(records: list[dict], split: str = "test") -> str:
             name = f"{family}: LRA average (five tasks, official data)"
         else:
             name = f"{family}: avg over " + " + ".join(
-                f"{TASK_TITLES.get(chosen[t]['task'], t)} ({chosen[t]['data_provenance']})" for t in chosen
+                f"{TASK_TITLES.get(chosen[t]['task'], t)} ({chosen[t]['data_provenance']}"
+                f"{'' if _full_length(chosen[t]) else ', cut'})" for t in chosen  # (§6.3: named after its data)
             ) + f" ({len(chosen)} tasks; not the official benchmark score)"
         lines += ["", f"{name}: {mean:.2f}"]
     return "\n".join(lines) + "\n"
