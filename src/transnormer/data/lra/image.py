@@ -10,8 +10,10 @@ scalars, so a tampered file cannot run code. Greyscale rule (recorded in the dat
   ``convert_image_dtype`` back to uint8 = ``trunc(g · 255.5)`` [I, unverified against TF];
 * ``"round"``: ``round-half-even(Σ w_c · c)`` in float64.
 
-The two differ by at most one level. Splits: train = first 45,000 training images (``train[:90%]``),
-val = last 5,000, test = ``test_batch``. Tokens: the 1024 intensities row-major, vocabulary 256.
+The two differ by at most one level. Splits: train = first 45,000 training images in file order,
+val = last 5,000, test = ``test_batch``: the sizes of TFDS's ``train[:90%]`` / ``train[90%:]``, but
+not necessarily the same images [unverified: TFDS orders a split's examples by its own keys when it
+prepares it, not by the batch files]. Tokens: the 1024 intensities row-major, vocabulary 256.
 
 Fashion-MNIST stand-in (idx files, gzip): images magic 2051 + count + rows + cols (28, 28),
 labels magic 2049 + count; headers are big-endian int32. Images are zero-padded by 2 px on every
@@ -175,7 +177,7 @@ def load_cifar_split(root: str | os.PathLike, split: str, *, gray_rule: str = "t
         parts = [read_cifar_batch(d / name) for name in CIFAR_TRAIN_FILES]
         data = np.concatenate([p[0] for p in parts])
         labels = np.concatenate([p[1] for p in parts])
-        n_train = (len(data) * 9) // 10  # TFDS train[:90%] = 45,000 of 50,000
+        n_train = (len(data) * 9) // 10  # the size of TFDS's train[:90%] (45,000 of 50,000), in file order
         sl = slice(0, n_train) if split == "train" else slice(n_train, len(data))
         data, labels = data[sl], labels[sl]
     return rgb_to_gray(data, gray_rule), labels
