@@ -456,9 +456,36 @@ def test_bf16_without_bf16_kernel_runs_the_fp32_kernel_on_copies(monkeypatch, ca
     go = torch.randn_like(ref)
     for g, r in zip(torch.autograd.grad(o, (q, k, v), go.bfloat16()), torch.autograd.grad(ref, (qd, kd, vd), go)):
         assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
-    assert not _native.softmax_upcast_usable(q, k, v, window=64)  # blocks: the PyTorch bf16 form
     monkeypatch.setattr(_native, "bf16_ready", lambda: True)
     assert not _native.softmax_upcast_usable(q, k, v)  # the bf16 kernel runs instead
+
+
+@needs_f32
+@pytest.mark.parametrize("T", [128, 100])  # whole blocks, and a last block of 36
+def test_bf16_blocks_without_bf16_kernel_run_the_fp32_kernel_without_avx512(monkeypatch, T):
+    """Without AVX-512 (AVX2: bf16 products emulated), block_attn's PyTorch bf16 form ran 10x
+    slower than the fp32 kernel on copies (311-400 against 33-37 ms, blocks of 64 at 4k); with
+    AVX-512 it was as fast, and blocks keep it. Blocks the kernel cannot tile (32) keep it too."""
+    monkeypatch.setattr(_native, "bf16_ready", lambda: False)
+    dtypes = []
+    real = _native.native_softmax_attn
+    monkeypatch.setattr(_native, "native_softmax_attn", lambda q, *a, **kw: dtypes.append(q.dtype) or real(q, *a, **kw))
+    info = _native.cpu_info()
+    monkeypatch.setattr(_native, "cpu_info", lambda: info._replace(flags=info.flags - {"avx512f"}))
+    q, k, v = (torch.randn(2, T, 2, 32, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    o = block_attn(q, k, v, block_size=64, causal=True)
+    assert dtypes == [torch.float32] and o.dtype == torch.bfloat16
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = block_attn_reference(qd, kd, vd, block_size=64, causal=True)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert rel_err(o.double(), ref) < 5e-3
+    go = torch.randn_like(ref)
+    for g, r in zip(torch.autograd.grad(o, (q, k, v), go.bfloat16()), torch.autograd.grad(ref, (qd, kd, vd), go)):
+        assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
+    block_attn(q, k, v, block_size=32, causal=True)  # not a whole tile: the PyTorch bf16 form
+    assert dtypes == [torch.float32]
+    monkeypatch.setattr(_native, "cpu_info", lambda: info._replace(flags=info.flags | {"avx512f"}))
+    assert not _native.softmax_upcast_usable(q, k, v, window=64) and _native.softmax_upcast_usable(q, k, v)
 
 
 def test_a_scale_past_the_fp32_range_is_refused_before_any_kernel():

@@ -578,10 +578,12 @@ def softmax_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
 
 
 def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> bool:
-    """Whether bf16 softmax attention over all keys runs the fp32 kernel on fp32 copies: CPU bf16 q, k,
-    v with D, E multiples of 16, on a machine whose library has no bf16 kernel. Not for blocks
-    (``window`` > 0): there the PyTorch bf16 form of ``block_attn`` was as fast or faster."""
-    if window or 0 in q.shape or 0 in v.shape:
+    """Whether bf16 softmax attention runs the fp32 kernel on fp32 copies: CPU bf16 q, k, v with D, E
+    multiples of 16, on a machine whose library has no bf16 kernel. Blocks (``window`` > 0) only
+    without AVX-512: on AVX-512 (Zen 5, before its bf16 engine) the PyTorch bf16 form of
+    ``block_attn`` was as fast; on AVX2 (Zen 3) its bf16 products are emulated and it ran 10x slower
+    (blocks of 64, T = 4k, 8 heads, fwd+bwd: 311-400 ms against 33-37 ms here)."""
+    if 0 in q.shape or 0 in v.shape or (window and "avx512f" in cpu_info().flags):
         return False
     # upcast_usable first: it checks the device before anything loads (a CUDA run had built the CPU
     # library inside its first timed step)
@@ -654,12 +656,22 @@ def fused_softmax_attn(q, k, v, *, causal: bool, scale: float, window: int = 0) 
         # (before anything that loads the library: its lock breaks a fullgraph torch.compile trace)
         return None
     q, k, v = autocast_inputs(q, k, v)
-    if not softmax_usable(q, k, v, window):
-        if softmax_upcast_usable(q, k, v, window):
-            # bf16 on a CPU without a bf16 kernel: the fp32 kernel on fp32 copies, 1.7-3.5x the SDPA bf16 fallback
-            # (vanilla shapes, fwd+bwd, docs/benchmarks.md); fp32 math, the output rounds once to bf16
-            return native_softmax_attn(q.float(), k.float(), v.float(), causal=causal, scale=scale).to(q.dtype)
+    if softmax_usable(q, k, v, window):
+        return _softmax_walk(q, k, v, causal=causal, scale=scale, window=window)
+    if not softmax_upcast_usable(q, k, v, window):
         return None
+    # bf16 on a CPU without a bf16 kernel: the fp32 kernel on fp32 copies, 1.7-3.5x the SDPA bf16
+    # fallback (vanilla shapes, fwd+bwd, docs/benchmarks.md); fp32 math, the output rounds once to
+    # bf16. Blocks the fp32 kernel cannot tile stay with the caller's bf16 form.
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    if not softmax_usable(q32, k32, v32, window):
+        return None
+    return _softmax_walk(q32, k32, v32, causal=causal, scale=scale, window=window).to(q.dtype)
+
+
+def _softmax_walk(q, k, v, *, causal: bool, scale: float, window: int) -> torch.Tensor:
+    """o from the kernel that takes q, k, v as they are (:func:`softmax_usable`), whole blocks as
+    sequences of their own."""
     B, T = q.shape[:2]
     if window and T % window == 0:
         # Whole blocks: each block a sequence of its own ([B·T/w, w, H, D], views of the same
