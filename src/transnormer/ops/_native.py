@@ -582,7 +582,7 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
     multiples of 16, on a machine whose library has no bf16 kernel. Blocks (``window`` > 0) only
     without AVX-512: on AVX-512 (Zen 5, before its bf16 engine) the PyTorch bf16 form of
     ``block_attn`` was as fast; on AVX2 (Zen 3) its bf16 products are emulated and it ran 10x slower
-    (blocks of 64, T = 4k, 8 heads, fwd+bwd: 311-400 ms against 33-37 ms here)."""
+    (blocks of 64, T = 4k, 8 heads, fwd+bwd: 311-400 ms against 23-37 ms here)."""
     if 0 in q.shape or 0 in v.shape or (window and "avx512f" in cpu_info().flags):
         return False
     # upcast_usable first: it checks the device before anything loads (a CUDA run had built the CPU
