@@ -470,8 +470,7 @@ def test_bf16_blocks_without_bf16_kernel_run_the_fp32_kernel_without_avx512(monk
     dtypes = []
     real = _native.native_softmax_attn
     monkeypatch.setattr(_native, "native_softmax_attn", lambda q, *a, **kw: dtypes.append(q.dtype) or real(q, *a, **kw))
-    info = _native.cpu_info()
-    monkeypatch.setattr(_native, "cpu_info", lambda: info._replace(flags=info.flags - {"avx512f"}))
+    monkeypatch.setitem(_native._build_flags, "tn_rows_avx512", False)  # an AVX2 build
     q, k, v = (torch.randn(2, T, 2, 32, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     o = block_attn(q, k, v, block_size=64, causal=True)
     assert dtypes == [torch.float32] and o.dtype == torch.bfloat16
@@ -484,7 +483,7 @@ def test_bf16_blocks_without_bf16_kernel_run_the_fp32_kernel_without_avx512(monk
         assert g.dtype == torch.bfloat16 and rel_err(g.double(), r) < 2e-2
     block_attn(q, k, v, block_size=32, causal=True)  # not a whole tile: the PyTorch bf16 form
     assert dtypes == [torch.float32]
-    monkeypatch.setattr(_native, "cpu_info", lambda: info._replace(flags=info.flags | {"avx512f"}))
+    monkeypatch.setitem(_native._build_flags, "tn_rows_avx512", True)
     assert not _native.softmax_upcast_usable(q, k, v, window=64) and _native.softmax_upcast_usable(q, k, v)
 
 

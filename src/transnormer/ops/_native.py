@@ -583,11 +583,12 @@ def softmax_upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
     without AVX-512: on AVX-512 (Zen 5, before its bf16 engine) the PyTorch bf16 form of
     ``block_attn`` was as fast; on AVX2 (Zen 3) its bf16 products are emulated and it ran 10x slower
     (blocks of 64, T = 4k, 8 heads, fwd+bwd: 311-400 ms against 23-37 ms here)."""
-    if 0 in q.shape or 0 in v.shape or (window and "avx512f" in cpu_info().flags):
+    if 0 in q.shape or 0 in v.shape:
         return False
     # upcast_usable first: it checks the device before anything loads (a CUDA run had built the CPU
     # library inside its first timed step)
-    return q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and upcast_usable(q, k, v) and softmax_f32_ready()
+    return (q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0 and upcast_usable(q, k, v) and softmax_f32_ready()
+            and not (window and _build_flag("tn_rows_avx512")))  # (the build's AVX-512 probe)
 
 
 class NativeSoftmaxAttn(torch.autograd.Function):
