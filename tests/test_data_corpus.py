@@ -190,6 +190,27 @@ def test_file_with_split_name_loads_siblings_xz(tmp_path):
     assert c["valid"][0] == "= = = valid/0.rst = = =\nBody 0 of valid.\n\nSecond para."
 
 
+def test_split_siblings_compressed_differently(tmp_path):
+    # wiki.train.tokens.xz beside plain valid/test files: the compression suffix was part of the family's
+    # name, so valid and test were carved out of train without a word
+    with lzma.open(tmp_path / "wiki.train.tokens.xz", "wt", encoding="utf-8") as f:
+        f.write(_paragraphs("t", 20))
+    (tmp_path / "wiki.valid.tokens").write_text(_paragraphs("v", 2), encoding="utf-8")
+    (tmp_path / "wiki.test.tokens").write_text(_paragraphs("s", 3), encoding="utf-8")
+    c = load_corpus(tmp_path / "wiki.train.tokens.xz")
+    assert [len(c[s]) for s in ("train", "valid", "test")] == [20, 2, 3]
+    assert c.sources["valid"] == [str(tmp_path / "wiki.valid.tokens")]
+    # one split held twice: the copy compressed like the spec file, and a clear error where none is
+    with lzma.open(tmp_path / "wiki.valid.tokens.xz", "wt", encoding="utf-8") as f:
+        f.write(_paragraphs("v", 2))
+    assert load_corpus(tmp_path / "wiki.train.tokens.xz").sources["valid"] == [str(tmp_path / "wiki.valid.tokens.xz")]
+    (tmp_path / "wiki.train.tokens").write_text(_paragraphs("t", 20), encoding="utf-8")
+    (tmp_path / "wiki.valid.tokens").unlink()
+    (tmp_path / "wiki.valid.tokens.gz").write_bytes(gzip.compress(_paragraphs("v", 2).encode()))
+    with pytest.raises(ValueError, match="'valid' has 2 files differing only in compression"):
+        load_corpus(tmp_path / "wiki.train.tokens")
+
+
 def test_split_subdirectories_and_missing_splits_carved(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "a.txt").write_text(_paragraphs("a", 30), encoding="utf-8")
@@ -317,6 +338,16 @@ def test_hf_line_rows_keep_their_blank_lines(monkeypatch):
     c = load_corpus("hf:lines")
     assert c["valid"] == ["First paragraph line one.\nline two.", "Second paragraph.", "Third."]
     assert c["valid"] == split_into_documents("".join(r or "\n" for r in rows))
+
+
+def test_hf_document_rows_ending_in_newline_stay_documents(monkeypatch):
+    # a row of several lines is a document even when it ends in "\n": such rows had been joined as
+    # lines and cut at blank lines, gluing every row into one document
+    rows = [f"Title {i}\nFirst line of document {i}.\nSecond line.\n" for i in range(30)]
+    split = {"train": _FakeSplit(rows), "validation": _FakeSplit(rows[:2]), "test": _FakeSplit(rows[:3])}
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a: split))
+    c = load_corpus("hf:docs")
+    assert c["train"] == [r.strip() for r in rows] and len(c["valid"]) == 2 and len(c["test"]) == 3
 
 
 def test_hf_val_split_is_the_valid_split(monkeypatch):

@@ -302,9 +302,10 @@ def _is_text_file(path: Path) -> bool:
 
 
 def _split_template(name: str) -> tuple[tuple[str, ...], str] | None:
-    """``("docs", "{}", "txt", "xz"), "train"`` for ``docs.train.txt.xz``: name words with the split word
-    replaced, so that siblings of the same family compare equal."""
-    words = re.split(r"([^a-z0-9]+)", name.lower())
+    """``("docs", "{}", "txt"), "train"`` for ``docs.train.txt.xz``: name words with the split word
+    replaced and the compression suffix dropped, so that siblings of the same family compare equal
+    however each is compressed (``wiki.train.tokens.xz`` beside a plain ``wiki.valid.tokens``)."""
+    words = re.split(r"([^a-z0-9]+)", _strip_compression(name)[0].lower())
     split = None
     for i, w in enumerate(words):
         if w in _SPLIT_WORDS:
@@ -325,6 +326,18 @@ def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]
             sib_template = _split_template(sib.name)
             if sib.is_file() and sib_template is not None and sib_template[0] == template[0]:
                 family.setdefault(sib_template[1], []).append(sib)
+        # One split held both compressed and plain (docs.valid.txt beside docs.valid.txt.xz) is one text
+        # twice: keep the copy compressed like the spec file, else refuse to guess.
+        spec_compression = _strip_compression(spec_path.name)[1]
+        for split, sibs in family.items():
+            if len(sibs) > 1:
+                alike = [f for f in sibs if _strip_compression(f.name)[1] == spec_compression]
+                if len(alike) != 1:
+                    raise ValueError(
+                        f"{str(spec_path)!r}: split {split!r} has {len(sibs)} files differing only in "
+                        f"compression ({', '.join(f.name for f in sibs)}); keep one"
+                    )
+                family[split] = alike
         return family, []
     files = sorted(p for p in spec_path.rglob("*") if _is_text_file(p) and not _hidden(p, spec_path))
     if not files:
@@ -460,7 +473,10 @@ def _hf_documents(split_ds, where: str) -> list[str]:
     nonblank = [r for r in rows if r.strip()]
     # Line-based datasets (WikiText on the hub: one row per line, each ending in "\n") are joined back
     # into the original text and cut into documents by the usual rule; otherwise a row is a document.
-    if nonblank and sum(r.endswith("\n") for r in nonblank) >= 0.5 * len(nonblank):
+    # A row with a line break before its end is a document of several lines, not a line: the dataset
+    # is then one document per row, even if its rows end in "\n".
+    line_rows = all("\n" not in r[:-1] for r in nonblank)
+    if nonblank and line_rows and sum(r.endswith("\n") for r in nonblank) >= 0.5 * len(nonblank):
         # A blank line is an empty row with no "\n" of its own: give it back, or the paragraph rule
         # (and the text of every document) loses it.
         return split_into_documents("".join(r if r.endswith("\n") else r + "\n" for r in rows))
