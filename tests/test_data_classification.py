@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -122,6 +123,22 @@ def test_jsonl_pairs_int_labels_and_drop(tmp_path):
     ]
     array = _write(tmp_path / "arr.json", json.dumps([{"text": "x y", "label": "a"}]))
     assert read_classification_file(array)[0].text == "x y"
+
+
+def test_long_fields_and_json_array_lines(tmp_path):
+    # csv's default 131,072-character field limit had called a long document "malformed"
+    long = "word " * 40_000
+    for name, sep in (("long.tsv", "\t"), ("long.csv", ",")):
+        path = _write(tmp_path / name, f"sentence{sep}label\n{long}{sep}1\nshort{sep}0\n")
+        assert [len(e.text) for e in read_classification_file(path)] == [len(long), 5]
+    assert csv.field_size_limit() == 131_072  # given back
+    # a pretty-printed JSON array: errors name the line the item starts on (it had been the item's number)
+    items = [{"text": "a", "label": 1}, {"text": "b", "label": 0}, {"text": "d"}]
+    array = _write(tmp_path / "arr.json", json.dumps(items, indent=1))
+    with pytest.raises(ValueError, match=r"arr.json', line 10: missing column"):
+        read_classification_file(array)
+    array = _write(tmp_path / "arr.json", json.dumps(items[:2], indent=1))
+    assert [e.line for e in read_classification_file(array)] == [2, 6]
 
 
 # ----------------------------------------------------------------------------------- label sets, datasets

@@ -219,6 +219,9 @@ def _records_delimited(path: Path, text: str, fmt: str) -> tuple[list[tuple[int,
         reader = csv.reader(io.StringIO(text, newline=""))
     rows: list[tuple[int, list[str]]] = []
     start = 1
+    # csv's default field limit (131,072 characters) would call a long document "malformed"; no field
+    # is longer than the text. The limit is process-wide, so it is given back.
+    old_limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
     try:
         for cells in reader:
             if any(c.strip() for c in cells):
@@ -226,6 +229,8 @@ def _records_delimited(path: Path, text: str, fmt: str) -> tuple[list[tuple[int,
             start = reader.line_num + 1
     except csv.Error as e:
         raise ValueError(f"{str(path)!r}, line {start}: malformed {fmt.upper()} ({e})") from e
+    finally:
+        csv.field_size_limit(old_limit)
     return rows, max((len(c) for _, c in rows), default=0)
 
 
@@ -236,7 +241,7 @@ def _records_json(path: Path, text: str) -> list[tuple[int, dict]]:
             items = json.loads(text)
         except ValueError as e:
             raise ValueError(f"{str(path)!r}: invalid JSON ({e})") from e
-        records = list(enumerate(items, 1))
+        records = list(zip(_array_item_lines(text), items, strict=True))
     else:
         records = []
         for lineno, line in enumerate(text.split("\n"), 1):
@@ -250,6 +255,21 @@ def _records_json(path: Path, text: str) -> list[tuple[int, dict]]:
         if not isinstance(rec, dict):
             raise ValueError(f"{str(path)!r}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
     return records
+
+
+def _array_item_lines(text: str) -> list[int]:
+    """1-based line on which each item of the JSON array ``text`` starts (``text`` is valid JSON)."""
+    decoder, lines = json.JSONDecoder(), []
+    i, line, counted = text.index("[") + 1, 1, 0
+    while True:
+        while text[i] in " \t\r\n,":
+            i += 1
+        if text[i] == "]":
+            return lines
+        line += text.count("\n", counted, i)
+        counted = i
+        lines.append(line)
+        _, i = decoder.raw_decode(text, i)
 
 
 def _find(columns: Sequence[str], wanted: str) -> int | None:
