@@ -89,7 +89,16 @@ def test_resume_rejects_mismatched_settings():
     edited[len(edited) // 2] += 1
     with pytest.raises(ValueError, match="tokens: saved"):
         LMBatchIterator(edited, seq_len=32, batch_size=8, seed=0).load_state_dict(a.state_dict())
-    old = {k: v for k, v in a.state_dict().items() if k != "tokens"}  # a checkpoint from before the field
+    # one token edited away from the 4,096 sampled ones: the full digest refuses it
+    picks = set(np.linspace(0, len(TOKENS) - 1, num=min(len(TOKENS), 4096)).astype(np.int64).tolist())
+    unsampled = next(i for i in range(len(TOKENS)) if i not in picks)
+    edited = TOKENS.copy()
+    edited[unsampled] += 1
+    with pytest.raises(ValueError, match="tokens_digest: saved"):
+        LMBatchIterator(edited, seq_len=32, batch_size=8, seed=0).load_state_dict(a.state_dict())
+    # the same tokens in another dtype are the same stream
+    LMBatchIterator(TOKENS.astype(np.int64), seq_len=32, batch_size=8, seed=0).load_state_dict(a.state_dict())
+    old = {k: v for k, v in a.state_dict().items() if k not in ("tokens", "tokens_digest")}  # saved before both
     LMBatchIterator(edited, seq_len=32, batch_size=8, seed=0).load_state_dict(old)
 
 

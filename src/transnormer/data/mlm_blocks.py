@@ -153,7 +153,7 @@ class BlockBatchIterator(StepBatches):
         """Data position plus the settings that must match on resume."""
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
                 "global_batch_size": self.global_batch_size, "num_tokens": len(self.tokens),
-                "tokens": self.tokens_fingerprint, "num_blocks": len(self.blocks), "packing": "complete"}
+                "tokens": self.tokens_fingerprint, "tokens_digest": self.tokens_digest, "num_blocks": len(self.blocks), "packing": "complete"}
 
 
 def eval_block_batches(tokens, is_end: np.ndarray, seq_len: int, batch_size: int, *, bos_id: int | None,
