@@ -242,6 +242,19 @@ def test_bz2_and_crlf_and_bom(tmp_path):
     assert sorted(sum(c.splits.values(), [])) == ["one", "three", "two"]
 
 
+def test_directory_skips_empty_shards(tmp_path):
+    # one empty shard had aborted the whole directory ("file is empty"); a file spec still must hold text
+    for i in range(3):
+        (tmp_path / f"shard{i}.txt").write_text(_paragraphs(f"s{i}", 10), encoding="utf-8")
+    (tmp_path / "shard3.txt").write_bytes(b"")
+    (tmp_path / "shard4.txt").write_text(" \n\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"skipping 2 empty or blank file\(s\), e.g. .*shard3\.txt"):
+        c = load_corpus(tmp_path)
+    assert sum(len(c[s]) for s in ("train", "valid", "test")) == 30
+    with pytest.raises(ValueError, match="file is empty"):
+        load_corpus(tmp_path / "shard3.txt")
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 

@@ -6,7 +6,7 @@ A spec is one of
   (:mod:`transnormer.data.stdlib_docs`), cached per Python version, works offline;
 * ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a dataset loaded with the optional ``datasets`` package;
 * a path: a text file (``.txt``, ``.tokens``, ... optionally compressed ``.xz``/``.gz``/``.bz2``) or a
-  directory of them (searched recursively).
+  directory of them (searched recursively; empty or blank files in it are skipped with a warning).
 
 Splits. Files whose name (or a parent directory name, for a directory spec) contains a split word —
 ``train``/``training``, ``valid``/``validation``/``val``/``dev``, ``test``/``testing`` as a separate word,
@@ -131,14 +131,15 @@ def _strip_compression(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def read_text_file(path: str | os.PathLike) -> str:
+def read_text_file(path: str | os.PathLike, *, allow_blank: bool = False) -> str:
     """Read a UTF-8 text file, transparently decompressing ``.xz``/``.lzma``/``.gz``/``.bz2``.
 
-    Line endings are normalised to ``"\\n"`` and a leading BOM is dropped.
+    Line endings are normalised to ``"\\n"`` and a leading BOM is dropped. ``allow_blank``: return an
+    empty or blank file's text instead of raising.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is empty or blank, not valid UTF-8 (message names the byte offset in the
+        ValueError: the file is empty or blank (unless ``allow_blank``), not valid UTF-8 (message names the byte offset in the
             decompressed data), or a corrupt compressed stream.
     """
     path = Path(path)
@@ -168,7 +169,7 @@ def read_text_file(path: str | os.PathLike) -> str:
     if text.startswith("\ufeff"):
         text = text[1:]
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if not text.strip():
+    if not text.strip() and not allow_blank:
         raise ValueError(
             f"{str(path)!r}: file is empty" if not raw else f"{str(path)!r}: file contains only whitespace"
         )
@@ -364,10 +365,19 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def _read_documents(files: list[Path]) -> list[str]:
+def _read_documents(files: list[Path], spec_path: Path) -> list[str]:
+    """The documents of ``files``. Under a directory spec an empty or blank file (a shard left empty)
+    is skipped with a warning; a file spec must hold text."""
     docs: list[str] = []
+    blank: list[Path] = []
     for f in files:
-        docs.extend(split_into_documents(read_text_file(f)))
+        text = read_text_file(f, allow_blank=spec_path.is_dir())
+        if not text.strip():
+            blank.append(f)
+        docs.extend(split_into_documents(text))
+    if blank:
+        warnings.warn(f"{str(spec_path)!r}: skipping {len(blank)} empty or blank file(s), e.g. {str(blank[0])!r}",
+                      stacklevel=4)
     return docs
 
 
@@ -416,7 +426,7 @@ def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fractio
                 f"{str(path)!r}: ignoring {len(unnamed)} file(s) whose name names no split, e.g. {str(unnamed[0])!r}",
                 stacklevel=3,
             )
-        splits = {s: _read_documents(by_split[s]) for s in SPLITS if s in by_split}
+        splits = {s: _read_documents(by_split[s], path) for s in SPLITS if s in by_split}
         for s, docs in splits.items():
             if not docs:
                 raise ValueError(f"{str(path)!r}: split {s!r} has no documents")
@@ -424,7 +434,7 @@ def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fractio
         splits = _carve_missing(splits, seed, valid_fraction, test_fraction)
         sources = {s: [str(f) for f in by_split.get(s, by_split["train"])] for s in SPLITS}
     else:
-        docs = _read_documents(unnamed)
+        docs = _read_documents(unnamed, path)
         splits = split_documents(docs, seed=seed, valid_fraction=valid_fraction, test_fraction=test_fraction)
         splits = {s: splits.get(s, []) for s in SPLITS}
         sources = {s: [str(f) for f in unnamed] for s in SPLITS}
