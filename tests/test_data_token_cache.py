@@ -171,3 +171,37 @@ def test_a_built_cache_is_read_without_taking_the_lock(corpus, tok, tmp_path, mo
     monkeypatch.setattr(token_cache, "file_lock", no_write)
     again = build_token_cache(corpus, tok, cache_dir=tmp_path)
     assert all(np.array_equal(first[s], again[s]) for s in first)
+
+
+def test_long_documents_encoded_in_pieces_to_the_same_ids(tok, tmp_path):
+    # A one-sentence-per-line file without blank lines is one document: encoded whole it held ~165 bytes
+    # a token. Cut at line starts it is encoded a piece at a time, to the ids of the whole.
+    from transnormer.data.token_cache import _pieces, _write_split
+
+    rng = random.Random(3)
+    lines = [" ".join(make_docs(1, i)) + rng.choice(["", " ", ".", "  ", "\t"]) for i in range(300)]
+    doc = "\n".join(lines) + "\n\n ' 's\nx\n\n\ny \n z\n"
+    assert tok.splits_at_line_starts
+    assert len(_pieces(doc, 500)) > 10 and "".join(_pieces(doc, 500)) == doc
+    for piece_chars, batch_docs in ((500, 3), (37, 64), (len(doc), 1)):
+        path = tmp_path / f"p{piece_chars}.bin"
+        n, docs = _write_split([doc, "short one", doc], tok, path, np.dtype(np.uint16), batch_docs, None,
+                               piece_chars=piece_chars)
+        ids = np.fromfile(path, dtype=np.uint16).tolist()
+        assert docs == 3 and n == len(ids)
+        assert ids == [*tok.encode(doc), tok.eos_id, *tok.encode("short one"), tok.eos_id, *tok.encode(doc), tok.eos_id]
+
+
+def test_only_byte_level_bpe_is_cut(tok):
+    # a normalizer or a prefix space could join or change pieces across the cut: such tokenizers encode whole
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+
+    from transnormer.data import TextTokenizer
+
+    lowered = Tokenizer.from_str(tok._json)
+    lowered.normalizer = normalizers.Lowercase()
+    assert not TextTokenizer(lowered, name="lower").splits_at_line_starts
+    prefixed = Tokenizer.from_str(tok._json)
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    assert not TextTokenizer(prefixed, name="prefix").splits_at_line_starts
+    assert TextTokenizer(Tokenizer.from_str(tok._json), name="same").splits_at_line_starts

@@ -18,6 +18,7 @@ such text with a ValueError instead of returning the control token.)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -180,6 +181,20 @@ class TextTokenizer:
         else:
             ids |= set(getattr(self._hf, "all_special_ids", ()))
         return frozenset(i for i in ids if i is not None)
+
+    @functools.cached_property
+    def splits_at_line_starts(self) -> bool:
+        """Whether cutting a text just after ``"x\\n"`` before a printable ASCII character (``x`` one too)
+        leaves its ids unchanged: true of byte-level BPE with GPT-2's pre-tokenizer regex, no prefix
+        space and no normalizer (the library's own BPE), where ``"\\n"`` there is a pre-token of its
+        own and no merge crosses pre-tokens. Lets the token cache encode a huge document a piece at a
+        time (:mod:`~transnormer.data.token_cache`)."""
+        if self._json is None:
+            return False
+        spec = json.loads(self._json)
+        pre = spec.get("pre_tokenizer") or {}
+        return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex") is True
+                and pre.get("add_prefix_space") is False and (spec.get("model") or {}).get("type") == "BPE")
 
     @property
     def fingerprint(self) -> str:
