@@ -161,3 +161,22 @@ def test_flash_tn_lm_has_the_ports_ten_layers():
         m = build_model("flash-tn-lm")
     n = sum(p.numel() for p in m.parameters())
     assert m.config.num_hidden_layers == 10 and abs(n / 1e6 - 153) < 1
+
+
+def test_norm_and_diag_layer_options_override_and_name_themselves():
+    # norm/diag options had been passed beside the config's own values: an override was "multiple values"
+    # and an unknown option an error that did not name layer_options
+    from transnormer.models import TransNormerConfig, TransNormerModel
+
+    cfg = TransNormerConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                            layer_types=["diag", "norm"], chunk_size=64, block_size=16,
+                            layer_options={"norm": {"chunk_size": 16}, "diag": {"block_size": 8}})
+    model = TransNormerModel(cfg)
+    assert model.layers[1].mixer.chunk_size == 16 and model.layers[0].mixer.block_size == 8
+    for kind, opts in (("norm", {"chunk_sise": 16}), ("diag", {"dropout": 0.1})):
+        cfg.layer_options = {kind: opts}
+        with pytest.raises(TypeError, match=rf"layer_options\['{kind}'\]: .*unexpected keyword"):
+            TransNormerModel(cfg)
+    cfg.layer_types, cfg.layer_options = ["performer"] * 2, {"performer": {"seed": 1.7}}
+    with pytest.raises(ValueError, match=r"layer_options\['performer'\]\['seed'\] must be an int"):
+        TransNormerModel(cfg)  # had been truncated to 1

@@ -39,6 +39,16 @@ def test_generate_streams(run_dir, capsys):
     assert capsys.readouterr().out.startswith("def return")
 
 
+@pytest.mark.parametrize("argv", [["generate", "--model", "m", "--prompt", "x"], ["analyze", "gradient-bound"],
+                                  ["lra", "prepare", "listops"]])
+def test_seed_out_of_range_is_refused_by_name(argv, capsys):
+    # generate had loaded the model, then failed with "Overflow when unpacking long long"
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--seed", str(2**70)])
+    assert e.value.code == 2
+    assert "argument --seed: expected an integer seed in [0, 2**32), got 1180591620717411303424" in capsys.readouterr().err
+
+
 def test_generate_samples_from_every_token_unless_told_otherwise(run_dir, monkeypatch):
     """transformers fills in top_k = 50 where a call sets none: --top-p 1 had still cut sampling to
     50 tokens. generate passes top_k (default 0: no cut); --top-k sets it."""

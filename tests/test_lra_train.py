@@ -154,6 +154,11 @@ def test_dual_encoder_forward_and_padding_invariance():
                                                               attention_mask_2=mb).logits)
     with pytest.raises(ValueError, match="input_ids_2"):
         model(input_ids=a, attention_mask=ma)
+    # a mask of another shape than its ids had been padded to the pair's length: pads read as tokens
+    with pytest.raises(ValueError, match=r"attention_mask_2 must have its input_ids' shape \(3, 45\), got \(3, 30\)"):
+        model(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=ma)
+    with pytest.raises(ValueError, match=r"attention_mask must have its input_ids' shape \(3, 30\)"):
+        model(input_ids=a, attention_mask=ma[:, :12], input_ids_2=b)
 
 
 def test_dual_encoder_loss_counts_trainers_items():

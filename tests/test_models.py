@@ -617,6 +617,10 @@ def test_an_encoder_loaded_as_masked_lm_gets_an_initialised_head(tmp_path, initi
     ("num_labels", 0, "num_labels must be >= 1"),
     ("problem_type", "foo", "problem_type must be None or one of"),
     ("lrpe_seed", "a", "lrpe_seed must be an int"),
+    ("lrpe_seed", 2**62, r"lrpe_seed must be in \[0, 2\*\*32\)"),  # had overflowed torch's seed in the layer
+    ("tie_word_embeddings", "False", "tie_word_embeddings must be a bool"),  # the CLI's override string had tied
+    ("initializer_range", -1.0, "initializer_range must be a finite number >= 0"),
+    ("initializer_range", "0.02", "initializer_range must be a finite number >= 0"),
 ])
 def test_config_values_are_checked(field, value, match, tmp_path):
     # these used to fail deep inside a layer, or (a truthy string, a misspelt type) be accepted

@@ -23,6 +23,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a seed, an integer in [0, 2**32) (numpy's range; torch's is wider)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**32), got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**32), got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     try:
@@ -116,7 +127,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--sync-batch-norm", action="store_true",
                    help="under torchrun, batch norm statistics over every process (default: per process)")
     p.add_argument("--device")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=seed_int, default=d.seed)
     p.add_argument("--out", dest="out_dir", default=d.out_dir)
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="steps; 0 = at the end only (compare: 0 = 8 evaluations per run)")
@@ -368,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (default 0: all)")
     p.add_argument("--tokenizer")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--no-stream", action="store_true")
     p.set_defaults(func=cmd_generate)
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from .cli import seed_int
+
 
 def _dump(obj) -> None:
     print(json.dumps(obj, indent=1, default=str)[:4000])
@@ -169,7 +171,7 @@ def register(sub) -> None:
 
     q = asub.add_parser("gradient-bound", help="Proposition 3.1: softmax vs linear vs NormAttention gradients")
     q.add_argument("--out", default="runs/analysis/gradient_bound")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=seed_int, default=0)
     q.set_defaults(func=cmd_gradient_bound)
 
     q = asub.add_parser("dilution", help="locally accumulated attention score l(r) per layer")
@@ -181,7 +183,7 @@ def register(sub) -> None:
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--samples", type=int, default=2)
     q.add_argument("--mode", default="clip", choices=["clip", "shift", "causal"])
-    q.add_argument("--seed", type=int, default=0, help="of the random weights of presets given by name")
+    q.add_argument("--seed", type=seed_int, default=0, help="of the random weights of presets given by name")
     q.add_argument("--out", default="runs/analysis/dilution")
     q.set_defaults(func=cmd_dilution)
 
@@ -206,6 +208,6 @@ def register(sub) -> None:
     q.add_argument("--warmup", type=int, default=20)
     q.add_argument("--vocab-size", type=int, default=8192)
     q.add_argument("--cache-dir")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=seed_int, default=0)
     q.add_argument("--out", default="runs/analysis/ablation")
     q.set_defaults(func=cmd_ablation)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ._files import atomic_write_text
-from .cli import positive_float, positive_int
+from .cli import positive_float, positive_int, seed_int
 
 LRA_FIVE = ("listops", "text", "retrieval", "image", "pathfinder")
 TASK_TITLES = {"listops": "ListOps", "text": "Text", "retrieval": "Retrieval", "image": "Image",
@@ -521,7 +521,7 @@ def register(sub) -> None:
     q = lsub.add_parser("prepare", help="generate ListOps / Pathfinder, or check a stand-in's files")
     q.add_argument("task")
     q.add_argument("--out", default="data/lra", help="output folder (default: data/lra)")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=seed_int, default=0)
     q.add_argument("--n-train", type=int)
     q.add_argument("--n-val", type=int)
     q.add_argument("--n-test", type=int)
@@ -560,7 +560,7 @@ def register(sub) -> None:
     q.add_argument("--sync-batch-norm", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun, batch norm statistics over every process, as the authors' SyncBatchNorm "
                         "(default: on when the model has batch norm; --no-sync-batch-norm: per process)")
-    q.add_argument("--seed", type=int, help="default: 2222 (the authors')")
+    q.add_argument("--seed", type=seed_int, help="default: 2222 (the authors')")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     q.add_argument("--out", help="run folder (default: runs/lra/TASK-PRESET)")
     q.add_argument("--eval-every", type=int, default=0)

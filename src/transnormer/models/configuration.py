@@ -199,7 +199,7 @@ class TransNormerConfig(PretrainedConfig):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
         for name in ("pre_norm", "final_norm", "scale_embedding", "embed_norm", "causal", "use_cache", "eps_inside_sqrt",
-                     "norm_per_head", "lrpe_learn_theta", "diag_norm"):
+                     "norm_per_head", "lrpe_learn_theta", "diag_norm", "tie_word_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "diag_norm" and value is None):
                 # a string such as "no" would otherwise count as True
@@ -245,6 +245,11 @@ class TransNormerConfig(PretrainedConfig):
             raise ValueError(f"diag_kernel must be 'softmax' or 'relu', got {self.diag_kernel!r}")
         if isinstance(self.lrpe_seed, bool) or not isinstance(self.lrpe_seed, int):
             raise TypeError(f"lrpe_seed must be an int, got {type(self.lrpe_seed).__name__} {self.lrpe_seed!r}")
+        if not 0 <= self.lrpe_seed < 2**32:  # layer i draws from lrpe_seed * 1000 + i, within torch's range
+            raise ValueError(f"lrpe_seed must be in [0, 2**32), got {self.lrpe_seed}")
+        r = self.initializer_range
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < math.inf:
+            raise ValueError(f"initializer_range must be a finite number >= 0, got {r!r}")
         if self.num_labels < 1:
             raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
         if self.problem_type not in PROBLEM_TYPES:

@@ -67,6 +67,13 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
         B = input_ids.shape[0]
         if input_ids_2.shape[0] != B:
             raise ValueError(f"input_ids has {B} rows but input_ids_2 has {input_ids_2.shape[0]}")
+        for name, ids_, mask_ in (("attention_mask", input_ids, attention_mask),
+                                  ("attention_mask_2", input_ids_2, attention_mask_2)):
+            # each mask is padded to the common length below: one of another shape would count pads as
+            # real tokens (or drop real ones) where the one-tower model refuses it
+            if mask_ is not None and tuple(mask_.shape) != tuple(ids_.shape):
+                raise ValueError(f"{name} must have its input_ids' shape {tuple(ids_.shape)}, "
+                                 f"got {tuple(mask_.shape)}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask_2 is None:

@@ -21,37 +21,38 @@ def _norm_kwargs(config) -> dict:
 
 @register_layer_type("norm")
 def build_norm_attention(config, layer_idx: int) -> NormAttention:
-    return NormAttention(
-        config.hidden_size,
-        config.num_attention_heads,
-        causal=config.causal,
-        kernel=config.resolved("norm_kernel"),
-        chunk_size=config.chunk_size,
-        lrpe=config.lrpe,
-        lrpe_learn_theta=config.lrpe_learn_theta,
-        lrpe_seed=config.lrpe_seed * 1000 + layer_idx,
-        norm_per_head=config.norm_per_head,
+    """``layer_options["norm"]`` overrides any of these (an unknown option is a TypeError naming it)."""
+    opts = {
+        "causal": config.causal,
+        "kernel": config.resolved("norm_kernel"),
+        "chunk_size": config.chunk_size,
+        "lrpe": config.lrpe,
+        "lrpe_learn_theta": config.lrpe_learn_theta,
+        "lrpe_seed": config.lrpe_seed * 1000 + layer_idx,
+        "norm_per_head": config.norm_per_head,
         **_norm_kwargs(config),
         **config.options_for("norm"),
-    )
+    }
+    return _build("norm", NormAttention, config.hidden_size, config.num_attention_heads, **opts)
 
 
 @register_layer_type("diag")
 def build_diag_attention(config, layer_idx: int) -> DiagAttention:
-    return DiagAttention(
-        config.hidden_size,
-        config.diag_num_attention_heads or config.num_attention_heads,
-        causal=config.causal,
-        kernel=config.resolved("diag_kernel"),
-        block_size=config.block_size,
-        use_norm=config.resolved("diag_norm"),
-        lrpe=config.lrpe,
-        lrpe_learn_theta=config.lrpe_learn_theta,
-        lrpe_seed=config.lrpe_seed * 1000 + layer_idx,
-        attention_dropout=config.attention_dropout,
+    """``layer_options["diag"]`` overrides any of these (an unknown option is a TypeError naming it)."""
+    opts = {
+        "causal": config.causal,
+        "kernel": config.resolved("diag_kernel"),
+        "block_size": config.block_size,
+        "use_norm": config.resolved("diag_norm"),
+        "lrpe": config.lrpe,
+        "lrpe_learn_theta": config.lrpe_learn_theta,
+        "lrpe_seed": config.lrpe_seed * 1000 + layer_idx,
+        "attention_dropout": config.attention_dropout,
         **_norm_kwargs(config),
         **config.options_for("diag"),
-    )
+    }
+    return _build("diag", DiagAttention, config.hidden_size,
+                  config.diag_num_attention_heads or config.num_attention_heads, **opts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,7 +87,11 @@ def build_performer(config, layer_idx: int) -> Performer:
     ``seed`` (0; layer i draws from seed·1000 + i), ``eps`` (0.0: the exact ratio; FAVOR+ key features
     are small enough that 1e-6 would bias it)."""
     opts = {"chunk_size": config.chunk_size, **config.options_for("performer")}
-    opts["feature_seed"] = int(opts.pop("seed", 0)) * 1000 + layer_idx
+    seed = opts.pop("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        # draw r of layer i uses (seed * 1000 + i) * 1_000_003 + r: within torch's 64-bit seeds
+        raise ValueError(f"layer_options['performer']['seed'] must be an int in [0, 2**32), got {seed!r}")
+    opts["feature_seed"] = seed * 1000 + layer_idx
     return _build("performer", Performer, config.hidden_size, config.num_attention_heads,
                   causal=config.causal, **opts)
 
