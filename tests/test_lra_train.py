@@ -329,15 +329,17 @@ def test_cli_train_of_a_diverged_run_writes_no_result(listops_root, tmp_path, ca
     assert not (run / "lra_result.json").exists()
 
 
-def test_cli_train_epochs_count_optimizer_steps_of_the_global_batch(listops_root, tmp_path):
+@pytest.mark.parametrize("epochs,batch,steps", [(1, 8, 6), (4, 64, 3)])
+def test_cli_train_epochs_count_optimizer_steps_of_the_global_batch(listops_root, tmp_path, epochs, batch, steps):
     """--epochs 1 with --grad-accum 2: each step takes 2 x 8 of the 96 training examples, so 6 steps
-    (12 had read the data twice)."""
+    (12 had read the data twice). 4 epochs of 96 in steps of 2 x 64: 3 steps (steps per epoch had been
+    rounded down to 0 first, and the run cut to 1)."""
     run = tmp_path / "run"
     assert main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", str(listops_root),
-                 "--epochs", "1", "--batch-size", "8", "--grad-accum", "2", "--lr", "1e-3", "--out", str(run),
-                 "--no-progress", "--eval-batches", "1", "--test-batches", "1"]) == 0
+                 "--epochs", str(epochs), "--batch-size", str(batch), "--grad-accum", "2", "--lr", "1e-3",
+                 "--out", str(run), "--no-progress", "--eval-batches", "1", "--test-batches", "1"]) == 0
     rec = json.loads((run / "lra_result.json").read_text())
-    assert rec["training"]["max_steps"] == 6 and rec["steps"] == 6
+    assert rec["training"]["max_steps"] == steps and rec["steps"] == steps
 
 
 @pytest.mark.slow
@@ -448,6 +450,19 @@ def test_results_table_naming_rule():
     assert "LRA average" not in results_table(short)
     better_but_cut = {**cut[0], "test": {"accuracy": 0.9}}
     assert "LRA average (five tasks, official data): 50.00" in results_table([better_but_cut] + five)
+    # a short --seq-len that cut nothing (recorded since "subset" is): the task's data
+    uncut = [{**r, "seq_len": 256, "test": {**r["test"], "subset": False}} for r in five]
+    assert "LRA average (five tasks, official data): 50.00" in results_table(uncut)
+    # a score over a --test-batches subset is a sample: labelled, ranked after the whole split, never the
+    # official average (it had been averaged as one)
+    sub = [{**r, "test": {"accuracy": 0.9, "n": 4, "n_split": 12, "subset": True}} for r in five]
+    table = results_table(sub)
+    assert "LRA average" not in table and "| test (subset 4/12) | 90.00 |" in table
+    assert "avg over ListOps (official, subset) + Text (official, subset)" in results_table(sub[:2])
+    assert "LRA average (five tasks, official data): 50.00" in results_table(sub + five)
+    # the split's note (Text's validation is the test split) is carried into the report's rows
+    text_val = {**five[1], "val": {"accuracy": 0.5, "note": "validation = test split (official LRA behaviour)"}}
+    assert "| val (validation = test split (official LRA behaviour)) | 50.00 |" in results_table([text_val], "val")
 
 
 def test_report_averages_each_model_alone_and_prefers_official_data():
@@ -483,8 +498,16 @@ def test_text_and_retrieval_truncation_is_counted(tmp_path, capsys):
 
     assert load_split("retrieval", tmp_path, "test", 16).dataset_id.endswith("L=4000), cut to 16")
     assert load_split("retrieval", tmp_path, "test", 4000).dataset_id.endswith("L=4000)")
-    assert not comparable_to_published("official", 16, "retrieval")
-    assert comparable_to_published("official", 4000, "retrieval")
+    # below the task length but above every document: nothing is cut, and the label had said so anyway
+    whole = load_split("retrieval", tmp_path, "test", 4000)
+    longest = max(len(s) for seq in (whole.inputs, whole.inputs_2) for s in seq)
+    assert longest < 1000 and load_split("retrieval", tmp_path, "test", 1000).dataset_id.endswith("L=4000)")
+    official = {"data_provenance": "official", "dataset_id": "retrieval-aan(bytes, L=4000)", "n": 8, "n_split": 8,
+                "subset": False}
+    assert comparable_to_published(official)
+    assert not comparable_to_published({**official, "dataset_id": official["dataset_id"] + ", cut to 16"})
+    assert not comparable_to_published({**official, "n": 4, "subset": True})  # --test-batches: a sample
+    assert not comparable_to_published({**official, "data_provenance": "regenerated"})
 
 
 def _imdb_sorted(root, n=12):

@@ -76,6 +76,13 @@ def _fmt_acc(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * float(x):.2f}"
 
 
+def _split_label(split: str, r: dict) -> str:
+    """``split`` with what it really was: the loader's note (Text's validation is the test split) and a
+    subset scored (``--max-batches`` / ``--test-batches``)."""
+    label = f"{split} ({r['note']})" if r.get("note") else split
+    return label + (f" (subset {r.get('n')}/{r.get('n_split')})" if r.get("subset") else "")
+
+
 def result_markdown(rec: dict) -> str:
     """One run's result as markdown; the data provenance is in the title, the table and a note."""
     title = TASK_TITLES.get(rec["task"], rec["task"])
@@ -91,7 +98,7 @@ def result_markdown(rec: dict) -> str:
         r = rec.get(split)
         if not r:
             continue
-        label = f"{split} ({r['note']})" if r.get("note") else split
+        label = _split_label(split, r)
         lines.append(f"| {title} | {rec['data_provenance']} | {rec['dataset_id']} | {rec['preset']} | {label} | "
                      f"{_fmt_acc(r.get('accuracy'))} | {_fmt_acc(r.get('majority_accuracy'))} | {r.get('n', '')} | "
                      f"{rec.get('steps', '')} |")
@@ -124,11 +131,13 @@ def results_table(records: list[dict], split: str = "test") -> str:
     from .data.lra import PROVENANCES
     from .train.lra_tasks import full_length
 
-    def _full_length(rec) -> bool:  # a run cut below the task length read other inputs (results written
-        # before the ", cut to N" label record seq_len too)
+    def _caveats(rec) -> list[str]:  # why a run's number is not the task's: inputs cut, a subset scored
+        r = rec.get(split) or {}
         seq_len = rec.get("seq_len")
-        return ", cut to " not in str(rec.get("dataset_id", "")) and full_length(
-            seq_len if isinstance(seq_len, int) else None, rec["task"])
+        cut = ", cut to " in str(r.get("dataset_id", rec.get("dataset_id", ""))) or (
+            # results written before "subset" was recorded labelled a cut by seq_len alone
+            "subset" not in r and not full_length(seq_len if isinstance(seq_len, int) else None, rec["task"]))
+        return ["cut"] * cut + ["subset"] * bool(r.get("subset"))
 
     lines = ["| task | data (provenance) | dataset_id | model | split | accuracy % |", "|---|---|---|---|---|---|"]
     best: dict[str, dict[str, dict]] = {}  # model -> LRA task slot -> the run that represents it in the mean
@@ -136,13 +145,14 @@ def results_table(records: list[dict], split: str = "test") -> str:
     def rank(rec):  # lower is better: more official data first, at the task's full length, then validation
         prov = PROVENANCES.index(rec["data_provenance"]) if rec["data_provenance"] in PROVENANCES else len(PROVENANCES)
         val = (rec.get("val") or {}).get("accuracy") if split == "test" else None
-        return prov, not _full_length(rec), -(val if val is not None else rec[split]["accuracy"])
+        return prov, len(_caveats(rec)), -(val if val is not None else rec[split]["accuracy"])
 
     for rec in records:
         r = rec.get(split) or {}
         acc = r.get("accuracy")
+        label = _split_label(split, r)
         lines.append(f"| {TASK_TITLES.get(rec['task'], rec['task'])} | {rec['data_provenance']} | {rec['dataset_id']} | "
-                     f"{rec['preset']} | {split} | {_fmt_acc(acc)} |")
+                     f"{rec['preset']} | {label} | {_fmt_acc(acc)} |")
         slot = TASK_SLOT.get(rec["task"], rec["task"])  # the FMNIST stand-in fills Image's slot, not a sixth one
         if acc is None or slot not in LRA_FIVE:  # Path-X and the 64-pixel Pathfinder: in the table, not the mean
             continue
@@ -157,13 +167,13 @@ def results_table(records: list[dict], split: str = "test") -> str:
             continue
         mean = 100 * sum(float(chosen[t][split]["accuracy"]) for t in chosen) / len(chosen)
         official_five = set(chosen) == set(LRA_FIVE) and all(
-            c["data_provenance"] == "official" and _full_length(c) for c in chosen.values())
+            c["data_provenance"] == "official" and not _caveats(c) for c in chosen.values())
         if official_five:
             name = f"{family}: LRA average (five tasks, official data)"
         else:
             name = f"{family}: avg over " + " + ".join(
                 f"{TASK_TITLES.get(chosen[t]['task'], t)} ({chosen[t]['data_provenance']}"
-                f"{'' if _full_length(chosen[t]) else ', cut'})" for t in chosen  # (§6.3: named after its data)
+                f"{''.join(', ' + c for c in _caveats(chosen[t]))})" for t in chosen  # (§6.3: named after its data)
             ) + f" ({len(chosen)} tasks; not the official benchmark score)"
         lines += ["", f"{name}: {mean:.2f}"]
     return "\n".join(lines) + "\n"
@@ -278,7 +288,9 @@ def run_train(args) -> dict:
         # an optimizer step takes batch x grad_accum examples over all WORLD_SIZE processes
         per_step = batch * args.grad_accum
         n_train = len(load_split(task, args.root, "train", seq_len, opts))
-        max_steps = max(1, int(epochs * (n_train // per_step)))
+        # (epochs x n_train) // per_step: steps per epoch rounded down first had made a split smaller than
+        # one step (batch x --grad-accum) a one-step run whatever the epochs
+        max_steps = max(1, int(epochs * n_train // per_step))
     warmup = args.warmup if args.warmup is not None else defaults["warmup"]
     if warmup is None:
         warmup = min(1000, (max_steps or 10_000) // 10)  # [D] Path-X: not given by the authors
@@ -335,7 +347,7 @@ def run_train(args) -> dict:
                      else None},
         "overrides": cfg.overrides,
         "val": val, "test": test, "final_train_loss": summary["final_train_loss"],
-        "comparable_to_published": comparable_to_published(test["data_provenance"], seq_len, task),
+        "comparable_to_published": comparable_to_published(test),
     }
     if info.is_main:
         write_result(out, rec)
@@ -450,11 +462,11 @@ def cmd_eval(args) -> int:
     rec = {"kind": "lra-eval", "task": task, "model": str(path), "split": args.split, "seq_len": seq_len,
            "run_settings": run or None, "trained_on": trained_on or None,
            "data_provenance": res["data_provenance"], "dataset_id": res["dataset_id"], **res, "data": prov,
-           "comparable_to_published": comparable_to_published(res["data_provenance"], seq_len, task)}
+           "comparable_to_published": comparable_to_published(res)}
     print(json.dumps(rec, indent=1, default=str))
     if args.out:
         atomic_write_text(args.out, json.dumps(rec, indent=1, default=str))
-        split = f"{args.split} ({res['note']})" if res.get("note") else args.split
+        split = _split_label(args.split, res)
         md = Path(args.out).with_suffix(".md")
         atomic_write_text(md, f"# LRA {TASK_TITLES.get(task, task)} evaluation on {res['data_provenance']} data\n\n"
                       f"Data: `{res['dataset_id']}` (data_provenance = **{res['data_provenance']}**).\n\n"
