@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.benchmark import Timer
 
+from transnormer._files import atomic_write_text
 from transnormer.bench.peers import _import_peer, peer_versions
 from transnormer.cli import positive_float, positive_int
 from transnormer.layers import FLASH, NormAttention, SoftmaxAttention
@@ -134,9 +135,9 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers_mixers.json").write_text(json.dumps({"environment": env, "rows": rows, "crossover": cross},
-                                                      indent=1))
-    (out / "peers_mixers.md").write_text(table + "\n")
+    atomic_write_text(out / "peers_mixers.json", json.dumps({"environment": env, "rows": rows, "crossover": cross},
+                                                            indent=1))
+    atomic_write_text(out / "peers_mixers.md", table + "\n")
     print("wrote", out / "peers_mixers.json", out / "peers_mixers.md")
 
 

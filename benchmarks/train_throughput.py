@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from transnormer._files import atomic_write_text
 from transnormer.bench.train_step import model_flops_per_token, train_step_throughput
 from transnormer.cli import positive_int
 from transnormer.presets import get_config
@@ -53,8 +54,7 @@ def main() -> None:
             print(f"| {dtype} | {T} | {cells} | {row[a]['tokens_per_s'] / row[b]['tokens_per_s']:.2f}x | "
                   f"{fl[b, True] / fl[a, True]:.2f}x | {fl[b, False] / fl[a, False]:.2f}x |", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        atomic_write_text(args.json, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
