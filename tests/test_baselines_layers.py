@@ -9,6 +9,8 @@ from transnormer.layers import (
     GAU,
     CosFormerAttention,
     DiagAttention,
+    LinearAttention,
+    NormAttention,
     Performer,
     RelativePositionBias,
     SoftmaxAttention,
@@ -403,6 +405,36 @@ def test_mixers_check_the_mask_and_positions_shape():
         layer(x, attention_mask=torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="positions must be"):
         layer(x, positions=torch.arange(4)[None])
+
+
+@pytest.mark.parametrize("make", [lambda: NormAttention(8, 2, causal=True), lambda: DiagAttention(8, 2, causal=True,
+                                  block_size=4), lambda: SoftmaxAttention(8, 2, causal=True),
+                                  lambda: LinearAttention(8, 2, causal=True), lambda: GAU(8, causal=True, qk_dim=4),
+                                  lambda: FLASH(8, causal=True, qk_dim=4, chunk_size=4)])
+def test_mixers_check_their_input(make):
+    # a wrong x had failed deep inside a product ("mat1 and mat2 shapes cannot be multiplied"), float
+    # positions inside GAU's bias lookup or a cache's scatter
+    layer = make()
+    with pytest.raises(ValueError, match=r"x must be \[B, T, 8\], got \(5, 8\)"):
+        layer(torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"x must be \[B, T, 8\], got \(1, 5, 9\)"):
+        layer(torch.randn(1, 5, 9))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor, got torch.int64"):
+        layer(torch.ones(1, 5, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="positions must be an integer tensor, got torch.float32"):
+        layer(torch.randn(1, 4, 8), positions=torch.arange(4.0)[None])
+
+
+def test_mixer_sizes_are_checked_at_construction():
+    for call, name, err in ((lambda: NormAttention(32, 0, causal=True), "num_heads must be >= 1", ValueError),
+                            (lambda: NormAttention(32, 4.0, causal=True), "num_heads must be an int", TypeError),
+                            (lambda: SoftmaxAttention(32, 4.0, causal=True), "num_heads must be an int", TypeError),
+                            (lambda: NormAttention(32, 4, causal=True, chunk_size=0), "chunk_size must be >= 1",
+                             ValueError),
+                            (lambda: LinearAttention(32, 4, causal=True, chunk_size=0), "chunk_size must be >= 1",
+                             ValueError)):
+        with pytest.raises(err, match=name):
+            call()
 
 
 

@@ -119,8 +119,9 @@ def test_bad_input():
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="h must be"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 7), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match="chunk_size"):
-        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), chunk_size=0)
+    for bad in (0, True):  # True had passed as the int 1 and failed in a view()
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), chunk_size=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

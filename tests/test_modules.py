@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import run_two_ranks
-from transnormer.modules import GLU, LRPE, LearnedPositions, SimpleRMSNorm, build_ffn, build_lrpe, build_norm
+from transnormer.modules import FFN, GLU, LRPE, LearnedPositions, SimpleRMSNorm, build_ffn, build_lrpe, build_norm
 
 
 def test_srms_eps_placements():
@@ -278,7 +278,8 @@ def test_module_arguments_are_checked_at_construction():
     with pytest.raises(ValueError, match="pairing must be"):
         LRPE(8, pairing="bogus")
     for call, name in ((lambda: LRPE(0), "head_dim"), (lambda: LearnedPositions(0, 4), "max_positions"),
-                       (lambda: LearnedPositions(4, 0), "dim"), (lambda: GLU(8, hidden=0), "hidden")):
+                       (lambda: LearnedPositions(4, 0), "dim"), (lambda: GLU(8, hidden=0), "hidden"),
+                       (lambda: FFN(8, hidden=0), "hidden")):
         with pytest.raises(ValueError, match=f"{name} must be >= 1"):
             call()
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..modules.linear import Linear
+from ..ops._checks import check_positive_int
 from ..ops.dense import linear
 
 # name -> builder(config, layer_idx) -> TokenMixer
@@ -77,6 +78,8 @@ class MultiHeadMixer(TokenMixer):
     """A token mixer with biased q/k/v/out projections over ``num_heads`` heads of ``head_dim``."""
 
     def _build_projections(self, hidden_size: int, num_heads: int) -> None:
+        check_positive_int("hidden_size", hidden_size)
+        check_positive_int("num_heads", num_heads)
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -134,10 +137,14 @@ def mask_or_none(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
-                       cache: dict | None = None):
-    """A mixer's optional arguments resolved: (key mask [B, T] or None, positions [B, T]).
-    With a cache the positions must be given: counting from 0 again would place every decoded
-    token at the start of the sequence."""
+                       cache: dict | None = None, *, hidden_size: int | None = None):
+    """A mixer's input checked (``x`` a float [B, T, hidden_size]) and its optional arguments resolved:
+    (key mask [B, T] or None, positions [B, T]). With a cache the positions must be given: counting
+    from 0 again would place every decoded token at the start of the sequence."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype if isinstance(x, torch.Tensor) else type(x)}")
+    if x.dim() != 3 or (hidden_size is not None and x.shape[-1] != hidden_size):
+        raise ValueError(f"x must be [B, T, {hidden_size or 'hidden_size'}], got {tuple(x.shape)}")
     B, T = x.shape[:2]
     if attention_mask is not None and tuple(attention_mask.shape) != (B, T):  # before an all-true one is dropped
         raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
@@ -146,6 +153,9 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
     if positions is not None and (positions.dim() not in (1, 2) or positions.shape[-1] != T
                                   or positions.dim() == 2 and positions.shape[0] not in (1, B)):
         raise ValueError(f"positions must be [B, T] = {(B, T)} (or [1, T], [T]), got {tuple(positions.shape)}")
+    if positions is not None and (positions.is_floating_point() or positions.is_complex()
+                                  or positions.dtype == torch.bool):
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
     if positions is None:
         if cache is not None:
             raise ValueError("positions must be given with a cache (the tokens' positions in the whole sequence)")

@@ -111,8 +111,8 @@ class DiagAttention(MultiHeadMixer):
 
     @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         new_cache = None
         continuing = use_cache and cache is not None and "k" in cache

@@ -252,8 +252,8 @@ class GAU(_GatedUnit):
 
     @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         u, v, heads = self.project(x, positions)
         q, k = heads[:, :, 0], heads[:, :, 1]
@@ -333,8 +333,8 @@ class FLASH(_GatedUnit):
 
     @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         if (self.causal and self.local_branch and self.global_branch and mask is None and not use_cache
                 and T % self.chunk_size == 0 and self._dropout() == 0.0 and self.rope is not None

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..ops._checks import check_positive_int
 from ..ops.linear_baselines import DEFAULT_EPS, kernel_linear_attn, kernel_linear_attn_step
 from .base import MultiHeadMixer, mask_and_positions
 from .norm_attention import get_kernel
@@ -44,6 +45,7 @@ class KernelLinearAttention(MultiHeadMixer):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             # > 0 keeps rows with no visible key at 0 instead of 0/0; 0 divides exactly (ops.linear_baselines)
             raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+        check_positive_int("chunk_size", chunk_size)
         self.causal, self.denominator, self.eps, self.chunk_size = causal, denominator, eps, chunk_size
         self._build_projections(hidden_size, num_heads)
 
@@ -62,8 +64,8 @@ class KernelLinearAttention(MultiHeadMixer):
         return qf, kf, v.to(qf.dtype)
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         if use_cache and not self.causal:
             raise ValueError(f"use_cache needs a causal {type(self).__name__} (decoding is causal)")
         qf, kf, v = self.featurize(x, positions, mask)

@@ -9,6 +9,7 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import norm_linear_attn, norm_linear_attn_step
+from ..ops._checks import check_positive_int
 from ..ops.lrpe import FEATURE_KERNELS
 from .base import MultiHeadMixer, mask_and_positions
 
@@ -45,6 +46,7 @@ class NormAttention(MultiHeadMixer):
         norm_per_head: bool = False,
     ):
         super().__init__()
+        check_positive_int("chunk_size", chunk_size)
         self.causal, self.chunk_size = causal, chunk_size
         self.kernel_name, self.kernel = kernel, get_kernel(kernel)
         self._build_projections(hidden_size, num_heads)
@@ -67,8 +69,8 @@ class NormAttention(MultiHeadMixer):
         return self.lrpe(q, positions, kernel=self.kernel_name), self.lrpe(k, positions, kernel=self.kernel_name), v
 
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         # fp16: the attention's output has no denominator and grows with the keys (past 65504 at a
         # few thousand tokens) until the norm takes the scale out, so it stays fp32 until then

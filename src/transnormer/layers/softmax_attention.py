@@ -56,8 +56,8 @@ class SoftmaxAttention(MultiHeadMixer):
 
     @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
+        mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
-        mask, positions = mask_and_positions(x, attention_mask, positions, cache)
         q, k, v = self.featurize(x, positions)
         if not use_cache:
             o = softmax_attn(q, k, v, causal=self.causal, key_padding_mask=mask,

@@ -52,6 +52,7 @@ class FFN(nn.Module):
     def __init__(self, dim: int, hidden: int | None = None, act: str = "gelu", dropout: float = 0.0):
         super().__init__()
         hidden = 4 * dim if hidden is None else hidden
+        check_positive_int("hidden", hidden)
         self.act_name, self.act = act, get_activation(act)
         self.l1 = Linear(dim, hidden)
         self.l2 = Linear(hidden, dim)

@@ -202,7 +202,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         fused = _native.rows_usable(cdt, h.device)
         half_block = cdt in (torch.float16, torch.bfloat16) and fused
         chunk_size = _default_chunk(weight.shape[0], half_block, fused and _onednn_products(h, weight, cdt))
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(h, weight, labels, ignore_index, chunk_size, grad and h.requires_grad,
