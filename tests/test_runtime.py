@@ -102,3 +102,18 @@ def test_bf16_autocast_on_a_cpu_without_bf16_products_warns(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop.autocast_factory(cpu, "fp32")
+
+
+def test_reset_peak_rss_starts_this_runs_peak_again():
+    # compare under torchrun trains its presets in one process: each had reported the largest peak so far
+    from transnormer.runtime import peak_rss_mb, reset_peak_rss
+
+    import mmap
+
+    big = mmap.mmap(-1, 64 * 2**20)  # 64 MiB touched, then unmapped (whatever the allocator keeps)
+    big.write(b"x" * len(big))
+    big.close()
+    before = peak_rss_mb()
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs")
+    assert peak_rss_mb() < before - 32

@@ -6,7 +6,7 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -875,6 +875,18 @@ def test_compare_tabulates_a_classifiers_accuracy_not_perplexity(tmp_path):
     assert {len(line.split("|")) for line in lines[2:]} == {len(lines[2].split("|"))}
     lm = comparison_table([{**run, "eval": {"loss": 2.0, "ppl": 7.39}}], TrainConfig(task="clm", max_steps=5))
     assert lm.splitlines()[4].endswith("| 2.0000 | 7.39 |")
+    # under torchrun the caption's batch says how many processes share it (it had read "batch 8x1")
+    two = comparison_table([run], TrainConfig(task="clm", max_steps=5, batch_size=8), world_size=2)
+    assert ", batch 8x1x2 processes," in two.splitlines()[0]
+
+
+def test_resume_allows_what_does_not_change_the_training():
+    from transnormer.train.loop import config_changes
+
+    saved = json.loads(json.dumps(asdict(TrainConfig(max_steps=5)), default=str))
+    # recomputation gives the same numbers: a run that ran out of memory may resume with it on
+    assert config_changes(saved, TrainConfig(max_steps=5, gradient_checkpointing=True, compile=True)) == []
+    assert config_changes(saved, TrainConfig(max_steps=5, lr=1.0)) == ["lr: 0.001 -> 1.0"]
 
 
 def test_compare_refuses_a_repeated_preset(tmp_path):

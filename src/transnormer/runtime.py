@@ -162,6 +162,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
+def reset_peak_rss() -> bool:
+    """Start :func:`peak_rss_mb` again from the current resident set (Linux: ``/proc/self/clear_refs``
+    "5" resets VmHWM), so that a run in a process that ran another before it (``compare`` under
+    torchrun) reports its own peak. False where it cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def rss_mb() -> float | None:
     """Resident set size of this process now (MiB); None where there is no /proc/self/statm."""
     import resource

@@ -63,7 +63,7 @@ def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: Di
         if is_main:
             records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
             curves[name] = [(r["tokens"], r["loss"]) for r in records if r.get("kind") == "eval"]
-    table = comparison_table(summaries, base)
+    table = comparison_table(summaries, base, world)
     if not is_main:
         return {"summaries": summaries, "table": table, "plot": None}
     atomic_write_text(out / "comparison.md", table + "\n")
@@ -90,11 +90,13 @@ _EVAL_COLUMNS = {
 }
 
 
-def comparison_table(summaries: list[dict], base: TrainConfig) -> str:
+def comparison_table(summaries: list[dict], base: TrainConfig, world_size: int = 1) -> str:
     columns = _EVAL_COLUMNS["cls" if base.task == "cls" else "lm"]
+    # the batch of an optimizer step: per process x accumulation x processes (the tokens column counts all)
+    procs = f"x{world_size} processes" if world_size > 1 else ""
     rows = [
         f"Data `{base.data}`, budget {base.budget or f'{base.max_steps} steps'}, seq_len {base.seq_len}, "
-        f"batch {base.batch_size}x{base.grad_accum}, seed {base.seed}, {base.dtype}.",
+        f"batch {base.batch_size}x{base.grad_accum}{procs}, seed {base.seed}, {base.dtype}.",
         "",
         "| model | params | steps | tokens | tokens/s | peak mem (MB) | " + " | ".join(c[0] for c in columns) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(columns),

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .._files import atomic_write_text, check_output
-from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb
+from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb, reset_peak_rss
 from .checkpoint import (
     STATE,
     latest_valid_checkpoint,
@@ -225,6 +225,7 @@ MLM_PACKINGS = ("complete", "contiguous")
 # batch, which the data iterators check.
 RESUMABLE_CHANGES = ("out_dir", "resume", "eval_every", "eval_every_s", "eval_batches", "eval_stride", "save_every",
                      "keep_last", "log_every", "grad_stats", "stop_after", "progress", "device", "compile",
+                     "gradient_checkpointing",  # recomputation gives the same numbers: a run out of memory resumes
                      "cache_dir", "batch_size",
                      # None and "complete" are one packing; a real change is refused by the data
                      # iterator's resume check, which names it
@@ -566,8 +567,11 @@ def train(cfg: TrainConfig) -> dict:
     cfg.check()
     info = setup_distributed(cfg.device)
     check_strategy(info, cfg.strategy)  # before any data or model work
-    if info.device.type == "cuda":  # this run's peak, not an earlier run's in the same process (compare, ablation)
+    # this run's peak, not an earlier run's in the same process (compare under torchrun, ablation)
+    if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
+    else:
+        reset_peak_rss()
     if cfg.grad_stats and is_sharded(info, cfg.strategy):  # its norms would be each rank's shard's
         raise ValueError("grad_stats (--grad-stats) needs whole gradients: use strategy 'ddp'")
     out = Path(cfg.out_dir)
