@@ -106,9 +106,9 @@ def test_bf16_autocast_on_a_cpu_without_bf16_products_warns(monkeypatch):
 
 def test_reset_peak_rss_starts_this_runs_peak_again():
     # compare under torchrun trains its presets in one process: each had reported the largest peak so far
-    from transnormer.runtime import peak_rss_mb, reset_peak_rss
-
     import mmap
+
+    from transnormer.runtime import peak_rss_mb, reset_peak_rss
 
     big = mmap.mmap(-1, 64 * 2**20)  # 64 MiB touched, then unmapped (whatever the allocator keeps)
     big.write(b"x" * len(big))
