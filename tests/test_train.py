@@ -428,12 +428,26 @@ def test_mlm_masks_do_not_depend_on_how_the_batch_is_split():
     tokens = torch.arange(5, 2000) % 295 + 5  # ids in [5, 300): the vocabulary
     tok = SimpleNamespace(mask_id=1, vocab_size=300, special_ids=[0, 1, 2])
 
-    def masks(world, bs):
-        parts = [MLMBatches(LMBatchIterator(tokens, 32, bs, seed=3, rank=r, world_size=world), tok, 7, r)
+    def masks(world, bs, accum=1, resume_from=None):
+        parts = [MLMBatches(LMBatchIterator(tokens, 32, bs, seed=3, rank=r, world_size=world), tok, 7, r, world, accum)
                  for r in range(world)]
-        return [torch.cat([next(p)["labels"] for p in parts]) for _ in range(3)]
+        if resume_from is not None:
+            for p in parts:
+                p.load_state_dict(resume_from)
+        # a step's global batch: its micro-batches in order, each the ranks' rows in order
+        return [torch.cat([next(p)["labels"] for _ in range(accum) for p in parts]) for _ in range(3)]
 
     assert all(torch.equal(a, b) for a, b in zip(masks(1, 4), masks(2, 2), strict=True))
+    # nor on the accumulation steps (the second micro-batch had been masked as the next step's first rows)
+    assert all(torch.equal(a, b) for a, b in zip(masks(1, 8), masks(1, 4, accum=2), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(masks(1, 8), masks(2, 2, accum=2), strict=True))
+    # a checkpoint from before keeps its run's keys: one micro-batch a step
+    it = LMBatchIterator(tokens, 32, 4, seed=3)
+    old = {**it.state_dict(), "step": 2}
+    legacy = masks(1, 4, accum=2, resume_from=old)
+    by_micro = MLMBatches(LMBatchIterator(tokens, 32, 4, seed=3, step=2), tok, 7, 0)
+    assert torch.equal(legacy[0][:4], next(by_micro)["labels"])
+    assert MLMBatches(it, tok, 7, 0).state_dict()["mask_keys"] == "optimizer-step"
     masker = MLMBatches(None, tok, 11, 0)
 
     def eval_masks(world):

@@ -45,12 +45,18 @@ class TaskData:
 
 
 class MLMBatches:
-    """Masks LM windows. Each row's mask depends only on (seed, step, the row's place in the global
-    batch), so it is the same whatever the number of ranks the global batch is split over (and a
-    run resumed on another world size sees the masks it would have seen)."""
+    """Masks LM windows. Each row's mask depends only on (seed, optimizer step, the row's place in
+    that step's global batch), so it is the same whatever the number of ranks and accumulation
+    steps the global batch is split over (and a run resumed on another world size sees the masks it
+    would have seen). ``windows`` steps once per micro-batch: ``grad_accum`` of them make a step."""
 
-    def __init__(self, windows: LMBatchIterator | BlockBatchIterator | LazyBatches, tokenizer, seed: int, rank: int):
+    def __init__(self, windows: LMBatchIterator | BlockBatchIterator | LazyBatches, tokenizer, seed: int, rank: int,
+                 world_size: int = 1, grad_accum: int = 1):
         self.windows, self.tok, self.seed, self.rank = windows, tokenizer, seed, rank
+        self.world_size, self.grad_accum = world_size, grad_accum
+        # Checkpoints saved before the keys were per optimizer step keyed each micro-batch as a step of
+        # its own: such a run resumes with those (the same keys unless grad_accum > 1).
+        self.micro_batch_keys = False
 
     def masked(self, batch: dict, step: int, rows=None) -> dict:
         """``rows``: each row's global key (default: its place in the global batch of ``step``)."""
@@ -73,13 +79,21 @@ class MLMBatches:
         return out
 
     def __next__(self) -> dict:
-        step = self.windows.state_dict()["step"]
-        return self.masked(next(self.windows), step)
+        micro = self.windows.state_dict()["step"]
+        batch = next(self.windows)
+        if self.micro_batch_keys:
+            return self.masked(batch, micro)
+        step, k = divmod(micro, self.grad_accum)
+        B = batch["input_ids"].shape[0]
+        first = (k * self.world_size + self.rank) * B  # this micro-batch's rows in the step's global batch
+        return self.masked(batch, step, rows=range(first, first + B))
 
     def state_dict(self) -> dict:
-        return self.windows.state_dict()
+        return {**self.windows.state_dict(), "mask_keys": "optimizer-step"}
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.micro_batch_keys = state.pop("mask_keys", None) is None and self.grad_accum > 1
         self.windows.load_state_dict(state)
 
 
@@ -277,7 +291,7 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 def split_rows(split):
                     return eval_batches(_split_tokens(cfg, tokens, split, "evaluation"), cfg.seq_len, cfg.batch_size,
                                         rank=info.rank, world_size=info.world_size, with_index=True)
-            train = MLMBatches(source, tok, cfg.seed, info.rank)
+            train = MLMBatches(source, tok, cfg.seed, info.rank, info.world_size, cfg.grad_accum)
             masker = MLMBatches(source, tok, cfg.seed + 1_000_003, info.rank)
 
             def evaluate(model, split="valid", max_batches=None):
