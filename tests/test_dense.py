@@ -101,12 +101,24 @@ def test_linear_module_keeps_nn_linear_parameters_and_state_dict(onednn):
 
 
 @has_op
-def test_a_double_backward_raises_rather_than_being_wrong(onednn):
+def test_a_double_backward_is_right(onednn):
+    # a create_graph backward runs PyTorch's products: second derivatives (gradient penalties, Hessian-
+    # vector products) are those of F.linear. (once_differentiable had raised on .backward() but let
+    # autograd.grad(..., allow_unused=True) and hvp read zeros.)
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(3, 8, requires_grad=True)
-    (dx,) = torch.autograd.grad(dense.linear(x, w).pow(2).sum(), (x,), create_graph=True)
-    with pytest.raises(RuntimeError):
-        dx.sum().backward()
+    b = torch.randn(3, requires_grad=True)
+
+    def second(fn):
+        gx, gw = torch.autograd.grad(fn(x, w, b).pow(3).sum(), (x, w), create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum() + (gw * gw.detach()).sum(), (x, w, b))
+
+    for got, ref in zip(second(dense.linear), second(F.linear), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    xt = torch.randn(8, 4).t().requires_grad_()  # a non-contiguous input, saved as it is
+    (gx,) = torch.autograd.grad(dense.linear(xt, w, b).pow(2).sum(), (xt,), create_graph=True)
+    (ref,) = torch.autograd.grad(F.linear(xt, w, b).pow(2).sum(), (xt,), create_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(gx.sum(), w)[0], torch.autograd.grad(ref.sum(), w)[0])
 
 
 @has_op

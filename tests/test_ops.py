@@ -76,6 +76,24 @@ def test_chunk_equal_to_length_and_longer(backend):
         assert rel_err(o, ref) < 1e-12
 
 
+def test_second_derivatives_raise_rather_than_read_zero(backend):
+    # once_differentiable had let autograd.grad(..., allow_unused=True), hvp and hessian read a zero
+    # second derivative through the hand-written backwards
+    q, k, v = qkv(1, 7, 2, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="has no second derivative"):
+        torch.autograd.grad(norm_linear_attn(q, k, v, causal=True)[0].pow(2).sum(), (q,), create_graph=True)
+    u = torch.randn_like(q)
+
+    def hvp(fn):
+        return torch.autograd.functional.hvp(lambda q: fn(q, k, v, causal=False)[0].pow(2).sum(), q, u)[1]
+
+    if backend == "native":
+        with pytest.raises(RuntimeError, match="has no second derivative"):
+            hvp(norm_linear_attn)
+    else:  # the bidirectional PyTorch form is two products: twice differentiable, as the reference
+        torch.testing.assert_close(hvp(norm_linear_attn), hvp(norm_linear_attn_reference))
+
+
 def test_gradcheck_small(backend):
     q, k, v = qkv(1, 7, 2, 3, requires_grad=True)
     S0 = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)

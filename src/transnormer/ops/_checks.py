@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -93,3 +94,22 @@ def _check_mask(mask, shape: tuple, layout: str) -> torch.Tensor | None:
         raise TypeError("key_padding_mask must be bool or integer (1 = valid), got a floating-point tensor")
     # any non-zero integer means valid: a mask multiplies nothing by its values
     return mask.bool()
+
+
+def first_order_only(backward):
+    """Decorates the hand-written backward of an autograd Function (a kernel's, or one reading tensors
+    saved without their graph): a backward run with ``create_graph=True`` raises. torch's
+    ``once_differentiable`` instead returns gradients cut from the graph, which ``autograd.grad(...,
+    allow_unused=True)``, ``hvp`` and ``hessian`` read as a zero second derivative."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        if torch.is_grad_enabled():  # (a plain backward runs with gradients off)
+            name = type(ctx).__name__.removesuffix("Backward")
+            raise RuntimeError(f"{name} has no second derivative (a backward with create_graph=True): its "
+                               "gradient is written out by hand. Differentiate twice through the quadratic "
+                               "references in transnormer.ops.reference instead")
+        return backward(ctx, *grads)
+
+    return wrapped
+

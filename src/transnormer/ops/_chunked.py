@@ -18,7 +18,8 @@ Backward, with dS_g = Q_gᵀ dO_g and R_h = dS_final + Σ_{g>h} dS_g:
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+
+from ._checks import first_order_only
 
 
 def _exclusive_scan(x: torch.Tensor, init: torch.Tensor | None, reverse: bool = False):
@@ -71,7 +72,7 @@ class ChunkedCausalLinearAttn(torch.autograd.Function):
         return o.view(N, G, c, E), final
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, do, dfinal):
         q, k, v, init = ctx.saved_tensors
         sdt = ctx.state_dtype

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ._checks import first_order_only
 from ._dtypes import state_dtype_for
 
 _SOURCES = tuple(Path(__file__).with_name(f) for f in (
@@ -496,7 +496,7 @@ class NativeCausalLinearAttn(torch.autograd.Function):
         return o, fin
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, do, dfin):
         q, k, v, init = ctx.saved_tensors
         return (*_backward_call("tn_causal_bwd", q, k, v, do, init, dfin, init, ctx.chunk), None)
@@ -542,7 +542,7 @@ class NativeBidirLinearAttn(torch.autograd.Function):
         return o, fin
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, do, dfin):
         q, k, v, S = ctx.saved_tensors
         dq, dk, dv, dinit = _backward_call("tn_bidir_bwd", q, k, v, do, S, dfin, S)  # the kernel always forms dS
@@ -610,7 +610,7 @@ class NativeSoftmaxAttn(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, do):
         q, k, v, o, stats = ctx.saved_tensors
         B, T, H, D = q.shape

@@ -29,7 +29,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _native
 
@@ -105,19 +104,22 @@ class _OneDNNLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        w = dense_rows(w)
         need_x, need_w = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(x2 if need_w else None, w if need_x else None)  # only what a gradient reads
+        # the inputs themselves (no copy kept): saved inputs keep their graph for a create_graph backward
+        ctx.save_for_backward(x if need_w else None, w if need_x else None)  # only what a gradient reads
         ctx.x_shape, ctx.w_shape, ctx.has_bias = x.shape, w.shape, b is not None
-        return _inner(x2, w, b).view(*x.shape[:-1], w.shape[0])
+        return _inner(x.reshape(-1, x.shape[-1]).contiguous(), dense_rows(w), b).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
-    @once_differentiable  # oneDNN's op has no derivative of its own: a double backward raises
     def backward(ctx, dy):
-        x2, w = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         dy2 = dy.reshape(-1, ctx.w_shape[0]).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: PyTorch's products, which are differentiable again
+            dx = (dy2 @ w).view(ctx.x_shape) if need_x else None
+            dw = dy2.t() @ x.reshape(-1, ctx.x_shape[-1]) if need_w else None
+            return dx, dw, dy2.sum(0) if need_b and ctx.has_bias else None
+        x2 = x.reshape(-1, ctx.x_shape[-1]) if need_w else None
         dx = _inner(dy2, dense_rows(w.t()), None).view(ctx.x_shape) if need_x else None  # dy W
         dw = _inner(dense_rows(dy2.t()), dense_rows(x2.t()), None) if need_w else None  # dyᵀ x, on copies
         db = dy2.sum(0) if need_b and ctx.has_bias else None

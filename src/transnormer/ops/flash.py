@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _native, dense
-from ._checks import check_key_padding_mask, check_positive_int, check_probability, check_right_padded
+from ._checks import (
+    check_key_padding_mask,
+    check_positive_int,
+    check_probability,
+    check_right_padded,
+    first_order_only,
+)
 from ._chunked import _exclusive_scan_cumsum
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .norm_linear import state_dtype_for
@@ -78,7 +83,7 @@ class _MaskedRelu2(torch.autograd.Function):
         return r * r
 
     @staticmethod
-    @once_differentiable  # r is saved without its graph: a second derivative would lose d(2r)/ds
+    @first_order_only  # r is saved without its graph: a second derivative would lose d(2r)/ds
     def backward(ctx, grad):
         (r,) = ctx.saved_tensors
         return grad * r * 2.0, None
@@ -286,7 +291,7 @@ class _CausalFlashCore(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dout):
         dheads, dv, dbias = _core_backward(ctx.saved_tensors, dout, ctx.C, ctx.bias_dtype)
         return (*dheads.unbind(2), dv, dbias, None, None)
@@ -331,7 +336,7 @@ class _CausalFlashMixer(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy):
         x2, wt, pre, bias, gamma, cos, sin, z, o, *saved = ctx.saved_tensors
         e = ctx.e

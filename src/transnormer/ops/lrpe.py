@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _native
-from ._checks import check_scale
+from ._checks import check_scale, first_order_only
 
 FEATURE_KERNELS = {
     "identity": lambda x: x,
@@ -55,7 +54,7 @@ class _FusedLRPE(torch.autograd.Function):
         return _native.lrpe_fwd(x, cos, sin, u, scale, kernel)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy):
         x, cos, sin, u = ctx.saved_tensors
         dx, dcos, dsin = _native.lrpe_bwd(x, dy.to(x.dtype).contiguous(), cos, sin, u, ctx.scale, ctx.kernel)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _native
+from ._checks import first_order_only
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .dense import linear
 from .norm_linear import state_dtype_for
@@ -53,7 +53,7 @@ class _FusedSRMS(torch.autograd.Function):
         return _native.srms_fwd(x, eps, inside, 1.0 if gain is None else float(gain), out_dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy):
         x, gain = ctx.saved_tensors
         dy = dy.contiguous() if dy.dtype == torch.bfloat16 else dy.to(x.dtype).contiguous()
@@ -92,8 +92,7 @@ class _ResidualAdd(torch.autograd.Function):
         return _native.add_upcast(x, h)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
+    def backward(ctx, g):  # (PyTorch ops: differentiable again)
         return g, g.to(ctx.h_dtype)  # as autograd's add: the stream's gradient, and it rounded for h
 
 
@@ -120,7 +119,7 @@ class _FusedSiluGate(torch.autograd.Function):
         return _native.silu_gate_fwd(ab)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dh):
         (ab,) = ctx.saved_tensors
         return _native.silu_gate_bwd(ab, dh.to(ab.dtype).contiguous())[0]
@@ -162,7 +161,7 @@ class _ProjectedSiluGate(torch.autograd.Function):
         return h.view(*x.shape[:-1], F_)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dh):
         x2, wt, ab, bias = ctx.saved_tensors
         N, F2 = ab.shape
@@ -212,7 +211,7 @@ class _FusedSiluSplit(torch.autograd.Function):
         return tuple(_native.silu_split_fwd(pre, widths, bias))
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, *grads):
         pre, bias = ctx.saved_tensors
         grads = [None if g is None else g.to(pre.dtype).contiguous() for g in grads]
@@ -265,7 +264,7 @@ class _FusedHeads(torch.autograd.Function):
         return _native.heads_fwd(z, gamma, beta, cos, sin, out_dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, dy):
         z, gamma, cos, sin = ctx.saved_tensors
         dz, dgamma, dbeta = _native.heads_bwd(z, gamma, cos, sin, dy.to(ctx.out_dtype).contiguous())
