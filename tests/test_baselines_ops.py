@@ -564,3 +564,38 @@ def test_flash_attn_refuses_mixed_dtypes_outside_autocast():
     z = torch.randn(1, 64, 0)  # zero-width heads failed inside a reshape
     with pytest.raises(ValueError, match="q_local must have a width >= 1"):
         flash_attn(z, z, z, z, v, causal=True, chunk_size=16)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ops_run_shape_only_on_meta_tensors(causal):
+    # torch.autocast("meta", ...) and is_autocast_enabled("meta") raise inside PyTorch: these ops had
+    # failed with "unsupported scalarType" where softmax_attn and block_attn ran
+    from transnormer.ops import norm_linear_attn
+
+    q = torch.empty(2, 130, 2, 8, device="meta")
+    o, state = norm_linear_attn(q, q, q, causal=causal, output_final_state=True)
+    assert o.shape == (2, 130, 2, 8) and state.shape == (2, 2, 8, 8) and o.device.type == "meta"
+    assert kernel_linear_attn(q, q, q, causal=causal)[0].shape == (2, 130, 2, 8)
+    x = q[:, :, 0]
+    assert flash_attn(x, x, x, x, x, causal=causal, chunk_size=64).shape == (2, 130, 8)
+
+
+def test_edge_shapes_and_argument_errors_of_the_baseline_ops():
+    # a zero-width value at a whole number of chunks: "cannot reshape tensor of 0 elements into [-1, 4, 0]"
+    x = torch.randn(2, 8, 4)
+    assert flash_attn(x, x, x, x, x.new_zeros(2, 8, 0), causal=True, chunk_size=4).shape == (2, 8, 0)
+    # E = 0 with the denominator: the state keeps its key-sum column, [B, H, F, E + 1]
+    q = torch.rand(2, 5, 1, 3)
+    _, state = kernel_linear_attn(q, q, q[..., :0], causal=True, output_final_state=True)
+    assert state.shape == (2, 1, 3, 1)
+    torch.testing.assert_close(state[..., 0], q.sum(1))
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[B, H, F, E \+ 1\] = \(2, 1, 3, 3\)"):
+        kernel_linear_attn(q, q, q[..., :2], causal=True, initial_state=torch.zeros(2, 1, 3, 2))
+    with pytest.raises(ValueError, match=r"qf must be a \[B, H, F\] tensor for one step"):  # it had named q
+        kernel_linear_attn_step(q, q, q, None)
+    with pytest.raises(ValueError, match=r"max_len must be a number or a \[B\] = \[2\] tensor, got shape \(3,\)"):
+        cosformer_attn(q, q, q, torch.arange(5)[None], torch.tensor([8.0, 8.0, 8.0]), causal=True)
+    with pytest.raises(ValueError, match=r"proj must be an \[m, D\] projection with D = 5"):  # an einsum error
+        favor_features(torch.randn(2, 3, 1, 5), draw_favor_projection(4, 4, seed=0), is_query=True)
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):  # a ZeroDivisionError
+        draw_favor_projection(3, 0, seed=0)

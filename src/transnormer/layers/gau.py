@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..modules.linear import Linear
 from ..modules.positional import LRPE
 from ..ops._checks import check_positive_int, check_probability
+from ..ops._dtypes import autocast_enabled, autocast_off
 from ..ops.dense import linear
 from ..ops.flash import (
     GLOBAL_NORMALIZERS,
@@ -210,7 +211,7 @@ class _GatedUnit(TokenMixer):
         if self.rope is None:
             return u, v, z[:, :, None, :] * self.gamma + self.beta
         dev = x.device.type
-        out_dtype = (torch.get_autocast_dtype(dev) if self.heads_in_autocast_dtype and torch.is_autocast_enabled(dev)
+        out_dtype = (torch.get_autocast_dtype(dev) if self.heads_in_autocast_dtype and autocast_enabled(dev)
                      else None)
         # scale/offset and rotate-half in one pass on CPU (ops/rowwise.py)
         return u, v, scale_offset_rope(z, self.gamma, self.beta, *self.rope.tables(positions), out_dtype=out_dtype)
@@ -381,7 +382,7 @@ class FLASH(_GatedUnit):
         w_cur = (valid & (chunk == open_chunk)).to(sdt)[..., None]
         kg, vs = kg.to(sdt), v.to(sdt)
         cache = update_block_cache(None, kl[:, :, None], v[:, :, None], positions, valid, C)
-        with torch.autocast(kg.device.type, enabled=False):  # the states accumulate in sdt, as in _step
+        with autocast_off(kg.device.type):  # the states accumulate in sdt, as in _step
             cache["s_prev"] = (kg * w_prev).transpose(1, 2) @ vs
             cache["s_cur"] = (kg * w_cur).transpose(1, 2) @ vs
         return cache
@@ -420,7 +421,7 @@ class FLASH(_GatedUnit):
         R = int(rel.max()) + 2
         kv = kg.to(sdt).transpose(1, 2)  # [B, s, T]; padding's rows are 0 (forward's zero_padded)
         onehot = torch.nn.functional.one_hot(rel, R).to(sdt)  # [B, T, R]
-        with torch.autocast(dev.type, enabled=False):  # the states accumulate in sdt, as in _step
+        with autocast_off(dev.type):  # the states accumulate in sdt, as in _step
             sums = torch.einsum("bst,btr,bte->brse", kv, onehot, v.to(sdt))  # [B, R, s, e] per chunk
             before = torch.cumsum(sums, 1) - sums  # the new tokens of the chunks before each
             carried = torch.cat([torch.zeros_like(s_cur)[:, None], s_cur[:, None].expand(-1, R - 1, -1, -1)], 1)

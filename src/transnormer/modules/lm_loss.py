@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from ..ops import _native, dense
+from ..ops._dtypes import autocast_enabled, autocast_off
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return torch.get_autocast_dtype(dev) if autocast_enabled(dev) else x.dtype
 
 
 def _default_chunk(vocab: int, half_block: bool = False, transposed_copy: bool = False) -> int:
@@ -80,7 +81,7 @@ def _onednn_products(h: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype) ->
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, ignore_index: int, chunk: int, need_h: bool, need_w: bool, cdt: torch.dtype):
-        with torch.autocast(h.device.type, enabled=False):
+        with autocast_off(h.device.type):
             V, d = weight.shape
             hc = h.to(cdt)
             wc = weight if weight.dtype == cdt else _scratch(2, V, d, cdt, h.device).copy_(weight)

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops._dtypes import autocast_enabled
 from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import scale_norm, simple_rms_norm
 from .recompute import recomputing
@@ -84,7 +85,7 @@ class ScaleNorm(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         _check_width(self, x)
         dev = x.device.type
-        out_dtype = (torch.get_autocast_dtype(dev) if self.feeds_autocast and torch.is_autocast_enabled(dev)
+        out_dtype = (torch.get_autocast_dtype(dev) if self.feeds_autocast and autocast_enabled(dev)
                      else None)
         # fused on CPU with the gain inside (ops/rowwise.py); fp32 math, the result rounds once
         return scale_norm(x, self.scale, self.eps, out_dtype=out_dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import first_order_only
+from ._dtypes import autocast_off
 
 
 def _exclusive_scan(x: torch.Tensor, init: torch.Tensor | None, reverse: bool = False):
@@ -59,7 +60,7 @@ class ChunkedCausalLinearAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, init, state_dtype):
         """q, k: [N, G, c, D]; v: [N, G, c, E]; init: [N, D, E] or None. Returns (o, final)."""
         N, G, c, D = q.shape
-        with torch.autocast(q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
             E = v.shape[-1]  # explicit sizes, not -1: views of empty tensors (N = 0) need them
             kv = torch.bmm(_t(k3), v3).view(N, G, D, E).to(state_dtype)
@@ -77,7 +78,7 @@ class ChunkedCausalLinearAttn(torch.autograd.Function):
         q, k, v, init = ctx.saved_tensors
         sdt = ctx.state_dtype
         N, G, c, D = q.shape
-        with torch.autocast(q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
             do3 = do.contiguous().flatten(0, 1)
             E = v.shape[-1]

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from ._dtypes import autocast_enabled
 from .dense import mm_t
 
 
 def projection_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a linear layer on x computes in: autocast's where it is on for x's device, else x's."""
     dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return torch.get_autocast_dtype(dev) if autocast_enabled(dev) else x.dtype
 
 
 def fused_projection_ok(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
@@ -24,7 +25,7 @@ def fused_projection_ok(x: torch.Tensor, weight: torch.Tensor, *others: torch.Te
     floats = (torch.float32, torch.bfloat16)
     return (x.dtype in floats and weight.dtype in floats
             and all(t.device == x.device for t in (weight, *others) if t is not None)
-            and (torch.is_autocast_enabled(x.device.type) or x.dtype == weight.dtype))
+            and (autocast_enabled(x.device.type) or x.dtype == weight.dtype))
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype):

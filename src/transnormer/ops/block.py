@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from . import _native
 from ._checks import check_key_padding_mask, check_positive_int, check_probability, check_qkv, check_scale
+from ._dtypes import autocast_enabled, autocast_off
 
 KERNELS = ("softmax", "relu")
 
@@ -57,13 +58,13 @@ def block_attn(
         scale = D ** -0.5 if D else 1.0  # D = 0: every score is 0 whatever the scale
     w = min(block_size, T) if T > 0 else block_size
     dev = q.device.type
-    fp16 = q.dtype == torch.float16 or (dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev)
+    fp16 = q.dtype == torch.float16 or (dev in ("cpu", "cuda") and autocast_enabled(dev)
                                         and torch.get_autocast_dtype(dev) == torch.float16)
     if fp16 and (kernel == "relu" or dev == "cpu"):
         # the explicit forms below scale q kᵀ after the product: in fp16 the raw product leaves the
         # range (|q·k| > 65504) where the scaled score fits, and read inf (softmax NaN); fp32 inside,
         # the output rounded once (SDPA, fp16's path on GPUs, scales inside and needs none of it)
-        with torch.autocast(dev, enabled=False):  # (fp16 autocast would cast the products back)
+        with autocast_off(dev):  # (fp16 autocast would cast the products back)
             o = block_attn(q.float(), k.float(), v.float(), block_size=block_size, causal=causal, kernel=kernel,
                            scale=scale, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
         return o.to(torch.float16)  # (what fp16 autocast's products would have returned)

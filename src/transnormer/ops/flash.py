@@ -26,6 +26,7 @@ from ._checks import (
     first_order_only,
 )
 from ._chunked import _exclusive_scan_cumsum
+from ._dtypes import autocast_enabled, autocast_off
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .norm_linear import state_dtype_for
 
@@ -62,7 +63,7 @@ def _check_single_head(heads: tuple[str, ...], **tensors) -> None:
 def _check_one_dtype(**tensors: torch.Tensor) -> None:
     """Outside autocast the heads and values must share one dtype (a matmul of two would fail)."""
     dtypes = {x.dtype for x in tensors.values()}
-    if len(dtypes) > 1 and not torch.is_autocast_enabled(next(iter(tensors.values())).device.type):
+    if len(dtypes) > 1 and not autocast_enabled(next(iter(tensors.values())).device.type):
         raise TypeError(f"{', '.join(tensors)} must share one dtype outside autocast, "
                         f"got {sorted(str(d) for d in dtypes)}")
 
@@ -139,7 +140,7 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
     """
     B, G, C, _ = kg.shape
     odt, sdt = vc.dtype, state_dtype_for(vc.dtype)
-    amp = torch.is_autocast_enabled(vc.device.type)
+    amp = autocast_enabled(vc.device.type)
     if valid is not None:  # padded keys contribute nothing (zeroing K suffices: S = Σ k vᵀ)
         kg = kg.masked_fill(~valid[..., None], 0.0)
     if not amp:
@@ -147,7 +148,7 @@ def _global_branch(kg, vc, qg, valid, *, causal: bool, normalizer: str, acc=None
     states = kg.transpose(-1, -2) @ vc  # [B, G, s, e]
     counts = (torch.full((B, G), float(C), dtype=sdt, device=vc.device) if valid is None
               else valid.to(sdt).sum(-1))  # real tokens per chunk
-    with torch.autocast(vc.device.type, enabled=False):
+    with autocast_off(vc.device.type):
         states = states.to(sdt)
         scale = _chunk_scales(counts, causal=causal, normalizer=normalizer, C=C)
         if not causal:
@@ -190,7 +191,7 @@ def _prefix_adjoint(dprefix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def _by_chunk(C: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each [B, T, X] of ``xs`` as [B·G, C, X] (views where the rows allow it), G = T / C."""
-    return tuple(x.reshape(-1, C, x.shape[-1]) for x in xs)
+    return tuple(x.reshape(x.shape[0] * (x.shape[1] // C), C, x.shape[-1]) for x in xs)  # (-1: not for width 0)
 
 
 def _chunk_t(x: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -208,7 +209,7 @@ def _core_forward(ql, kl, qg, kg, v, bias, C: int, normalizer: str, ql_scaled: b
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
     native = _native.rows_usable(cdt, v.device)
-    with torch.autocast(v.device.type, enabled=False):
+    with autocast_off(v.device.type):
         fast = dense.native_bmm_for(cdt, v.device)  # (read here: it asks whether autocast is on)
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
         qs = qlc if ql_scaled else qlc / C
@@ -243,7 +244,7 @@ def _core_backward(saved, dout, C: int, bias_dtype, ql_scaled: bool = False):
     e, G = v.shape[-1], T // C
     cdt, sdt = v.dtype, state_dtype_for(v.dtype)
     native = _native.rows_usable(cdt, v.device)
-    with torch.autocast(v.device.type, enabled=False):
+    with autocast_off(v.device.type):
         fast = dense.native_bmm_for(cdt, v.device)  # (read here: it asks whether autocast is on)
         g = dout.to(cdt).reshape(B * G, C, e)
         qlc, klc, qgc, kgc, vc = _by_chunk(C, ql, kl, qg, kg, v)
@@ -319,7 +320,7 @@ class _CausalFlashMixer(torch.autograd.Function):
         B, T, d = x.shape
         W = weight.shape[0]
         s = W - 2 * e
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             x2, wt, pre = project(x, weight, cdt)
             pre = pre.view(B, T, W)
             pu, pvz = pre[..., :e], pre[..., e:]
@@ -494,7 +495,7 @@ def flash_attn(
         raise ValueError(f"local_bias must have shape [C, C] = {(C, C)}, got {tuple(local_bias.shape)}")
     G = max(1, -(-T // C))
     pad = G * C - T
-    amp = torch.is_autocast_enabled(v.device.type)
+    amp = autocast_enabled(v.device.type)
     # (the fused path would cast them all to v's dtype silently)
     _check_one_dtype(q_local=q_local, k_local=k_local, q_global=q_global, k_global=k_global, v=v)
     if (causal and local_branch and global_branch and mask is None and pad == 0 and dropout_p == 0.0

@@ -37,7 +37,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_bthd, check_key_padding_mask, check_qkv
+from ._checks import check_bthd, check_key_padding_mask, check_positive_int, check_qkv
+from ._dtypes import autocast_off
 from .norm_linear import norm_linear_attn, norm_linear_attn_step
 
 DEFAULT_EPS = 1e-6
@@ -48,7 +49,16 @@ DEFAULT_EPS = 1e-6
 # ----------------------------------------------------------------------------------------------
 def _augment(v: torch.Tensor) -> torch.Tensor:
     """[..., E] → [..., E + 1] with a trailing column of ones (the denominator's 'value')."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # (E = 0 too: ones_like(v[..., :1]) is empty)
+
+
+def _check_augmented_state(name: str, state, qf: torch.Tensor, v: torch.Tensor) -> None:
+    """A state given with the denominator carries its key sum as a last column: [B, H, F, E + 1]."""
+    if isinstance(state, torch.Tensor):
+        want = (qf.shape[0], qf.shape[-2], qf.shape[-1], v.shape[-1] + 1)
+        if tuple(state.shape) != want:
+            raise ValueError(f"{name} must have shape [B, H, F, E + 1] = {want} (its last column holds the "
+                             f"denominator's key sum), got {tuple(state.shape)}")
 
 
 def _wide_for_sums(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -104,6 +114,7 @@ def kernel_linear_attn(
     check_qkv(qf, kf, v)
     dtype = qf.dtype
     if denominator:
+        _check_augmented_state("initial_state", initial_state, qf, v)
         qf, kf, v = _wide_for_sums(qf, kf, v)
     vv = _augment(v) if denominator else v
     o, state = norm_linear_attn(
@@ -130,8 +141,13 @@ def kernel_linear_attn_step(
     qf, kf: [B, H, F]; v: [B, H, E]; state: [B, H, F, E (+1)] or None; key_padding_mask: [B].
     Returns (o [B, H, E], new state).
     """
+    for name, x in (("qf", qf), ("kf", kf), ("v", v)):  # under their own names, before v is augmented
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a [B, H, {'E' if name == 'v' else 'F'}] tensor for one step, "
+                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     dtype = qf.dtype
     if denominator:
+        _check_augmented_state("state", state, qf, v)
         qf, kf, v = _wide_for_sums(qf, kf, v)
     vv = _augment(v) if denominator else v
     o, state = norm_linear_attn_step(qf, kf, vv, state, key_padding_mask=key_padding_mask)
@@ -170,6 +186,8 @@ def draw_favor_projection(num_features: int, head_dim: int, *, seed: int, orthog
     is marginally N(0, I) as the unbiased estimator needs, and rows within a block are orthogonal
     (lower variance). Otherwise i.i.d. N(0, I) rows.
     """
+    check_positive_int("num_features", num_features)
+    check_positive_int("head_dim", head_dim)
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     if not orthogonal:
         return torch.randn(num_features, head_dim, generator=g, device="cpu", dtype=torch.float32)
@@ -206,11 +224,14 @@ def favor_features(x: torch.Tensor, proj: torch.Tensor, *, is_query: bool) -> to
         [B, T, H, m] features, computed in fp32 at least (the exponentials need the range).
     """
     check_bthd("x", x)
+    if not isinstance(proj, torch.Tensor) or proj.dim() != 2 or proj.shape[1] != x.shape[-1]:
+        got = tuple(proj.shape) if isinstance(proj, torch.Tensor) else type(proj).__name__
+        raise ValueError(f"proj must be an [m, D] projection with D = {x.shape[-1]} (x's head dim), got {got}")
     dtype = torch.promote_types(x.dtype, torch.float32)
     D = x.shape[-1]
     m = proj.shape[0]
     # Not under autocast: a bf16 projection would put ~1% errors into exponents of size ~10.
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         xs = x.to(dtype) * D ** -0.25
         expo = torch.einsum("bthd,md->bthm", xs, proj.to(dtype)) - 0.5 * xs.pow(2).sum(-1, keepdim=True)
         if is_query:
@@ -251,7 +272,10 @@ def check_cosformer_positions(positions, max_len, mask: torch.Tensor | None, bat
     if from_zero and bool((lo < 0).any()):
         raise ValueError(f"positions must be >= 0, got {float(lo.min()):g}")
     span = hi - (0.0 if from_zero else lo)
-    M = torch.as_tensor(max_len, dtype=torch.float64, device=p.device).expand(batch)
+    M = torch.as_tensor(max_len, dtype=torch.float64, device=p.device)
+    if M.dim() > 1 or M.dim() == 1 and M.shape[0] != batch:
+        raise ValueError(f"max_len must be a number or a [B] = [{batch}] tensor, got shape {tuple(M.shape)}")
+    M = M.expand(batch)
     bad = (span >= M).nonzero()
     if len(bad):
         r = int(bad[0, 0])

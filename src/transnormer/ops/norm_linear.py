@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from . import _native
 from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_step_mask
 from ._chunked import ChunkedCausalLinearAttn
-from ._dtypes import state_dtype_for
+from ._dtypes import autocast_off, state_dtype_for
 
 
 def _check_state(state: torch.Tensor, batch: int, heads: int, d: int, e: int, name: str) -> None:
@@ -107,7 +107,7 @@ def norm_linear_attn(
         qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
         if q.dtype in (torch.float16, torch.bfloat16):
             qh, kh, vh = qh.contiguous(), kh.contiguous(), vh.contiguous()
-        with torch.autocast(q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             state = (kh.transpose(-1, -2) @ vh).to(sdt)
             if init is not None:
                 state = state + init

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from . import _native
 from ._checks import first_order_only
+from ._dtypes import autocast_enabled, autocast_off
 from ._projection import fused_projection_ok, project, project_backward, projection_dtype
 from .dense import linear
 from .norm_linear import state_dtype_for
@@ -152,7 +153,7 @@ class _ProjectedSiluGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, b1, b2, cdt):
         F_ = w1.shape[0]
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             x2, wt, ab = project(x, torch.cat((w1, w2)), cdt)
             bias = torch.cat((b1, b2))
             h = _native.silu_gate_fwd(ab, bias)
@@ -197,7 +198,7 @@ def projected_silu_gate(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1:
             and fused_projection_ok(x, w1, w2, b1, b2)):
         return _ProjectedSiluGate.apply(x, w1, w2, b1, b2, projection_dtype(x))
     bias = None if b1 is None else torch.cat((b1, b2))
-    if bias is not None and bias.dtype != w1.dtype and not torch.is_autocast_enabled(x.device.type):
+    if bias is not None and bias.dtype != w1.dtype and not autocast_enabled(x.device.type):
         bias = bias.to(w1.dtype)  # F.linear takes one dtype (the fused path adds an fp32 bias itself)
     return silu_gate(linear(x, torch.cat((w1, w2)), bias))
 
