@@ -455,3 +455,64 @@ def test_layers_refuse_an_attention_dropout_outside_0_1(make):
     # a negative rate had meant no dropout without a word
     with pytest.raises(ValueError, match="attention_dropout must be in"):
         make(-0.1)
+
+
+def test_norm_attention_on_fla_passes_the_core_as_the_spec_says(monkeypatch):
+    """impl='fla' (peers.md §3.6): fla's chunk_linear_attn on q̂, k̂ in [B, T, H, e] with scale 1 and no
+    denominator. Checked here against a stand-in fla module computing the quadratic reference; the
+    parity with the real GPU kernel is test_norm_attention_on_fla_matches_on_gpu."""
+    import sys
+    import types
+
+    from transnormer.ops import norm_linear_attn_reference
+
+    calls = []
+
+    def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
+        calls.append((tuple(q.shape), scale, normalize, output_final_state))
+        o, state = norm_linear_attn_reference(q, k, v, causal=True, initial_state=initial_state)
+        return o, state if output_final_state else None
+
+    ops = types.ModuleType("fla.ops.linear_attn")
+    ops.chunk_linear_attn = chunk_linear_attn
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.ops", types.ModuleType("fla.ops"))
+    monkeypatch.setitem(sys.modules, "fla.ops.linear_attn", ops)
+    torch.manual_seed(0)
+    ours = NormAttention(16, 2, causal=True).double()
+    fla = NormAttention(16, 2, causal=True, impl="fla").double()
+    fla.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    pos = torch.arange(9)[None]
+    torch.testing.assert_close(fla(x)[0], ours(x)[0])
+    y, cache = fla(x[:, :5], positions=pos[:, :5], use_cache=True)  # a prefill, then its state continued
+    y2, _ = fla(x[:, 5:], positions=pos[:, 5:], cache=cache, use_cache=True)
+    torch.testing.assert_close(torch.cat([y, y2], 1), ours(x)[0])
+    assert calls[0] == ((2, 9, 2, 8), 1.0, False, False) and calls[1][3] is True
+    with pytest.raises(ValueError, match="impl='fla' takes no padding mask"):
+        fla(x, attention_mask=torch.tensor([[1] * 9, [1] * 7 + [0] * 2]))
+    with pytest.raises(ValueError, match="impl='fla' serves the causal form only"):
+        NormAttention(16, 2, causal=False, impl="fla")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        NormAttention(16, 2, causal=True, impl="triton")
+
+
+def _fla_on_gpu() -> bool:
+    try:
+        import fla.ops.linear_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _fla_on_gpu(), reason="needs flash-linear-attention and a CUDA GPU")
+def test_norm_attention_on_fla_matches_on_gpu():
+    # peers.md §3.6: output and final state against our chunked form, relative error <= 1e-3 in fp32
+    torch.manual_seed(0)
+    ours = NormAttention(64, 4, causal=True).cuda()
+    fla = NormAttention(64, 4, causal=True, impl="fla").cuda()
+    fla.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 300, 64, device="cuda")
+    (a, ca), (b, cb) = ours(x, use_cache=True, positions=torch.arange(300, device="cuda")[None]), \
+        fla(x, use_cache=True, positions=torch.arange(300, device="cuda")[None])
+    assert rel_err(b, a) <= 1e-3 and rel_err(cb["state"], ca["state"]) <= 1e-3

@@ -22,11 +22,30 @@ def get_kernel(name: str):
     return KERNELS[name]
 
 
+def fla_causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None,
+                    output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The causal core Σ_{j≤i} (q̂_i·k̂_j) v_j on flash-linear-attention's chunk kernel (peers.md §3.6; GPU
+    and Triton only, imported at first use): q̂, k̂ as they are (``scale=1.0``) and no denominator
+    (``normalize=False``). q, k: [B, T, H, e]; v: [B, T, H, e]; state [B, H, e, e]."""
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError as e:
+        raise ImportError("impl='fla' needs flash-linear-attention and Triton on a GPU: pip install "
+                          "flash-linear-attention") from e
+    return chunk_linear_attn(q, k, v, scale=1.0, initial_state=initial_state, output_final_state=output_final_state,
+                             normalize=False)
+
+
+IMPLS = ("auto", "fla")
+
+
 class NormAttention(MultiHeadMixer):
     """O = Norm(concat_h φ̂(Q_h) φ̂(K_h)ᵀ V_h) W_o + b_o with φ̂ = LRPE ∘ kernel. x: [B, T, d].
 
     The norm runs over the full width d (the paper) or per head (``norm_per_head``). The causal
     form is chunked (linear in T); decoding carries one [B, H, e, e] state (``cache["state"]``).
+    ``impl="fla"`` runs the causal core (not decoding steps) on flash-linear-attention's GPU kernel
+    (:func:`fla_causal_core`), without padding masks.
     """
 
     def __init__(
@@ -44,9 +63,15 @@ class NormAttention(MultiHeadMixer):
         norm_eps: float | None = None,
         eps_inside_sqrt: bool = False,
         norm_per_head: bool = False,
+        impl: str = "auto",
     ):
         super().__init__()
         check_positive_int("chunk_size", chunk_size)
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl == "fla" and not causal:
+            raise ValueError("impl='fla' serves the causal form only (fla's kernel is causal)")
+        self.impl = impl
         self.causal, self.chunk_size = causal, chunk_size
         self.kernel_name, self.kernel = kernel, get_kernel(kernel)
         self._build_projections(hidden_size, num_heads)
@@ -84,6 +109,10 @@ class NormAttention(MultiHeadMixer):
             step_mask = None if mask is None else mask[:, 0]
             o, state = norm_linear_attn_step(q[:, 0], k[:, 0], v[:, 0], state, key_padding_mask=step_mask)
             o = o[:, None]
+        elif self.impl == "fla":
+            if mask is not None:
+                raise ValueError("impl='fla' takes no padding mask (fla packs sequences by cu_seqlens instead)")
+            o, state = fla_causal_core(q, k, v, state, use_cache)
         else:
             o, state = norm_linear_attn(
                 q, k, v, causal=self.causal, chunk_size=self.chunk_size, initial_state=state,
