@@ -93,6 +93,18 @@ def test_presets_registered_and_match_table():
     assert set(LRA_MODELS) == set(TABLE)
 
 
+def test_lra_presets_keep_their_ratios_at_another_width():
+    # the FFN width was stored absolute: hidden_size=256 on ListOps gave a ratio of 2 (lra.md: 4)
+    for task, row in TABLE.items():
+        r = row[4]  # the FFN ratio
+        for name in (f"t2-lra-{task}", f"t1-lra-{task}-tiny", f"vanilla-lra-{task}"):
+            assert get_config(name, hidden_size=256).ffn_hidden_size == int(round(r * 256))
+        assert get_config(f"t2-lra-{task}", hidden_size=256, ffn_hidden_size=100).ffn_hidden_size == 100
+    assert get_config("flash-lra-listops", hidden_size=64).layer_options["flash"]["qk_dim"] == 64  # s = min(128, d)
+    assert get_config("flash-lra-listops", hidden_size=512).layer_options["flash"]["qk_dim"] == 128
+    assert get_config("flash-lra-listops").layer_options["flash"]["qk_dim"] == 128
+
+
 @pytest.mark.parametrize("task", [t for t in TABLE if t != "retrieval"])
 def test_presets_forward_reduced_length(task):
     vocab = TASKS[task].vocab_size

@@ -630,6 +630,18 @@ def test_config_values_are_checked(field, value, match, tmp_path):
         TransNormerConfig(**{field: value}).save_pretrained(tmp_path)
 
 
+def test_get_config_refuses_a_misspelt_field():
+    # PretrainedConfig kept it as a loose attribute: the 156M default model, without a word
+    from transnormer.presets import count_parameters, get_config
+
+    with pytest.raises(ValueError, match=r"get_config\('t2-lm'\): 'hiden_size' is not a TransNormerConfig field; "
+                                         r"did you mean 'hidden_size'\?"):
+        get_config("t2-lm", hiden_size=256)
+    with pytest.raises(ValueError, match="hiden_size"):
+        count_parameters("t2-lm-tiny", hiden_size=256)
+    assert get_config("t2-lm-tiny", hidden_size=64, pad_token_id=0).hidden_size == 64
+
+
 def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():
     TransNormerConfig(norm_type="batch", causal=False).check()
     from transnormer.presets import get_config

@@ -254,3 +254,38 @@ class TransNormerConfig(PretrainedConfig):
             raise ValueError(f"num_labels must be >= 1, got {self.num_labels}")
         if self.problem_type not in PROBLEM_TYPES:
             raise ValueError(f"problem_type must be None or one of {PROBLEM_TYPES[1:]}, got {self.problem_type!r}")
+
+
+def _has_type(value, hint) -> bool:
+    """Whether a JSON value fits a type hint such as ``float`` or ``list[str] | None``."""
+    import typing
+
+    kinds = [typing.get_origin(t) or t for t in (typing.get_args(hint) or (hint,))]
+    if isinstance(value, bool):  # a bool is an int to isinstance, not to a config
+        return bool in kinds
+    if isinstance(value, int) and float in kinds:
+        return True
+    return any(isinstance(value, k) for k in kinds)
+
+
+def check_overrides(overrides: dict, *, types: bool = True, where: str = "overrides (--set)") -> None:
+    """Each override must name a TransNormerConfig field and (``types``) hold a value of its type, as
+    JSON gives it: a typo would otherwise be stored as an extra config key that changes nothing, and
+    a wrong type would fail deep in the model without naming the field. ``where`` starts the message."""
+    import difflib
+    import typing
+
+    if not overrides:
+        return
+    hints = typing.get_type_hints(TransNormerConfig.__init__)
+    known = set(hints) | set(TransNormerConfig().to_dict()) | {"num_labels"}  # ours and PretrainedConfig's
+    known.discard(SAVED_LAYER_TYPES)  # config.json's name for layer_types, which a preset's own would win over
+    for key, value in overrides.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise ValueError(f"{where}: {key!r} is not a TransNormerConfig field"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+        if types and key in hints and not _has_type(value, hints[key]):
+            kinds = typing.get_args(hints[key]) or (hints[key],)
+            names = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds)
+            raise ValueError(f"{where}: {key}={value!r} must be {names} (a JSON value)")

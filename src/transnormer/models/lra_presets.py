@@ -184,6 +184,22 @@ def flash_lra_config(task: str, *, tiny: bool = False, **kw) -> dict:
     return cfg
 
 
+def _lra_widths(task: str):
+    """derive() of a task's LRA presets: a width given without its FFN keeps lra.md §3's ratio (it had
+    kept the preset's absolute FFN width), and FLASH's s stays min(128, d)."""
+    def derive(kwargs: dict, overrides: dict) -> None:
+        if "hidden_size" not in overrides:
+            return
+        d = kwargs["hidden_size"]
+        if "ffn_hidden_size" not in overrides and kwargs.get("ffn_hidden_size") is not None:
+            kwargs["ffn_hidden_size"] = int(round(LRA_MODELS[task].ffn_ratio * d))
+        flash = (kwargs.get("layer_options") or {}).get("flash")
+        if flash is not None and "layer_options" not in overrides:
+            kwargs["layer_options"] = {**kwargs["layer_options"], "flash": {**flash, "qk_dim": min(128, d)}}
+
+    return derive
+
+
 def lra_preset_names(task: str | None = None) -> list[str]:
     tasks = LRA_PRESET_TASKS if task is None else (task,)
     return [f"{kind}-lra-{t}{sfx}" for t in tasks for kind in ("t1", "t2", "vanilla", "flash") for sfx in ("", "-tiny")]
@@ -193,6 +209,8 @@ for _task in LRA_PRESET_TASKS:
     for _tiny, _sfx in ((False, ""), (True, "-tiny")):
         for _v in ("t1", "t2"):
             register_preset(f"{_v}-lra-{_task}{_sfx}", "cls",
-                            lambda t=_task, v=_v, s=_tiny: lra_config(t, v, tiny=s))
-        register_preset(f"vanilla-lra-{_task}{_sfx}", "cls", lambda t=_task, s=_tiny: vanilla_lra_config(t, tiny=s))
-        register_preset(f"flash-lra-{_task}{_sfx}", "cls", lambda t=_task, s=_tiny: flash_lra_config(t, tiny=s))
+                            lambda t=_task, v=_v, s=_tiny: lra_config(t, v, tiny=s), _lra_widths(_task))
+        register_preset(f"vanilla-lra-{_task}{_sfx}", "cls", lambda t=_task, s=_tiny: vanilla_lra_config(t, tiny=s),
+                        _lra_widths(_task))
+        register_preset(f"flash-lra-{_task}{_sfx}", "cls", lambda t=_task, s=_tiny: flash_lra_config(t, tiny=s),
+                        _lra_widths(_task))

@@ -13,19 +13,25 @@ from collections.abc import Callable
 
 import torch
 
-from .configuration import TransNormerConfig
+from .configuration import TransNormerConfig, check_overrides
 
 WIKITEXT103_VOCAB = 267_735
 ROBERTA_VOCAB = 50_265
 
 # name -> (task, factory returning config kwargs)
 PRESETS: dict[str, tuple[str, Callable[[], dict]]] = {}
+# name -> derive(kwargs, overrides): sizes a preset states relative to its width (the LRA presets' FFN
+# ratio), made again from the overridden kwargs in place where the overrides do not set them
+_DERIVE: dict[str, Callable[[dict, dict], None]] = {}
 
 
-def register_preset(name: str, task: str, factory: Callable[[], dict]) -> None:
+def register_preset(name: str, task: str, factory: Callable[[], dict],
+                    derive: Callable[[dict, dict], None] | None = None) -> None:
     if task not in ("clm", "mlm", "cls"):
         raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {task!r}")
     PRESETS[name] = (task, factory)
+    if derive is not None:
+        _DERIVE[name] = derive
 
 
 def lm_base(**kw) -> dict:
@@ -91,8 +97,12 @@ def _load_extra_presets() -> None:
 def get_config(name: str, **overrides) -> TransNormerConfig:
     """The config of preset ``name`` with ``overrides`` applied."""
     _check_name(name)
+    # a misspelt field would be kept by PretrainedConfig as a loose attribute, and the preset built unchanged
+    check_overrides(overrides, types=False, where=f"get_config({name!r})")
     kwargs = PRESETS[name][1]()
     kwargs.update(overrides)
+    if name in _DERIVE:
+        _DERIVE[name](kwargs, overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in kwargs:
         kinds = set(kwargs["layer_types"])
         if len(kinds) == 1:  # a single-type stack (baselines) stays single-type at the new depth

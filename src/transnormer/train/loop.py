@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .._files import atomic_write_text, check_output
+from ..models.configuration import check_overrides
 from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb, reset_peak_rss
 from .checkpoint import (
     STATE,
@@ -234,44 +235,6 @@ RESUMABLE_CHANGES = ("out_dir", "resume", "eval_every", "eval_every_s", "eval_ba
 
 # What --set may change in a model loaded with init_from: its weights fix every other field.
 INIT_FROM_OVERRIDES = ("dropout", "attention_dropout", "classifier_dropout")
-
-
-def _has_type(value, hint) -> bool:
-    """Whether a JSON value fits a type hint such as ``float`` or ``list[str] | None``."""
-    import typing
-
-    kinds = [typing.get_origin(t) or t for t in (typing.get_args(hint) or (hint,))]
-    if isinstance(value, bool):  # a bool is an int to isinstance, not to a config
-        return bool in kinds
-    if isinstance(value, int) and float in kinds:
-        return True
-    return any(isinstance(value, k) for k in kinds)
-
-
-def check_overrides(overrides: dict) -> None:
-    """Each override must name a TransNormerConfig field and hold a value of its type: a typo would
-    otherwise be stored as an extra config key that changes nothing, and a wrong type would fail
-    deep in the model without naming the field."""
-    import difflib
-    import typing
-
-    from ..models import TransNormerConfig
-    from ..models.configuration import SAVED_LAYER_TYPES
-
-    if not overrides:
-        return
-    hints = typing.get_type_hints(TransNormerConfig.__init__)
-    known = set(hints) | set(TransNormerConfig().to_dict()) | {"num_labels"}  # ours and PretrainedConfig's
-    known.discard(SAVED_LAYER_TYPES)  # config.json's name for layer_types, which a preset's own would win over
-    for key, value in overrides.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            raise ValueError(f"overrides (--set): {key!r} is not a TransNormerConfig field"
-                             + (f"; did you mean {close[0]!r}?" if close else ""))
-        if key in hints and not _has_type(value, hints[key]):
-            kinds = typing.get_args(hints[key]) or (hints[key],)
-            names = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds)
-            raise ValueError(f"overrides (--set): {key}={value!r} must be {names} (a JSON value)")
 
 
 def run_name(cfg: TrainConfig) -> str:
