@@ -62,6 +62,21 @@ def test_kill_and_resume_is_exact(corpus_dir, tmp_path, task):
     assert got == pytest.approx(ref, rel=0, abs=1e-6)
 
 
+def test_a_flash_run_saved_before_gamma_beta_left_the_decay_group_resumes(corpus_dir, tmp_path, monkeypatch, capsys):
+    # its optimizer's groups hold other numbers of parameters: load_state_dict had refused them
+    import transnormer.train.loop as loop
+
+    new_groups = loop.param_groups
+    kw = {"preset": "flash-lm-tiny", "overrides": {"hidden_size": 32, "num_hidden_layers": 2}, "weight_decay": 0.1,
+          "max_steps": 4}
+    monkeypatch.setattr(loop, "param_groups", lambda *a, **k: new_groups(*a, **{**k, "by_name": False}))
+    part = cfg_for(corpus_dir, tmp_path, out_dir=str(tmp_path / "part"), save_every=2, stop_after=2, **kw)
+    assert train(part) == {"stopped_at": 2}
+    monkeypatch.setattr(loop, "param_groups", new_groups)
+    assert train(replace(part, stop_after=None, resume=True))["steps"] == 4
+    assert "decays GAU/FLASH's gamma and beta, as it did when it started" in capsys.readouterr().out
+
+
 def test_a_fine_tune_resumes_after_its_init_from_run_moved(corpus_dir, tmp_path):
     """Resuming rebuilt the model and tokenizer from init_from, which the checkpoint already holds:
     with the pretrained run moved away the resume failed."""
@@ -87,6 +102,14 @@ def test_param_groups_decay_matrices_or_everything():
     assert len(decay["params"]) + len(no_decay["params"]) == n
     decay, no_decay = param_groups(model, 0.01, decay_all=True)  # fairseq's Adam: every parameter
     assert len(decay["params"]) == n and not no_decay["params"]
+    # GAU/FLASH's per-head γ (a gain) and β (a bias) are 2-D: they had been decayed, against the docs
+    for preset in ("flash-lm-tiny", "flash-quad-lm-tiny"):
+        model = build_model(preset, vocab_size=50)
+        names = {id(p): k for k, p in model.named_parameters()}
+        decay, no_decay = param_groups(model, 0.01)
+        kept = {names[id(p)].rsplit(".", 1)[-1] for p in no_decay["params"] if p.dim() >= 2}
+        assert kept == {"gamma", "beta"}
+        assert all(names[id(p)].endswith(".weight") for p in decay["params"])
 
 
 def test_the_kernel_build_is_not_training_time(corpus_dir, tmp_path, monkeypatch):

@@ -116,7 +116,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--schedule", default=d.schedule, choices=["cosine", "inverse_sqrt", "polynomial", "constant"])
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--weight-decay-all", action="store_true",
-                   help="decay biases, norm gains and LRPE θ too (default: matrices only); fairseq's Adam, the paper's")
+                   help="decay biases, norm gains, LRPE θ and GAU/FLASH's γ, β too (default: weight matrices "
+                   "only); fairseq's Adam, the paper's")
     p.add_argument("--betas", type=float, nargs=2, default=list(d.betas))
     p.add_argument("--adam-eps", type=float, default=d.adam_eps)
     p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clipping; 0 = off")

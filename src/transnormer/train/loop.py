@@ -475,14 +475,22 @@ class _StopRequests:
         self._previous = {}
 
 
-def param_groups(model, weight_decay: float, *, decay_all: bool = False):
-    """No weight decay on 1-D parameters (biases, norm gains, LRPE θ, scalars), the common choice;
-    ``decay_all``: on every parameter, as fairseq's Adam (which the paper trained with) does."""
+def param_groups(model, weight_decay: float, *, decay_all: bool = False, by_name: bool = True):
+    """No weight decay on 1-D parameters (biases, norm gains, LRPE θ, scalars) and on those a module
+    names in ``no_weight_decay`` (GAU/FLASH's per-head γ and β, a gain and a bias of shape [heads, s]),
+    the common choice; ``decay_all``: on every parameter, as fairseq's Adam (which the paper trained with) does.
+    ``by_name=False``: by shape alone, the grouping of runs saved before ``no_weight_decay`` (γ, β decayed)."""
+    named = {id(getattr(m, n)) for m in model.modules() for n in getattr(m, "no_weight_decay", ())} if by_name else set()
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if decay_all or p.dim() >= 2 else no_decay).append(p)
+            matrix = p.dim() >= 2 and id(p) not in named
+            (decay if decay_all or matrix else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _group_sizes(optimizer_state: dict) -> list[int]:
+    return [len(g["params"]) for g in optimizer_state["param_groups"]]
 
 
 def autocast_factory(device: torch.device, dtype: str):
@@ -674,6 +682,10 @@ def train(cfg: TrainConfig) -> dict:
     # for FSDP's DTensors.
     sharded = is_sharded(info, cfg.strategy)
     groups = param_groups(model, cfg.weight_decay, decay_all=cfg.weight_decay_all)
+    if resumed and _group_sizes(state["optimizer"]) != _group_sizes({"param_groups": groups}):
+        # a run saved before GAU/FLASH's γ and β left the decayed group continues as it started
+        groups = param_groups(model, cfg.weight_decay, decay_all=cfg.weight_decay_all, by_name=False)
+        log("resume: this run decays GAU/FLASH's gamma and beta, as it did when it started")
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=not sharded)
     scheduler = make_scheduler(optimizer, sched)  # reads `sched` live: a time budget sets total_steps later
     if resumed:
