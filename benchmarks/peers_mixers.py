@@ -1,7 +1,7 @@
 """Mixer-level side-by-side timing against the peers, as peers.md §2 rule 4 asks.
 
     python benchmarks/peers_mixers.py [--lengths 256 512 1024 2048 4096 8192] [--dim 512] [--heads 8]
-                                      [--causal | --bidirectional] [--out runs/bench/peers_mixers]
+                                      [--bidirectional] [--out runs/bench/peers_mixers]   (default: causal)
 
 Each mixer maps (B=1, T, d) -> (B, T, d). The ones compared:
 - ours: NormAttention (TransNormer's linear mixer), FLASH (mixed-chunk GAU), SoftmaxAttention

@@ -567,7 +567,8 @@ def register(sub) -> None:
                    help="total over the torchrun processes, each taking its share (default: the authors' total)")
     q.add_argument("--grad-accum", type=positive_int, default=1)
     q.add_argument("--lr", type=float)
-    q.add_argument("--warmup", type=int, help="default: the authors' warmup (capped at half of --max-steps)")
+    q.add_argument("--warmup", type=int, help="default: the authors' warmup; any warmup is capped at half the run's "
+                   "steps (--max-steps, or those --epochs gives)")
     q.add_argument("--clip", type=float, help="gradient clipping (default: off, as the authors)")
     q.add_argument("--sync-batch-norm", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun, batch norm statistics over every process, as the authors' SyncBatchNorm "
