@@ -621,6 +621,8 @@ def test_an_encoder_loaded_as_masked_lm_gets_an_initialised_head(tmp_path, initi
     ("tie_word_embeddings", "False", "tie_word_embeddings must be a bool"),  # the CLI's override string had tied
     ("initializer_range", -1.0, "initializer_range must be a finite number >= 0"),
     ("initializer_range", "0.02", "initializer_range must be a finite number >= 0"),
+    ("abs_pos_scale", 0.0, "abs_pos_scale must be None"),
+    ("abs_pos_scale", 1.0, "abs_pos_scale sets scaled_sinusoid's"),  # with the default abs_pos: scales nothing
 ])
 def test_config_values_are_checked(field, value, match, tmp_path):
     # these used to fail deep inside a layer, or (a truthy string, a misspelt type) be accepted
@@ -628,6 +630,14 @@ def test_config_values_are_checked(field, value, match, tmp_path):
         TransNormerConfig(**{field: value}).check()
     with pytest.raises((ValueError, TypeError), match=match):  # save_pretrained had written them
         TransNormerConfig(**{field: value}).save_pretrained(tmp_path)
+
+
+def test_scaled_sinusoid_alpha0_is_a_config_field():
+    # flash.md §1.3: α₀ = d^-1/2 (ours) or 1 (flash-pytorch's); only the first could be built
+    from transnormer.presets import build_model
+
+    assert build_model("flash-lm-tiny").model.embed_positions.scale.item() == pytest.approx(128 ** -0.5)
+    assert build_model("flash-lm-tiny", abs_pos_scale=1.0).model.embed_positions.scale.item() == 1.0
 
 
 def test_get_config_refuses_a_misspelt_field():

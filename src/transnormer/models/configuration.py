@@ -60,6 +60,7 @@ class TransNormerConfig(PretrainedConfig):
         pre_norm: bool = True,
         final_norm: bool | None = None,
         abs_pos: str = "sinusoidal",
+        abs_pos_scale: float | None = None,
         scale_embedding: bool = True,
         embed_norm: bool = False,
         max_position_embeddings: int = 512,
@@ -102,6 +103,7 @@ class TransNormerConfig(PretrainedConfig):
         self.pre_norm = pre_norm
         self.final_norm = pre_norm if final_norm is None else final_norm
         self.abs_pos = abs_pos
+        self.abs_pos_scale = abs_pos_scale  # scaled_sinusoid's initial α₀ (None: d^-1/2; flash-pytorch's is 1)
         self.scale_embedding = scale_embedding
         self.embed_norm = embed_norm
         self.max_position_embeddings = max_position_embeddings
@@ -233,6 +235,11 @@ class TransNormerConfig(PretrainedConfig):
             raise ValueError(f"lrpe must be one of {LRPE_TYPES}, got {self.lrpe!r}")
         if self.abs_pos not in ABS_POS_TYPES:
             raise ValueError(f"abs_pos must be one of {ABS_POS_TYPES}, got {self.abs_pos!r}")
+        a = self.abs_pos_scale
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < math.inf):
+            raise ValueError(f"abs_pos_scale must be None (d^-1/2) or a finite number > 0, got {a!r}")
+        if a is not None and self.abs_pos != "scaled_sinusoid":  # it would scale nothing
+            raise ValueError(f"abs_pos_scale sets scaled_sinusoid's α₀; abs_pos is {self.abs_pos!r}")
         if self.classifier_pooling not in POOLING_TYPES:
             raise ValueError(f"classifier_pooling must be one of {POOLING_TYPES}, got {self.classifier_pooling!r}")
         if self.initializer not in ("paper", "normal"):

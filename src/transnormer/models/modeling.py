@@ -222,7 +222,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if config.abs_pos == "sinusoidal":
             self.embed_positions = SinusoidalPositions(d)
         elif config.abs_pos == "scaled_sinusoid":
-            self.embed_positions = SinusoidalPositions(d, learnable_scale=d ** -0.5, layout="transformer")  # flash.md §1.3
+            alpha0 = d ** -0.5 if config.abs_pos_scale is None else float(config.abs_pos_scale)  # flash.md §1.3
+            self.embed_positions = SinusoidalPositions(d, learnable_scale=alpha0, layout="transformer")
         elif config.abs_pos == "learned":
             self.embed_positions = LearnedPositions(config.max_position_embeddings, d)
         else:
