@@ -468,7 +468,9 @@ def test_norm_attention_on_fla_passes_the_core_as_the_spec_says(monkeypatch):
 
     calls = []
 
-    def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
+    def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                          head_first=True):  # (2024's default: [B, H, T, e])
+        assert head_first is False
         calls.append((tuple(q.shape), scale, normalize, output_final_state))
         o, state = norm_linear_attn_reference(q, k, v, causal=True, initial_state=initial_state)
         return o, state if output_final_state else None

@@ -209,6 +209,12 @@ def test_split_siblings_compressed_differently(tmp_path):
     (tmp_path / "wiki.valid.tokens.gz").write_bytes(gzip.compress(_paragraphs("v", 2).encode()))
     with pytest.raises(ValueError, match="'valid' has 2 files differing only in compression"):
         load_corpus(tmp_path / "wiki.train.tokens")
+    # two names of one split are two files, both read (they had been called copies of one)
+    (tmp_path / "wiki.valid.tokens.gz").unlink()
+    (tmp_path / "wiki.dev.tokens").write_text(_paragraphs("d", 3), encoding="utf-8")
+    c = load_corpus(tmp_path / "wiki.train.tokens")
+    assert sorted(c.sources["valid"]) == [str(tmp_path / "wiki.dev.tokens"), str(tmp_path / "wiki.valid.tokens.xz")]
+    assert len(c["valid"]) == 5
 
 
 def test_split_subdirectories_and_missing_splits_carved(tmp_path):

@@ -205,3 +205,6 @@ def test_only_byte_level_bpe_is_cut(tok):
     prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
     assert not TextTokenizer(prefixed, name="prefix").splits_at_line_starts
     assert TextTokenizer(Tokenizer.from_str(tok._json), name="same").splits_at_line_starts
+    added = Tokenizer.from_str(tok._json)
+    added.add_tokens(["end\nBEGIN"])  # matched in the text, across a line start
+    assert not TextTokenizer(added, name="added").splits_at_line_starts

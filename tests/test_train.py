@@ -470,6 +470,14 @@ def test_mlm_masks_do_not_depend_on_how_the_batch_is_split():
     legacy = masks(1, 4, accum=2, resume_from=old)
     by_micro = MLMBatches(LMBatchIterator(tokens, 32, 4, seed=3, step=2), tok, 7, 0)
     assert torch.equal(legacy[0][:4], next(by_micro)["labels"])
+    # and keeps them through its later checkpoints (it had saved the new keys at its first)
+    first = MLMBatches(LMBatchIterator(tokens, 32, 4, seed=3), tok, 7, 0, 1, 2)
+    first.load_state_dict(old)
+    next(first)
+    again = MLMBatches(LMBatchIterator(tokens, 32, 4, seed=3), tok, 7, 0, 1, 2)
+    again.load_state_dict(first.state_dict())
+    assert again.micro_batch_keys and first.state_dict()["mask_keys"] == "micro-batch"
+    torch.testing.assert_close(next(again)["labels"], next(first)["labels"])
     assert MLMBatches(it, tok, 7, 0).state_dict()["mask_keys"] == "optimizer-step"
     masker = MLMBatches(None, tok, 11, 0)
 

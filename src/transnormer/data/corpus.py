@@ -327,18 +327,22 @@ def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]
             sib_template = _split_template(sib.name)
             if sib.is_file() and sib_template is not None and sib_template[0] == template[0]:
                 family.setdefault(sib_template[1], []).append(sib)
-        # One split held both compressed and plain (docs.valid.txt beside docs.valid.txt.xz) is one text
-        # twice: keep the copy compressed like the spec file, else refuse to guess.
+        # One file held both compressed and plain (docs.valid.txt beside docs.valid.txt.xz) is one text
+        # twice: keep the copy compressed like the spec file, else refuse to guess. (Files of one split
+        # under other names, docs.dev.txt beside docs.valid.txt, are all read, as before.)
         spec_compression = _strip_compression(spec_path.name)[1]
         for split, sibs in family.items():
-            if len(sibs) > 1:
-                alike = [f for f in sibs if _strip_compression(f.name)[1] == spec_compression]
-                if len(alike) != 1:
+            kept: list[Path] = []
+            for stem in dict.fromkeys(_strip_compression(f.name)[0].lower() for f in sibs):
+                copies = [f for f in sibs if _strip_compression(f.name)[0].lower() == stem]
+                alike = [f for f in copies if _strip_compression(f.name)[1] == spec_compression]
+                if len(copies) > 1 and len(alike) != 1:
                     raise ValueError(
-                        f"{str(spec_path)!r}: split {split!r} has {len(sibs)} files differing only in "
-                        f"compression ({', '.join(f.name for f in sibs)}); keep one"
+                        f"{str(spec_path)!r}: split {split!r} has {len(copies)} files differing only in "
+                        f"compression ({', '.join(f.name for f in copies)}); keep one"
                     )
-                family[split] = alike
+                kept += alike if len(copies) > 1 else copies
+            family[split] = kept
         return family, []
     files = sorted(p for p in spec_path.rglob("*") if _is_text_file(p) and not _hidden(p, spec_path))
     if not files:

@@ -130,8 +130,9 @@ class StepBatches:
     def tokens_digest(self) -> str:
         """sha256 of the whole stream (as little-endian uint32, whatever the array's dtype): on resume, a
         corpus edited under the same token count (one token of a --data folder) no longer matches, which
-        a sample of the stream would miss. Computed once, at the first checkpoint (~1 GB/s: a few
-        seconds for a billion tokens, read a chunk at a time from a memory-mapped cache)."""
+        a sample of the stream would miss. Computed once per run, when the training loop first reads the
+        data state (before its first step, outside the timed steps; ~1 GB/s: a few seconds for a
+        billion tokens, read a chunk at a time from a memory-mapped cache)."""
         import hashlib
 
         h, step = hashlib.sha256(), 1 << 24

@@ -193,8 +193,11 @@ class TextTokenizer:
             return False
         spec = json.loads(self._json)
         pre = spec.get("pre_tokenizer") or {}
+        # a non-special added token is matched in the text before pre-tokenization, and may span the cut
+        # ("end\nBEGIN") or take the newline before it (lstrip): special ones never match text here
+        added = all(t.get("special") for t in spec.get("added_tokens") or [])
         return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex") is True
-                and pre.get("add_prefix_space") is False and (spec.get("model") or {}).get("type") == "BPE")
+                and pre.get("add_prefix_space") is False and (spec.get("model") or {}).get("type") == "BPE" and added)
 
     @property
     def fingerprint(self) -> str:

@@ -155,11 +155,11 @@ class RelativePositionBias(nn.Module):
 
 
 class _GatedUnit(TokenMixer):
+    """Shared part of GAU and FLASH: the dense layer, the γ/β heads, RoPE, gate and output."""
+
     # the per-head scales and offsets of the shared z are a gain and a bias, though 2-D: the training
     # loop's weight decay leaves them out (by attribute name, which survives FSDP's parameter swap)
     no_weight_decay = ("gamma", "beta")
-
-    """Shared part of GAU and FLASH: the dense layer, the γ/β heads, RoPE, gate and output."""
 
     replaces_ffn = True
     num_qk_heads = 2

@@ -32,8 +32,12 @@ def fla_causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_s
     except ImportError as e:
         raise ImportError("impl='fla' needs flash-linear-attention and Triton on a GPU: pip install "
                           "flash-linear-attention") from e
+    import inspect
+
+    # versions with a head_first switch defaulted it to True ([B, H, T, e]) in 2024: say the layout
+    layout = {"head_first": False} if "head_first" in inspect.signature(chunk_linear_attn).parameters else {}
     return chunk_linear_attn(q, k, v, scale=1.0, initial_state=initial_state, output_final_state=output_final_state,
-                             normalize=False)
+                             normalize=False, **layout)
 
 
 IMPLS = ("auto", "fla")

@@ -18,8 +18,8 @@ no fp32 batched product of oneDNN's. MKL's AVX2 path ran FLASH's 16 chunk produc
 ``TRANSNORMER_FP32_GEMM`` = ``auto`` (default: off MKL on AMD CPUs with AVX-512, linear layers
 where PyTorch has oneDNN's op; measured on Zen 5 only), ``onednn`` (off MKL wherever the
 other kernel can run) or ``mkl`` (never).
-The oneDNN path is first-order autograd only (a double backward raises) and is skipped under
-``torch.compile``; ``torch.jit``/``torch.fx`` tracing is not supported on it.
+A ``create_graph`` backward of the oneDNN path runs PyTorch's products on the saved inputs, so its
+second derivatives are F.linear's. The path is skipped under ``torch.compile``; ``torch.jit``/``torch.fx`` tracing is not supported on it.
 """
 
 from __future__ import annotations

@@ -88,12 +88,13 @@ class MLMBatches:
         first = (k * self.world_size + self.rank) * B  # this micro-batch's rows in the step's global batch
         return self.masked(batch, step, rows=range(first, first + B))
 
-    def state_dict(self) -> dict:
-        return {**self.windows.state_dict(), "mask_keys": "optimizer-step"}
+    def state_dict(self) -> dict:  # the keys this run masks with, so that every later resume keeps them
+        return {**self.windows.state_dict(), "mask_keys": "micro-batch" if self.micro_batch_keys else "optimizer-step"}
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
-        self.micro_batch_keys = state.pop("mask_keys", None) is None and self.grad_accum > 1
+        keys = state.pop("mask_keys", None)
+        self.micro_batch_keys = keys == "micro-batch" or (keys is None and self.grad_accum > 1)
         self.windows.load_state_dict(state)
 
 
