@@ -203,6 +203,23 @@ def test_eval_refuses_flags_that_would_change_nothing(run_dir, capsys, flags, ma
     assert match in capsys.readouterr().err
 
 
+def test_skip_bad_rows_and_pooling_of_a_fine_tune(tmp_path, capsys):
+    # the error told CLI users to pass skip_bad_rows=True, which no flag reached; and --init-from refused
+    # --set classifier_pooling, which the pretrained weights do not fix (the new head reads it)
+    rng = random.Random(2)
+    lines = ["sentence\tlabel"] + [f"{' '.join(rng.choice(WORDS) for _ in range(5))}\t{i % 2}" for i in range(24)]
+    (tmp_path / "train.tsv").write_text("\n".join([*lines, "a stray\tdelimiter\t1"]) + "\n")
+    argv = ["train", "--task", "cls", "--preset", "t2-roberta-tiny", "--data", str(tmp_path), "--vocab-size", "300",
+            "--seq-len", "12", "--batch-size", "4", "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 2 and "(--skip-bad-rows) skips such rows" in capsys.readouterr().err
+    assert main([*argv, "--skip-bad-rows"]) == 0
+    from transnormer.train.loop import TrainConfig
+
+    TrainConfig(task="cls", preset=None, init_from=str(tmp_path / "run"), data=str(tmp_path),
+                max_steps=1, overrides={"classifier_pooling": "last"}).check()
+
+
 def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
     """--header no keeps a first row that reads like names ("text", "maybe"), --drop-label skips
     SNLI-style "-" rows, and examples cut to --seq-len are reported (they had been cut silently)."""

@@ -298,3 +298,13 @@ def test_headerless_first_row_with_a_known_name_is_data(tmp_path):
     assert [(r.text, r.label) for r in rows] == [("text", "1"), ("another one", "0")]
     named = read_classification_file(_write(tmp_path / "n.tsv", "text\tlabel\nan example\t1\n"))
     assert [(r.text, r.label) for r in named] == [("an example", "1")]
+
+
+def test_cli_words_in_the_reading_errors(tmp_path):
+    # the messages had named Python arguments (skip_bad_rows=True, truncate=True) a CLI user cannot pass
+    path = _write(tmp_path / "bad.tsv", "sentence\tlabel\na b\t1\nc\td\t0\n")
+    with pytest.raises(ValueError, match=r"--skip-bad-rows"):
+        read_classification_file(path)
+    assert [e.text for e in read_classification_file(path, skip_bad_rows=True)] == ["a b"]
+    with pytest.raises(ValueError, match=r"--text-pair-column\) given without text_column \(--text-column\)"):
+        read_classification_file(path, text_pair_column="sentence")

@@ -1167,6 +1167,30 @@ def test_cls_without_a_dev_file_evaluates_its_train_split(tmp_path):
     s = train(cfg)
     (ev,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "eval"]
     assert ev["split"] == "train" and s["eval"]["n"] == 32
+    # compare's table says so: its column had read "valid loss" over the training split
+    from transnormer.train.compare import comparison_table
+
+    table = comparison_table([{**s, "name": "t2-roberta-tiny"}], cfg)
+    assert "Scored on the training split (no dev file)" in table and "| train-split loss |" in table
+    assert s["eval"]["eval_split"] == "train"
+
+
+def test_cls_refuses_one_class_and_real_valued_scores(tmp_path):
+    # one class had trained a regression head (HF: one output) towards index 0, reporting accuracy 1.0;
+    # STS-B's scores had become unordered classes ("1.000" as "1", "0.200" as itself)
+    rng = random.Random(3)
+
+    def write(labels):
+        lines = ["sentence\tlabel"] + [f"{' '.join(rng.choice(WORDS) for _ in range(8))}\t{y}" for y in labels]
+        (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+        return TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path / "train.tsv"), vocab_size=300,
+                           seq_len=16, batch_size=8, max_steps=1, out_dir=str(tmp_path / "run"), progress=False,
+                           cache_dir=str(tmp_path / "cache"))
+
+    with pytest.raises(ValueError, match="every training example has the label '1'; a classifier needs at least two"):
+        train(write([1] * 16))
+    with pytest.raises(ValueError, match=r"real-valued scores \(e.g. '0.200'\): regression \(STS-B\) is not offered"):
+        train(write(["0.200", "1.000", "3.800", "5"] * 4))
 
 
 def test_a_token_budget_and_max_steps_stop_at_whichever_comes_first(corpus_dir, tmp_path):
@@ -1632,3 +1656,29 @@ def test_commands_that_train_stop_at_an_interrupted_run(corpus_dir, tmp_path, mo
     assert main(["compare", "--presets", "t2-lm-tiny,vanilla-lm-tiny", "--data", str(corpus_dir), "--max-steps", "4",
                  "--out", str(tmp_path / "cmp")]) == 130
     assert not (tmp_path / "cmp" / "comparison.md").exists()
+
+
+def test_cls_pads_with_eos_when_the_tokenizer_has_no_pad_token(tmp_path, monkeypatch):
+    # a GPT-2-style tokenizer (no pad token) had failed: "pass an explicit pad_id", which no flag reaches
+    from transnormer.train import tasks
+
+    rng = random.Random(4)
+    lines = ["sentence\tlabel"] + [f"{' '.join(rng.choice(WORDS) for _ in range(rng.choice((2, 9))))}\t{i % 2}"
+                                   for i in range(16)]
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    real = tasks.get_tokenizer
+
+    class NoPad:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return None if name == "pad_id" else getattr(self._tok, name)
+
+    monkeypatch.setattr(tasks, "get_tokenizer", lambda *a: NoPad(real(*a)))
+    cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path / "train.tsv"), vocab_size=300,
+                      seq_len=16, batch_size=8, max_steps=1, cache_dir=str(tmp_path / "cache"))
+    data = tasks.build_task_data(cfg, DistInfo(), contextlib.nullcontext)
+    batch = next(data.train)
+    pads = batch["input_ids"][~batch["attention_mask"].bool()]
+    assert pads.numel() and bool((pads == data.tokenizer.eos_id).all())

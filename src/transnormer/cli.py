@@ -62,6 +62,9 @@ def _add_cls_column_args(p: argparse.ArgumentParser) -> None:
                         "for a header-less file whose first row could read as names)")
     p.add_argument("--drop-label", action="append", metavar="LABEL",
                    help="cls: skip rows with this label (repeatable), e.g. '-' for SNLI's no-consensus rows")
+    p.add_argument("--skip-bad-rows", action="store_true",
+                   help="cls: skip TSV/CSV rows with too many or too few fields (a stray delimiter) instead of "
+                        "refusing the file")
 
 
 def _cls_read_kwargs(args) -> dict:
@@ -71,9 +74,11 @@ def _cls_read_kwargs(args) -> dict:
         read["has_header"] = args.header == "yes"
     if getattr(args, "drop_label", None):
         read["drop_labels"] = list(args.drop_label)
+    if getattr(args, "skip_bad_rows", False):
+        read["skip_bad_rows"] = True
     if args.task != "cls" and (read or getattr(args, "no_truncate", False)):
-        raise ValueError(f"--text-column, --text-pair-column, --label-column, --header, --drop-label and "
-                         f"--no-truncate apply to --task cls only, not --task {args.task}")
+        raise ValueError(f"--text-column, --text-pair-column, --label-column, --header, --drop-label, "
+                         f"--skip-bad-rows and --no-truncate apply to --task cls only, not --task {args.task}")
     return read
 
 

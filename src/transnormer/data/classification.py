@@ -132,6 +132,12 @@ class LabelSet:
                              "spell them alike in the data")
         if all(re.fullmatch(r"-?\d+", x) for x in labels):
             return cls(sorted(labels, key=int))
+        scores = [x for x in labels if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)([eE][-+]?\d+)?", x)]
+        if scores and all(re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", x) for x in labels):
+            # every label a number, some not whole: scores (STS-B), which classes would treat as unordered
+            # names and cross-entropy as unrelated classes
+            raise ValueError(f"examples: the labels are real-valued scores (e.g. {scores[0]!r}): regression "
+                             "(STS-B) is not offered; classification needs class labels")
         return cls(sorted(labels))
 
     def index(self, label: str, *, source: str = "", line: int | None = None) -> int:
@@ -389,7 +395,7 @@ def read_classification_file(
     pair_idx = _resolve(columns, text_pair_column, "text_pair_column", path)
     if text_idx is None:
         if pair_idx is not None:
-            raise ValueError("text_pair_column given without text_column")
+            raise ValueError("text_pair_column (--text-pair-column) given without text_column (--text-column)")
         text_idx, pair_idx = _detect_columns(columns, path)
     label_idx = _resolve(columns, label_column, "label_column", path)
     if label_idx is None:
@@ -421,13 +427,14 @@ def read_classification_file(
                 if skip_bad_rows:
                     continue
                 raise ValueError(f"{where}: {len(row)} fields, expected {len(columns)} (a delimiter inside a text "
-                                 f"field?); pass skip_bad_rows=True to skip such rows")
+                                 f"field?); skip_bad_rows=True (--skip-bad-rows) skips such rows")
         if label_idx is not None and columns[label_idx] in missing and not require_labels and isinstance(row, dict):
             missing.remove(columns[label_idx])  # optional labels may be absent from some JSON records
         if missing:
             if skip_bad_rows:
                 continue
-            raise ValueError(f"{where}: missing column(s) {missing} (row has {len(row)} field(s))")
+            raise ValueError(f"{where}: missing column(s) {missing} (row has {len(row)} field(s)); "
+                             "skip_bad_rows=True (--skip-bad-rows) skips such rows")
         label = None
         if label_idx is not None and cells.get(label_idx) is not None:
             label = _label_key(cells[label_idx], where)
@@ -521,7 +528,8 @@ class ClassificationDataset(torch.utils.data.Dataset):
                 if not truncate:
                     raise ValueError(
                         f"{ex.source!r}, line {ex.line}: {total} tokens exceed max_length={max_length}; "
-                        "raise max_length or pass truncate=True"
+                        "raise max_length (--seq-len) or let examples be truncated (truncate=True: leave out "
+                        "--no-truncate)"
                     )
                 la, lb = _truncate_lengths(len(a), len(b), budget)
                 a, b = a[:la], b[:lb]

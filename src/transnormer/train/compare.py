@@ -68,7 +68,9 @@ def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: Di
         return {"summaries": summaries, "table": table, "plot": None}
     atomic_write_text(out / "comparison.md", table + "\n")
     atomic_write_text(out / "comparison.json", json.dumps(summaries, indent=1))
-    plot_curves(curves, out / "valid_curves.png", xlabel="training tokens", ylabel="validation loss",
+    on_train = any((s.get("eval") or {}).get("eval_split") == "train" for s in summaries)
+    plot_curves(curves, out / "valid_curves.png", xlabel="training tokens",
+                ylabel="training-split loss (no dev file)" if on_train else "validation loss",
                 title=f"{base.data}, budget {base.budget or base.max_steps}, seed {base.seed}")
     print("\n" + table)
     return {"summaries": summaries, "table": table, "plot": str(out / "valid_curves.png")}
@@ -94,9 +96,14 @@ def comparison_table(summaries: list[dict], base: TrainConfig, world_size: int =
     columns = _EVAL_COLUMNS["cls" if base.task == "cls" else "lm"]
     # the batch of an optimizer step: per process x accumulation x processes (the tokens column counts all)
     procs = f"x{world_size} processes" if world_size > 1 else ""
+    on_train = any((s.get("eval") or {}).get("eval_split") == "train" for s in summaries)
+    if on_train:  # a classification folder without a dev file: the runs scored what they trained on
+        columns = [(("train-split " + h.removeprefix("valid ")) if h.startswith("valid ") else h, k, f)
+                   for h, k, f in columns]
     rows = [
         f"Data `{base.data}`, budget {base.budget or f'{base.max_steps} steps'}, seq_len {base.seq_len}, "
-        f"batch {base.batch_size}x{base.grad_accum}{procs}, seed {base.seed}, {base.dtype}.",
+        f"batch {base.batch_size}x{base.grad_accum}{procs}, seed {base.seed}, {base.dtype}."
+        + (" Scored on the training split (no dev file): not held-out numbers." if on_train else ""),
         "",
         "| model | params | steps | tokens | tokens/s | peak mem (MB) | " + " | ".join(c[0] for c in columns) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(columns),

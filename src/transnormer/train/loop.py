@@ -233,8 +233,9 @@ RESUMABLE_CHANGES = ("out_dir", "resume", "eval_every", "eval_every_s", "eval_ba
                      "mlm_packing")
 
 
-# What --set may change in a model loaded with init_from: its weights fix every other field.
-INIT_FROM_OVERRIDES = ("dropout", "attention_dropout", "classifier_dropout")
+# What --set may change in a model loaded with init_from: its weights fix every other field. (The pooling
+# reads the encoder's output for the head: a fine-tune's new head, or a classifier's, as asked.)
+INIT_FROM_OVERRIDES = ("dropout", "attention_dropout", "classifier_dropout", "classifier_pooling")
 
 
 def run_name(cfg: TrainConfig) -> str:

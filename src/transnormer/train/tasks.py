@@ -316,6 +316,9 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
             tok = get_tokenizer(cfg, Corpus(name=str(files["train"]), splits={"train": texts}), info)
         read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
         datasets, labels = load_classification_splits({k: v for k, v in files.items() if k != "test"}, tok, **read)
+        if len(labels.names) < 2:  # one output would read as regression (HF's rule): MSE towards index 0
+            raise ValueError(f"{files['train']}: every training example has the label {labels.names[0]!r}; a "
+                             "classifier needs at least two classes")
         unusable = {}
         if "test" in files:  # often unlabelled (GLUE): training goes on, evaluating it says why not
             try:
@@ -325,7 +328,8 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 datasets["test"] = test
             except ValueError as e:
                 unusable["test"] = str(e)
-        collate = ClassificationCollator(tok.pad_id)
+        # padded positions are masked: a tokenizer without a pad token (GPT-2's) pads with its EOS
+        collate = ClassificationCollator(tok.pad_id if tok.pad_id is not None else tok.eos_id)
         eval_split = "valid" if "valid" in datasets else "train"
         truncated = {split: ds.num_truncated for split, ds in datasets.items() if ds.num_truncated}
         for split, n in truncated.items() if info.is_main else ():  # a cut example reads as another: say so
@@ -337,7 +341,8 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 why = unusable.get(split, f"the labelled splits are {sorted(datasets)}")
                 raise ValueError(f"split {split!r} of {cfg.data} cannot be evaluated: {why}")
             res = evaluate_classifier(model, datasets[split], collate, info, cfg.batch_size, max_batches, autocast)
-            return {**res, "truncated": datasets[split].num_truncated}  # of the whole split
+            # "eval_split": without a dev file the run scores its training split, which tables must say
+            return {**res, "truncated": datasets[split].num_truncated, "eval_split": split}  # (of the whole split)
 
         return TaskData(tok, ClsBatches(datasets["train"], collate, cfg.batch_size, info, cfg.seed), evaluate,
                         cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),
