@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import rel_err
 from transnormer.models import (
     TransNormerConfig,
     TransNormerForCausalLM,
@@ -891,3 +892,40 @@ def test_build_model_from_a_config_takes_the_head_it_names(tmp_path):
     assert isinstance(build_model(get_config("t2-lm-tiny")), TransNormerForCausalLM)
     with pytest.raises(TypeError, match=r"overrides with a preset name, not with a config: set \['hidden_size'\]"):
         build_model(cfg, hidden_size=64)  # had been ignored
+
+
+def test_t1_trains_in_fp16_without_nan():
+    # T1's ReLA block: a block's first query whose only score is negative gives a zero row; its SimpleRMSNorm
+    # gradient dy/eps overflowed fp16, and 0 * inf made every gradient NaN (3 of 6 sequences at T = 512)
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    model = build_model("t1-lm-tiny", vocab_size=64, num_hidden_layers=2, hidden_size=64).half()
+    bad = 0
+    for seed in range(4):
+        model.zero_grad()
+        ids = torch.randint(0, 64, (1, 512), generator=torch.Generator().manual_seed(seed))
+        model(ids, labels=ids).loss.backward()
+        bad += not all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert bad == 0
+
+
+def test_mlm_head_norm_gradients_are_summed_in_fp32_under_bf16():
+    # CPU autocast leaves layer_norm in bf16, whose backward sums the gain/bias gradients over the rows in
+    # bf16: 1e-1 relative at 16k rows. The head's norm now runs in fp32.
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    model = build_model("t2-roberta-tiny", vocab_size=64, num_hidden_layers=1, hidden_size=32, dropout=0.0,
+                        attention_dropout=0.0)
+    ids = torch.randint(5, 64, (16, 1024))
+    labels = torch.where(torch.rand(ids.shape) < 0.5, ids, -100)
+
+    def grads(autocast):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(ids, labels=labels).loss.backward()
+        return model.lm_head.norm.weight.grad.clone(), model.lm_head.norm.bias.grad.clone()
+
+    for got, ref in zip(grads(True), grads(False), strict=True):
+        assert rel_err(got, ref) < 3e-2, rel_err(got, ref)

@@ -114,6 +114,12 @@ class DiagAttention(MultiHeadMixer):
         mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
         q, k, v = self.featurize(x, positions)
+        # fp16 with the norm (T1): a block's first query whose only score is negative gives a zero row, whose
+        # norm gradient dy/eps (1e8 dy) overflows fp16, and 0 * inf in the product before it is NaN in every
+        # gradient. The attention and its norm then run in fp32, as NormAttention's fp16 path does.
+        wide = q.dtype == torch.float16 and self.norm is not None
+        if wide:
+            q, k, v = q.float(), k.float(), v.float()
         new_cache = None
         continuing = use_cache and cache is not None and "k" in cache
         if not continuing and T > self.block_size:  # one block (T <= block) is the same either way
@@ -138,4 +144,4 @@ class DiagAttention(MultiHeadMixer):
         o = o.reshape(B, T, self.hidden_size)
         if self.norm is not None:
             o = self.norm(o, mask)
-        return self.out_proj(o), new_cache
+        return self.out_proj(o.to(x.dtype) if wide else o), new_cache
