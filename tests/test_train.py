@@ -500,6 +500,26 @@ def test_mlm_micro_batches_weigh_in_by_their_masked_tokens():
     lab = [torch.tensor([[5, -100, 7, 8]]), torch.tensor([[-100, -100, 9, -100]])]
     assert micro_weights([{"labels": x} for x in lab], "mlm", DistInfo()) == [0.75, 0.25]
     assert micro_weights([{"labels": x} for x in lab], "clm", DistInfo()) == [0.5, 0.5]
+    assert micro_weights([{"labels": torch.full((1, 4), -100)}] * 2, "mlm", DistInfo()) is None  # nothing masked
+
+
+def test_an_mlm_step_that_masks_nothing_has_no_loss_and_updates_nothing(corpus_dir, tmp_path):
+    # such steps had been logged as loss 0.0 (and could be final_train_loss), while AdamW still moved
+    # the weights on its momentum
+    from safetensors.torch import load_file
+
+    cfg = cfg_for(corpus_dir, tmp_path, task="mlm", preset="t2-roberta-tiny", seq_len=8, batch_size=1, max_steps=12,
+                  eval_every=0, save_every=1, keep_last=12, mlm_packing="contiguous", weight_decay=0.1)
+    s = train(cfg)
+    recs = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if r["kind"] == "train"]
+    empty = [r["step"] for r in recs if r.get("no_targets")]
+    assert empty and all(r["loss"] is None for r in recs if r["step"] in empty)
+    assert all(r["loss"] > 0 for r in recs if r["step"] not in empty)
+    assert s["final_train_loss"] == next(r["loss"] for r in reversed(recs) if r["loss"] is not None)
+    step = next(t for t in empty if t > 1)
+    before, after = (load_file(str(Path(cfg.out_dir) / "checkpoints" / f"step-{t:08d}" / "model.safetensors"))
+                     for t in (step - 1, step))
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_cls_evaluation_of_a_rank_without_examples():

@@ -144,7 +144,8 @@ def cmd_ablation(args) -> int:
         if summary.get("interrupted_at") is not None:  # Ctrl-C: saved; no ablation of a cut curve
             raise KeyboardInterrupt(f"{run} interrupted after step {summary['interrupted_at']}")
         barrier(info)  # rank 0 has written the run's metrics
-        curve = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+        curve = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")
+                 if r["kind"] == "train" and r["loss"] is not None]  # (an MLM step that masked nothing: None)
         if summary.get("diverged_at") is not None:
             # the loop stops at a non-finite gradient too, after logging that step's finite loss:
             # end the curve with a non-finite point there (in place of that step's), or the stopped

@@ -280,7 +280,8 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
     steps, values, sets, kinds = [], [], set(), set()
     for rec in read_jsonl(path):
         # a training run's metrics.jsonl: its eval records also carry "loss" at the same steps
-        if key in rec and step_key in rec and rec.get("kind", "train") == "train":
+        # (an MLM step that masked nothing has no loss and no gradient: not a point of the series)
+        if key in rec and step_key in rec and rec.get("kind", "train") == "train" and not rec.get("no_targets"):
             steps.append(int(rec[step_key]))
             values.append(rec[key])
             kinds.add(rec.get("kind"))
@@ -305,7 +306,8 @@ def run_grad_stats(metrics_jsonl, out_dir="analysis_out/grad_stats", *, key: str
     """RSD from a metrics JSONL: writes grad_rsd.json and grad_norms.png; returns the summary."""
     out = Path(out_dir)
     summary = rsd_from_jsonl(metrics_jsonl, key, start=start, end=end, param_set=param_set)
-    recs = [r for r in read_jsonl(metrics_jsonl) if key in r and "step" in r and r.get("kind", "train") == "train"]
+    recs = [r for r in read_jsonl(metrics_jsonl)
+            if key in r and "step" in r and r.get("kind", "train") == "train" and not r.get("no_targets")]
     # with --start/--end the plot still shows every step: shade and name the steps the RSD covers
     window = summary["step_range"] if (start is not None or end is not None) and summary["step_range"] else None
     where = f", steps {window[0]}-{window[1]}" if window else ""

@@ -403,18 +403,19 @@ def build_model_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, s
     return build_model(model_config_for(cfg, vocab_size, num_labels, special_ids), task=cfg.task)
 
 
-def micro_weights(micro_batches: list[dict], task: str, info: DistInfo) -> list[float]:
+def micro_weights(micro_batches: list[dict], task: str, info: DistInfo) -> list[float] | None:
     """What each micro-batch's mean loss is multiplied by before its backward.
 
     1 / grad_accum, except for MLM, whose micro-batches hold different numbers of masked tokens:
     there each weighs in by its share of the step's masked tokens over all ranks (n_i · W / N; DDP
     then averages over the W ranks), so the gradient is that of the mean over every masked token of
-    the global batch, whatever the split into ranks and accumulation steps."""
+    the global batch, whatever the split into ranks and accumulation steps. None (on every rank)
+    where the step masks nothing at all: it has no loss and no gradient."""
     if task != "mlm":
         return [1.0 / len(micro_batches)] * len(micro_batches)
     counts = [int((b["labels"] != -100).sum()) for b in micro_batches]
     (total,) = all_reduce_sum([float(sum(counts))], info)
-    return [c * info.world_size / total if total else 0.0 for c in counts]
+    return [c * info.world_size / total for c in counts] if total else None
 
 
 # What a run leaves in its out_dir besides checkpoints/ (train_config.json is rewritten at the start;
@@ -770,7 +771,11 @@ def train(cfg: TrainConfig) -> dict:
             micro_batches = [next(data.train) for _ in range(cfg.grad_accum)]
             real = sum(real_tokens(b) for b in micro_batches)
             weights = micro_weights(micro_batches, cfg.task, info)
-            for micro, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+            # an MLM step that masks nothing (short sequences, small batches) has no loss: nothing to learn,
+            # and AdamW would still move the weights on its momentum and decay them. It counts as a step
+            # (data and schedule move on) but updates nothing, and its record has no loss.
+            no_targets = weights is None
+            for micro, (batch, weight) in enumerate(zip(micro_batches, weights or [], strict=False)):
                 batch = {k: v.to(info.device) for k, v in batch.items()}
                 sync = micro == cfg.grad_accum - 1 or not info.enabled
                 ctx = contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
@@ -780,11 +785,12 @@ def train(cfg: TrainConfig) -> dict:
                         loss = wrapped(**batch, return_logits=False, return_dict=True).loss
                     (loss * weight).backward()
                 loss_sum += float(loss.detach()) * weight if weight else 0.0  # (an MLM micro-batch may mask nothing)
-            if recorder is not None:  # before clipping: G_t is the raw gradient's norm (spec §10)
+            if recorder is not None and not no_targets:  # before clipping: G_t is the raw gradient's norm (spec §10)
                 recorder.record(unwrap(model), step + 1)  # numbered as metrics.jsonl numbers steps (from 1)
             grad_norm = global_value(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                     cfg.clip if cfg.clip > 0 else float("inf")))
-            optimizer.step()
+            if not no_targets:
+                optimizer.step()
             lr = optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves it next)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -795,6 +801,8 @@ def train(cfg: TrainConfig) -> dict:
             loss_val, dt, real, stopping = all_reduce_sum([loss_sum, time.perf_counter() - t0, float(real),
                                                            float(stop.requested)], info)
             loss_val, dt, real = loss_val / info.world_size, dt / info.world_size, int(real)
+            if no_targets:
+                loss_val = None
             real_seen = None if real_seen is None else real_seen + real
             elapsed += dt  # training time only: evaluation and checkpoints do not eat the budget
             if first_dt is None:
@@ -815,6 +823,7 @@ def train(cfg: TrainConfig) -> dict:
                     bar.total = total_steps_est
                     bar.refresh()
             record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
+                      **({"no_targets": True} if no_targets else {}),
                       "tokens": tokens_seen, "tokens_per_s": tokens_per_step / dt, "real_tokens": real_seen,
                       "real_tokens_per_s": real / dt, "elapsed": elapsed, "peak_mem_mb": peak_memory_mb(info)}
             if step % cfg.log_every == 0 or step == 1:
@@ -822,9 +831,9 @@ def train(cfg: TrainConfig) -> dict:
                 record = None
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+                bar.set_postfix(loss="—" if loss_val is None else f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
             # a non-finite gradient has just made the weights non-finite too (the optimizer applied it)
-            if not (math.isfinite(loss_val) and math.isfinite(float(grad_norm))):
+            if not ((loss_val is None or math.isfinite(loss_val)) and math.isfinite(float(grad_norm))):
                 log(f"step {step}: loss {loss_val}, gradient norm {float(grad_norm)}: the run diverged; stopping "
                     "without saving these weights (the checkpoints before them are kept)")
                 diverged_at = step
@@ -884,7 +893,7 @@ def train(cfg: TrainConfig) -> dict:
         if last_eval_step != step:  # the final model's evaluation, unless the last step just had one
             last_eval = evaluate()
         records = read_metrics(out / "metrics.jsonl") if info.is_main else []
-    train_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    train_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r["loss"] is not None]
     speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and r["step"] > 2]
     real_speeds = [r["real_tokens_per_s"] for r in records
                    if r.get("kind") == "train" and r["step"] > 2 and "real_tokens_per_s" in r]
