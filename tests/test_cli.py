@@ -191,7 +191,7 @@ def _exit_code(argv) -> int:
     (["--stride", "64"], "--stride must be at most --seq-len (32), got 64"),
     (["--task", "mlm", "--stride", "8"], "--stride applies to --task clm only"),
     (["--text-column", "0"], "apply to --task cls only"),
-    (["--no-truncate"], "--drop-label and --no-truncate apply to --task cls only, not --task clm"),
+    (["--no-truncate"], "--skip-bad-rows and --no-truncate apply to --task cls only, not --task clm"),
     # an LM scored as a classifier had loaded a fresh random head and printed its accuracy, rc 0
     (["--task", "cls"], "is a TransNormerForCausalLM (trained with --task clm); --task cls needs a "
                         "*ForSequenceClassification model"),
