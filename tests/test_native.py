@@ -155,6 +155,23 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
     assert len(built) == 2 and path.read_bytes() == b"newer"
 
 
+def test_a_library_cut_short_is_built_again_not_loaded(tmp_path):
+    # dlopen of an ELF file cut anywhere past its first bytes died of SIGBUS (uncatchable): every later run
+    # crashed with "Bus error" until the file was deleted by hand
+    lib = _native.load()
+    if lib is None:
+        pytest.skip("no compiled library")
+    whole = Path(lib._name).read_bytes()
+    good = tmp_path / "good.so"
+    shutil.copyfile(lib._name, good)
+    assert not _native._elf_cut_short(good)
+    for frac in (0.01, 0.1, 0.5, 0.9, 0.999):
+        cut = tmp_path / "cut.so"
+        cut.write_bytes(whole[: int(len(whole) * frac)])
+        assert _native._elf_cut_short(cut)
+        assert _native._load_cached(cut) is None and not cut.exists()  # removed, to be built again
+
+
 def test_a_lock_that_cannot_be_taken_does_not_stop_the_build(monkeypatch, tmp_path):
     # (a read-only cache or another user's lock file had turned the kernels off: the lock is best effort)
     built = _fake_library_builds(monkeypatch, tmp_path)

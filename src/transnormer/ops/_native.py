@@ -190,6 +190,8 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o755 & ~umask)
+        with open(tmp, "rb") as f:  # on disk before it is named: a crash must not leave a cut library
+            os.fsync(f.fileno())
         os.replace(tmp, out)  # atomic: concurrent ranks never load a half-written library
     finally:
         if os.path.exists(tmp):
@@ -279,10 +281,32 @@ def _build_lock(lib: Path):
 _DAMAGED = ("invalid ELF header", "file too short", "cannot open shared object file")
 
 
+def _elf_cut_short(path: Path) -> bool:
+    """Whether ``path`` is an ELF file shorter than its own header says (its section table, written
+    last, lies past the end): dlopen of such a file dies of SIGBUS, which no Python code can catch."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head[:4] != b"\x7fELF" or len(head) < 52:
+        return False  # (not ELF: dlopen says so in words, _DAMAGED)
+    end = "<" if head[5] == 1 else ">"
+    if head[4] == 2:  # 64-bit
+        shoff, = struct.unpack_from(end + "Q", head, 0x28)
+        entsize, count = struct.unpack_from(end + "HH", head, 0x3A)
+    else:
+        shoff, = struct.unpack_from(end + "I", head, 0x20)
+        entsize, count = struct.unpack_from(end + "HH", head, 0x2E)
+    return path.stat().st_size < shoff + entsize * count
+
+
 def _load_cached(path: Path) -> ctypes.CDLL | None:
     """The cached library at ``path`` (RTLD_LOCAL: variants load beside the default one); None when
     it is not there, or damaged (truncated, not a library), which is removed to be built again."""
     if not path.exists():
+        return None
+    if _elf_cut_short(path):  # (a 64-byte header read: no cost worth counting at each load)
+        path.unlink(missing_ok=True)
         return None
     try:
         return ctypes.CDLL(str(path))
