@@ -737,6 +737,10 @@ def test_overwriting_a_checkpoint_survives_a_kill(tmp_path, monkeypatch):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()  # the pid of a process that has exited
     ckpt = save_checkpoint(root, 4, model, {"step": 4})
+    umask = os.umask(0)
+    os.umask(umask)  # every file readable as the process's other outputs (safetensors had written 0600)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in ckpt.rglob("*") if p.is_file()}["model.safetensors"] == \
+        oct(0o666 & ~umask)
     # a writer that is alive is between its two renames: a reader must not put its old copy back
     # (its second rename would then fail and the new checkpoint be lost)
     ckpt.rename(root / f".old-step-00000004-{os.getppid()}")

@@ -92,6 +92,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
             tokenizer.save(tmp / "tokenizer", **causal)  # (other tokenizers, e.g. LRA's vocabularies, take no flag)
         torch.save(trainer_state, tmp / STATE)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        # safetensors writes the weights 0600: teammates could read a checkpoint's config but not load it
+        umask = os.umask(0)
+        os.umask(umask)
+        for p in files:
+            os.chmod(p, 0o666 & ~umask)
         manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
         _flush_to_disk(tmp)
