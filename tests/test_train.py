@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -1706,3 +1707,23 @@ def test_cls_pads_with_eos_when_the_tokenizer_has_no_pad_token(tmp_path, monkeyp
     batch = next(data.train)
     pads = batch["input_ids"][~batch["attention_mask"].bool()]
     assert pads.numel() and bool((pads == data.tokenizer.eos_id).all())
+
+
+def test_a_second_run_in_the_same_out_dir_is_refused(corpus_dir, tmp_path, monkeypatch):
+    # it had moved the first run's files aside and deleted the checkpoint that run was writing
+    import transnormer.train.loop as loop
+
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=2)
+    seen = []
+
+    def inner(c):  # while this run holds the folder, a second one starts there
+        other = replace(c, out_dir=c.out_dir + "/../run")  # (the same folder spelled another way)
+        with pytest.raises(ValueError, match=rf"out_dir '{re.escape(other.out_dir)}' is in use by another "
+                                             rf"process \(pid {os.getpid()}\)"):
+            loop.train(other)
+        seen.append(c.out_dir)
+        return {"steps": 0}
+
+    monkeypatch.setattr(loop, "_train", inner)
+    assert loop.train(cfg) == {"steps": 0} and seen == [cfg.out_dir]
+    assert loop.train(cfg) == {"steps": 0} and len(seen) == 2  # released: the next run there goes ahead

@@ -83,6 +83,40 @@ def atomic_savefig(fig, final: str | os.PathLike, **kwargs) -> Path:
 
 
 @contextlib.contextmanager
+def held_alone(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` for the body, or refuse at once (ValueError naming
+    ``what`` and the holder's pid) if another process holds it: for work two processes must not do
+    side by side (two training runs in one out_dir). Best effort: where the lock file cannot be made
+    (a read-only folder) or there is no ``flock`` (Windows) the body runs unlocked."""
+    if sys.platform == "win32":  # pragma: no cover - no flock there
+        yield
+        return
+    import fcntl
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            raise ValueError(f"{what} is in use by another process{f' (pid {holder})' if holder else ''}") from None
+        try:
+            f.truncate(0)
+            f.write(str(os.getpid()))
+            f.flush()
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def file_lock(path: str | os.PathLike) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (created if missing) for the body.
 

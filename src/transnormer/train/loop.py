@@ -12,6 +12,7 @@ Parallelism is confined to ``setup_distributed()`` / ``wrap_model()``; run it un
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._files import atomic_write_text, check_output
+from .._files import atomic_write_text, check_output, held_alone
 from ..models.configuration import check_overrides
 from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb, reset_peak_rss
 from .checkpoint import (
@@ -537,6 +538,21 @@ def _run_dir_holding(path: Path) -> Path | None:
 
 
 def train(cfg: TrainConfig) -> dict:
+    """Train as ``cfg`` says (see TrainConfig); the run's summary. One run at a time per out_dir: a
+    second started on the same folder is refused (it had moved the first's files aside and deleted the
+    checkpoint it was writing)."""
+    cfg.check()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(cfg)
+    from ..data._util import resolve_cache_dir
+
+    out = os.path.realpath(cfg.out_dir)
+    lock = resolve_cache_dir(cfg.cache_dir) / "runs" / f"{hashlib.sha256(out.encode()).hexdigest()[:16]}.lock"
+    with held_alone(lock, f"out_dir {cfg.out_dir!r}"):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict:
     cfg.check()
     info = setup_distributed(cfg.device)
     check_strategy(info, cfg.strategy)  # before any data or model work
