@@ -132,7 +132,7 @@ class LabelSet:
                              "spell them alike in the data")
         if all(re.fullmatch(r"-?\d+", x) for x in labels):
             return cls(sorted(labels, key=int))
-        scores = [x for x in labels if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)([eE][-+]?\d+)?", x)]
+        scores = [x for x in sorted(labels) if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)([eE][-+]?\d+)?", x)]
         if scores and all(re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", x) for x in labels):
             # every label a number, some not whole: scores (STS-B), which classes would treat as unordered
             # names and cross-entropy as unrelated classes
