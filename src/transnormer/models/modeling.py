@@ -67,6 +67,13 @@ class TransNormerCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def activate_past_recording(self, **kwargs) -> None:
+        """Asked by transformers >= 5.25's assisted decoding (assistant_model, prompt_lookup_num_tokens),
+        which rolls a cache back over rejected draft tokens; 5.24 refused it through ``_is_stateful``."""
+        raise ValueError("assisted decoding needs a cache it can cut back to an earlier token; this model's is "
+                         "stateful (NormAttention keeps one [B, H, e, e] sum over all tokens so far): generate "
+                         "without assistant_model / prompt_lookup_num_tokens")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> TransNormerCache:
         """Select rows (beam search)."""
         return self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
