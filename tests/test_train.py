@@ -1727,3 +1727,6 @@ def test_a_second_run_in_the_same_out_dir_is_refused(corpus_dir, tmp_path, monke
     monkeypatch.setattr(loop, "_train", inner)
     assert loop.train(cfg) == {"steps": 0} and seen == [cfg.out_dir]
     assert loop.train(cfg) == {"steps": 0} and len(seen) == 2  # released: the next run there goes ahead
+    (tmp_path / "a-file").write_text("")  # a cache that cannot be made: the lock steps aside, as before it
+    monkeypatch.setattr(loop, "_train", lambda c: {"steps": 0})
+    assert loop.train(replace(cfg, cache_dir=str(tmp_path / "a-file" / "cache"))) == {"steps": 0}

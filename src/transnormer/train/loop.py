@@ -547,7 +547,10 @@ def train(cfg: TrainConfig) -> dict:
     from ..data._util import resolve_cache_dir
 
     out = os.path.realpath(cfg.out_dir)
-    lock = resolve_cache_dir(cfg.cache_dir) / "runs" / f"{hashlib.sha256(out.encode()).hexdigest()[:16]}.lock"
+    try:
+        lock = resolve_cache_dir(cfg.cache_dir) / "runs" / f"{hashlib.sha256(out.encode()).hexdigest()[:16]}.lock"
+    except OSError:  # a cache that cannot be made: the run says so where it first needs it; unlocked here
+        return _train(cfg)
     with held_alone(lock, f"out_dir {cfg.out_dir!r}"):
         return _train(cfg)
 
