@@ -29,7 +29,7 @@ from ..layers import build_mixer
 from ..layers.base import padding_mask
 from ..modules.ffn import build_ffn
 from ..modules.lm_loss import linear_cross_entropy
-from ..modules.norms import build_norm
+from ..modules.norms import LayerNorm, build_norm
 from ..modules.positional import LRPE, LearnedPositions, SinusoidalPositions
 from ..modules.recompute import recompute_scope, record_scope
 from ..ops.rowwise import residual_add
@@ -568,20 +568,12 @@ class TransNormerLMHead(nn.Module):
         super().__init__()
         d = config.hidden_size
         self.dense = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
+        self.norm = LayerNorm(d)  # (in fp32 for half inputs: modules.norms)
         self.decoder = nn.Linear(d, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, x):
-        h = F.gelu(self.dense(x))
-        if h.dtype in (torch.float16, torch.bfloat16):  # (CPU autocast leaves layer_norm in the input's dtype)
-            # in fp32: PyTorch's half-precision layer_norm backward sums the gain and bias gradients over the
-            # rows in that precision, 10-30% off at 16k rows in bf16
-            n = self.norm
-            h = F.layer_norm(h.float(), n.normalized_shape, n.weight.float(), n.bias.float(), n.eps).to(h.dtype)
-        else:
-            h = self.norm(h)
-        return self.decoder(h) + self.bias
+        return self.decoder(self.norm(F.gelu(self.dense(x)))) + self.bias
 
 
 class TransNormerForMaskedLM(TransNormerPreTrainedModel):
