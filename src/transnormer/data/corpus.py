@@ -332,9 +332,11 @@ def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]
         # under other names, docs.dev.txt beside docs.valid.txt, are all read, as before.)
         spec_compression = _strip_compression(spec_path.name)[1]
         for split, sibs in family.items():
+            by_stem: dict[str, list[Path]] = {}
+            for f in sibs:
+                by_stem.setdefault(_strip_compression(f.name)[0].lower(), []).append(f)
             kept: list[Path] = []
-            for stem in dict.fromkeys(_strip_compression(f.name)[0].lower() for f in sibs):
-                copies = [f for f in sibs if _strip_compression(f.name)[0].lower() == stem]
+            for copies in by_stem.values():
                 alike = [f for f in copies if _strip_compression(f.name)[1] == spec_compression]
                 if len(copies) > 1 and len(alike) != 1:
                     raise ValueError(
