@@ -68,9 +68,8 @@ def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: Di
         return {"summaries": summaries, "table": table, "plot": None}
     atomic_write_text(out / "comparison.md", table + "\n")
     atomic_write_text(out / "comparison.json", json.dumps(summaries, indent=1))
-    on_train = any((s.get("eval") or {}).get("eval_split") == "train" for s in summaries)
     plot_curves(curves, out / "valid_curves.png", xlabel="training tokens",
-                ylabel="training-split loss (no dev file)" if on_train else "validation loss",
+                ylabel="training-split loss (no dev file)" if _scored_on_train(summaries) else "validation loss",
                 title=f"{base.data}, budget {base.budget or base.max_steps}, seed {base.seed}")
     print("\n" + table)
     return {"summaries": summaries, "table": table, "plot": str(out / "valid_curves.png")}
@@ -92,11 +91,16 @@ _EVAL_COLUMNS = {
 }
 
 
+def _scored_on_train(summaries: list[dict]) -> bool:
+    """Whether the runs scored their training split (a classification folder without a dev file)."""
+    return any((s.get("eval") or {}).get("eval_split") == "train" for s in summaries)
+
+
 def comparison_table(summaries: list[dict], base: TrainConfig, world_size: int = 1) -> str:
     columns = _EVAL_COLUMNS["cls" if base.task == "cls" else "lm"]
     # the batch of an optimizer step: per process x accumulation x processes (the tokens column counts all)
     procs = f"x{world_size} processes" if world_size > 1 else ""
-    on_train = any((s.get("eval") or {}).get("eval_split") == "train" for s in summaries)
+    on_train = _scored_on_train(summaries)
     if on_train:  # a classification folder without a dev file: the runs scored what they trained on
         columns = [(("train-split " + h.removeprefix("valid ")) if h.startswith("valid ") else h, k, f)
                    for h, k, f in columns]
