@@ -185,7 +185,8 @@ def load_split(task: str, root: str | None, split: str, max_len: int | None, opt
     info_t = task_info(task)
     root = default_root(task) if root is None else root
     opts = dict(options or {})
-    if task in ("listops", "text", "retrieval"):
+    varied = task in ("listops", "text", "retrieval")  # sequences of varying length (the others: images)
+    if varied:
         # load at the task's own length (so truncation to a shorter run length can be counted),
         # then truncate per item
         ds = load_lra(task, root, split, **opts)
@@ -196,8 +197,7 @@ def load_split(task: str, root: str | None, split: str, max_len: int | None, opt
     # The result's label says so where the inputs are not the task's: images (one fixed length) are cut
     # by any max_len below it, sequences of varying length only if one is longer (a ListOps run at 2,000
     # reads its expressions whole if none is longer, though the task pads to 2,048).
-    fixed = task not in ("listops", "text", "retrieval")
-    if max_len is not None and max_len < info_t.length and (fixed or count_truncated(ds, max_len)):
+    if max_len is not None and max_len < info_t.length and (not varied or count_truncated(ds, max_len)):
         ds.dataset_id = f"{ds.dataset_id}, cut to {max_len}"
     return ds
 
