@@ -555,8 +555,7 @@ def train(cfg: TrainConfig) -> dict:
         return _train(cfg)
 
 
-def _train(cfg: TrainConfig) -> dict:
-    cfg.check()
+def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     info = setup_distributed(cfg.device)
     check_strategy(info, cfg.strategy)  # before any data or model work
     # this run's peak, not an earlier run's in the same process (compare under torchrun, ablation)
