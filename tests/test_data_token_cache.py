@@ -138,9 +138,9 @@ def _build_in_child(corpus, tok, cache_dir, queue):
         queue.put((type(e).__name__, str(e)))
 
 
-def test_concurrent_builders_take_turns(corpus, tok, tmp_path):
+def test_concurrent_builders_take_turns(corpus, tok, tmp_path, capfd):
     """Two processes building the same entry take turns: the second waits for the first's lock (it
-    used to delete the first's freshly written sidecar, failing the first's read-back)."""
+    used to delete the first's freshly written sidecar, failing the first's read-back), and says so."""
     import multiprocessing as mp
 
     from transnormer._files import file_lock
@@ -156,6 +156,7 @@ def test_concurrent_builders_take_turns(corpus, tok, tmp_path):
     child.join(timeout=60)
     arrays = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])  # the child's, committed
     assert queue.get(timeout=5) == ("ok", len(arrays["train"]))
+    assert "waiting for another process to finish tokenizing split 'train'" in capfd.readouterr().err
 
 
 def test_a_built_cache_is_read_without_taking_the_lock(corpus, tok, tmp_path, monkeypatch):
@@ -208,3 +209,40 @@ def test_only_byte_level_bpe_is_cut(tok):
     added = Tokenizer.from_str(tok._json)
     added.add_tokens(["end\nBEGIN"])  # matched in the text, across a line start
     assert not TextTokenizer(added, name="added").splits_at_line_starts
+
+
+def _read_only_under(monkeypatch, root):
+    """os.access as for a user who may only read ``root`` (tests run as root, for whom chmod is moot)."""
+    import os
+
+    from transnormer import _files
+
+    real = os.access
+
+    def access(path, mode, *a, **k):
+        if mode & os.W_OK and str(path).startswith(str(root)):
+            return False
+        return real(path, mode, *a, **k)
+
+    monkeypatch.setattr(_files.os, "access", access)
+
+
+def test_a_read_only_cache_serves_what_it_holds_and_names_what_it_lacks(corpus, tok, tmp_path, monkeypatch):
+    import argparse
+
+    from transnormer.cli import _check_outputs
+    from transnormer.data import TextTokenizer, build_tokenizer
+
+    first = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
+    _read_only_under(monkeypatch, tmp_path)
+    # --cache-dir of a shared read-only cache: accepted (it had been refused as "not writable")
+    _check_outputs(argparse.Namespace(command="train", cache_dir=str(tmp_path), out=None))
+    again = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
+    assert np.array_equal(first["train"], again["train"])
+    # a split it lacks is refused up front, naming the flag (it had failed naming a temp file)
+    with pytest.raises(ValueError, match=r"lacks split 'valid'.*not writable.*--cache-dir"):
+        build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["valid"])
+    # a tokenizer it lacks is trained and used, with a warning, not cached
+    with pytest.warns(UserWarning, match="not writable"):
+        bpe = build_tokenizer(corpus, 300, cache_dir=tmp_path)
+    assert isinstance(bpe, TextTokenizer) and not (tmp_path / "tokenizers").exists()

@@ -14,7 +14,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "check_output", "file_lock"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "cache_write_text", "can_create_in",
+           "check_output", "file_lock"]
 
 
 def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
@@ -36,6 +37,28 @@ def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False)
                 raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is not writable")
             break
     return p
+
+
+def can_create_in(folder: str | os.PathLike) -> bool:
+    """Whether files can be made in ``folder``: it is writable, or (missing) its nearest existing
+    parent is. For caches that may be shared read-only: reading them needs no write access."""
+    for p in (Path(folder), *Path(folder).parents):
+        if p.exists():
+            return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
+    return False  # pragma: no cover - the root always exists
+
+
+def cache_write_text(path: str | os.PathLike, text: str) -> bool:
+    """Write a cache entry atomically if its folder can be written; else warn and return False (the
+    caller goes on with what it computed: a read-only shared cache costs time, not the run)."""
+    path = Path(path)
+    if not can_create_in(path.parent):
+        import warnings
+
+        warnings.warn(f"cache folder {str(path.parent)!r} is not writable: {path.name} is not cached", stacklevel=2)
+        return False
+    atomic_write_text(path, text)
+    return True
 
 
 @contextlib.contextmanager
@@ -117,12 +140,14 @@ def held_alone(path: str | os.PathLike, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike) -> Iterator[None]:
+def file_lock(path: str | os.PathLike, what: str | None = None) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (created if missing) for the body.
 
     For check-then-build sections that several processes may enter at once (two runs, or ranks
     outside one process group, building the same cache entry): the second waits, then finds the
     first's result. POSIX ``flock``; where it does not exist (Windows) the body runs unlocked.
+    ``what`` names the work in the line printed to stderr while waiting (a silent wait for another
+    run's minutes of tokenizing looked like a hang).
     """
     if sys.platform == "win32":  # pragma: no cover - no flock there
         yield
@@ -132,7 +157,12 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"transnormer: waiting for another process to finish {what or str(path)!s} (lock {str(path)!r})",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:

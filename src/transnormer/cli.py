@@ -413,8 +413,10 @@ def _check_outputs(args) -> None:
     if out:
         sub = getattr(args, "lra_command", None)
         check_output(out, "--out", directory=(args.command, sub) not in _FILE_OUTPUTS)
-    if getattr(args, "cache_dir", None):
-        check_output(args.cache_dir, "--cache-dir", directory=True)
+    cache = getattr(args, "cache_dir", None)
+    # An existing cache folder may be read-only (shared): what it lacks is refused when it would be built.
+    if cache and not Path(cache).expanduser().is_dir():
+        check_output(cache, "--cache-dir", directory=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._files import atomic_write_text
+from .._files import cache_write_text
 from ._util import resolve_cache_dir, sha256_text, stable_unit_hash
 
 __all__ = [
@@ -534,7 +534,7 @@ def _stdlib_documents(cache_dir: Path) -> list[tuple[str, str]]:
         "documents": [[k, t] for k, t in docs],
         "sha256": sha256_text(*(k + "\0" + t for k, t in docs)),
     }
-    atomic_write_text(cache_file, json.dumps(payload, ensure_ascii=False))
+    cache_write_text(cache_file, json.dumps(payload, ensure_ascii=False))
     return docs
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._files import atomic_path, atomic_write_text, file_lock
+from .._files import atomic_path, atomic_write_text, can_create_in, file_lock
 from ._util import resolve_cache_dir
 
 __all__ = ["build_token_cache", "token_cache_dir", "token_dtype", "open_token_split"]
@@ -175,7 +175,6 @@ def build_token_cache(
         if s not in corpus.splits:
             raise ValueError(f"splits: {s!r} is not a split of the corpus (has {sorted(corpus.splits)})")
     directory = token_cache_dir(corpus, tokenizer, cache_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     expect = {
         "corpus_fingerprint": corpus.fingerprint,
@@ -188,7 +187,12 @@ def build_token_cache(
         # delete the sidecar the first has just committed (below) and make the first fail its read-back.
         arr = None if rebuild else open_token_split(directory, split, expect=expect)
         if arr is None:  # the lock only to build: a cache others made stays readable without write access
-            with file_lock(directory / f"{split}.lock"):
+            if not can_create_in(directory):
+                raise ValueError(f"cache_dir: the token cache {str(directory)!r} lacks split {split!r} of this corpus "
+                                 "and tokenizer, and is not writable; give a writable --cache-dir "
+                                 "(or TRANSNORMER_CACHE)")
+            directory.mkdir(parents=True, exist_ok=True)
+            with file_lock(directory / f"{split}.lock", f"tokenizing split {split!r} into {str(directory)!r}"):
                 arr = _open_or_build(corpus, tokenizer, directory, split, expect, dtype,
                                      rebuild=rebuild, batch_docs=batch_docs, show_progress=show_progress)
         out[split] = arr

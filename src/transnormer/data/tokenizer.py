@@ -28,7 +28,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from .._files import atomic_write_text
+from .._files import atomic_write_text, cache_write_text
 from ._util import resolve_cache_dir, sha256_text
 
 __all__ = [
@@ -442,8 +442,8 @@ def build_tokenizer(
             pass
     train = splits["train"]
     tok = train_bpe(train, vocab_size, min_frequency=min_frequency, show_progress=show_progress, length=len(train))
-    atomic_write_text(path, tok.to_json())
-    tok.name = str(path)
+    if cache_write_text(path, tok.to_json()):
+        tok.name = str(path)
     return tok
 
 
