@@ -246,3 +246,19 @@ def test_a_read_only_cache_serves_what_it_holds_and_names_what_it_lacks(corpus, 
     with pytest.warns(UserWarning, match="not writable"):
         bpe = build_tokenizer(corpus, 300, cache_dir=tmp_path)
     assert isinstance(bpe, TextTokenizer) and not (tmp_path / "tokenizers").exists()
+
+
+def test_a_full_disk_names_the_token_cache(corpus, tok, tmp_path, monkeypatch):
+    # the write's own error had named the temporary .bin (or, from numpy, nothing)
+    import errno
+
+    from transnormer.data import token_cache
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".train.bin.x.tmp"))
+
+    monkeypatch.setattr(token_cache, "_write_split", full)
+    with pytest.raises(OSError, match=r"no space left writing the token cache of split 'train' \(give another "
+                                      r"--cache-dir\) \(\d+ MiB free") as err:
+        build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
+    assert err.value.filename == str(token_cache_dir(corpus, tok, tmp_path))

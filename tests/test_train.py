@@ -1730,3 +1730,46 @@ def test_a_second_run_in_the_same_out_dir_is_refused(corpus_dir, tmp_path, monke
     (tmp_path / "a-file").write_text("")  # a cache that cannot be made: the lock steps aside, as before it
     monkeypatch.setattr(loop, "_train", lambda c: {"steps": 0})
     assert loop.train(replace(cfg, cache_dir=str(tmp_path / "a-file" / "cache"))) == {"steps": 0}
+
+
+def test_a_full_disk_is_named_and_keeps_the_last_checkpoint(tmp_path):
+    """A checkpoint write that hits a size limit (RLIMIT_FSIZE, as a full disk or quota would) raises
+    an OSError naming the checkpoint and the free space; it had been safetensors' Rust IoError or torch's
+    "PytorchStreamWriter failed", with no path. The earlier checkpoint stays whole."""
+    import errno
+    import resource
+
+    from transnormer.presets import build_model
+    from transnormer.train.checkpoint import list_checkpoints, save_checkpoint
+
+    model = build_model("t2-lm-tiny", vocab_size=2000, hidden_size=32, num_attention_heads=2, num_hidden_layers=1)
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 1, model, {"step": 1})
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the weights are ~300 KB
+    try:
+        with pytest.raises(OSError, match=r"no space left writing checkpoint step-00000002 .*MiB free") as err:
+            save_checkpoint(root, 2, model, {"step": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(root)
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000001"]
+    verify_checkpoint(root / "step-00000001")
+
+
+def test_out_of_space_reads_every_writers_words():
+    from transnormer._files import out_of_space
+
+    assert out_of_space(OSError(28, "No space left on device"))
+    assert out_of_space(RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                                     'space left on device" })'))
+    assert out_of_space(RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0: "
+                                     "PytorchStreamWriter failed writing file data/0: file write failed"))
+    try:
+        try:
+            raise OSError(122, "Disk quota exceeded")
+        except OSError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert out_of_space(outer)
+    assert not out_of_space(OSError(13, "Permission denied")) and not out_of_space(ValueError("bad"))

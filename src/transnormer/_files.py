@@ -8,14 +8,17 @@ each writer fills a temporary file beside the target and renames it over the tar
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "cache_write_text", "can_create_in",
-           "check_output", "file_lock"]
+           "check_output", "file_lock", "no_space_error",
+           "out_of_space"]
 
 
 def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
@@ -46,6 +49,36 @@ def can_create_in(folder: str | os.PathLike) -> bool:
         if p.exists():
             return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
     return False  # pragma: no cover - the root always exists
+
+
+# The words writers use for a full disk or quota: OSError's errno, safetensors' Rust IoError and
+# torch.save's PytorchStreamWriter (neither of the last two keeps an errno).
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_SPACE_WORDS = ("No space left", "StorageFull", "Disk quota exceeded", "File too large", "file write failed")
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says the disk, a quota or a file size limit
+    is full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS:
+            return True
+        if any(w in str(error) for w in _NO_SPACE_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def no_space_error(error: BaseException, what: str, path: str | os.PathLike) -> OSError:
+    """A clear OSError (ENOSPC) for an ``out_of_space`` error: what was being written and where, with
+    the free space left there (the writers' own messages name a temporary file, or no path at all)."""
+    try:
+        free = f"{shutil.disk_usage(Path(path).parent if not Path(path).is_dir() else path).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return OSError(errno.ENOSPC, f"no space left writing {what} ({free} there; nothing partial was left)", str(path))
 
 
 def cache_write_text(path: str | os.PathLike, text: str) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._files import atomic_path, atomic_write_text, can_create_in, file_lock
+from .._files import atomic_path, atomic_write_text, can_create_in, file_lock, no_space_error, out_of_space
 from ._util import resolve_cache_dir
 
 __all__ = ["build_token_cache", "token_cache_dir", "token_dtype", "open_token_split"]
@@ -217,6 +217,11 @@ def _open_or_build(corpus, tokenizer, directory: Path, split: str, expect: dict,
             n_tokens, n_docs = _write_split(
                 docs, tokenizer, directory / f"{split}.bin", dtype, batch_docs, progress
             )
+        except OSError as e:
+            if out_of_space(e):
+                raise no_space_error(e, f"the token cache of split {split!r} (give another --cache-dir)",
+                                     directory) from e
+            raise
         finally:
             if progress is not None:
                 progress.close()

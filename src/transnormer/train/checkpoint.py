@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._files import no_space_error, out_of_space
+
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
 
@@ -108,8 +110,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         os.replace(tmp, final)
         _flush_to_disk(root, recursive=False)  # the rename itself, before anything older is pruned
         shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if out_of_space(e):
+            raise no_space_error(e, f"checkpoint {final.name} (earlier checkpoints are kept)", root) from e
         raise
     latest_tmp = root / f".latest-{os.getpid()}"
     latest_tmp.write_text(final.name + "\n")
