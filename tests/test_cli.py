@@ -515,3 +515,32 @@ def test_train_refuses_an_out_inside_a_runs_checkpoints(run_dir, capsys):
         assert _exit_code(["train", "--data", str(root), "--max-steps", "1", "--out", str(inside), "--resume"]) == 2
         assert f"is a run's checkpoint folder; give the run directory {str(out)!r}" in capsys.readouterr().err
         assert sorted(p.name for p in inside.iterdir()) == before
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generate_never_samples_an_id_the_tokenizer_lacks(run_dir, tmp_path, monkeypatch, temperature):
+    # a model wider than its tokenizer (--set vocab_size=N) had sampled ids past the tokenizer and
+    # failed decoding them, after streaming the text
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from transnormer.cli import generate_text, resolve_model_dir
+    from transnormer.train.checkpoint import model_tokenizer
+
+    _, out = run_dir
+    ckpt = resolve_model_dir(out)
+    n = model_tokenizer(ckpt).vocab_size
+    wide = AutoModelForCausalLM.from_pretrained(ckpt)
+    wide.resize_token_embeddings(n + 40)
+    wide.save_pretrained(tmp_path / "wide")
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def loaded(cls, *a, **k):  # the extra ids made the likeliest by far
+        model = real(cls, *a, **k)
+        model.get_output_embeddings().register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.arange(n, n + 40), 1e4))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(loaded))
+    text = generate_text(tmp_path / "wide", "def", max_new_tokens=4, stream=False, temperature=temperature,
+                         tokenizer=str(ckpt / "tokenizer"))
+    assert text.startswith("def")

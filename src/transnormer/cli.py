@@ -270,10 +270,13 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
         raise ValueError(f"--top-k must be an int >= 0 (0: no cut), got {top_k!r}")
     torch.manual_seed(seed)
     sample = temperature > 0
+    # A model wider than its tokenizer (--set vocab_size=N, padded for speed) must not sample an id
+    # the tokenizer cannot decode: it had failed at the end, after streaming the text.
+    beyond = list(range(tok.vocab_size, model.config.vocab_size)) or None
     out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=sample,
                          temperature=temperature if sample else None, top_p=top_p if sample else None,
                          top_k=top_k if sample else None, streamer=streamer, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id,
-                         attention_mask=torch.ones_like(input_ids))
+                         attention_mask=torch.ones_like(input_ids), suppress_tokens=beyond)
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
