@@ -544,3 +544,20 @@ def test_generate_never_samples_an_id_the_tokenizer_lacks(run_dir, tmp_path, mon
     text = generate_text(tmp_path / "wide", "def", max_new_tokens=4, stream=False, temperature=temperature,
                          tokenizer=str(ckpt / "tokenizer"))
     assert text.startswith("def")
+
+
+def test_a_run_or_checkpoint_folder_gives_its_tokenizer(run_dir, tmp_path):
+    # such folders had gone on to AutoTokenizer, which asked for sentencepiece or tiktoken
+    from transformers import AutoModelForCausalLM
+
+    from transnormer.cli import resolve_model_dir
+    from transnormer.train.checkpoint import model_tokenizer, tokenizer_from_arg
+
+    _, out = run_dir
+    step = resolve_model_dir(out)
+    own = model_tokenizer(step).fingerprint
+    for folder in (out, out / "checkpoints", step, step / "tokenizer"):
+        assert tokenizer_from_arg(str(folder)).fingerprint == own
+    AutoModelForCausalLM.from_pretrained(step).save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match=r"--tokenizer '.*bare' is a model folder .* saved without a tokenizer"):
+        tokenizer_from_arg(str(tmp_path / "bare"))

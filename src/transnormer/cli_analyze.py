@@ -48,9 +48,9 @@ def _is_preset(name: str) -> bool:
 def cmd_dilution(args) -> int:
     from .analysis import run_dilution
     from .data.corpus import load_corpus
-    from .data.tokenizer import MIN_VOCAB, build_tokenizer, load_tokenizer
+    from .data.tokenizer import MIN_VOCAB, build_tokenizer
     from .presets import get_config
-    from .train.checkpoint import model_tokenizer, resolve_model_dir
+    from .train.checkpoint import model_tokenizer, resolve_model_dir, tokenizer_from_arg
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     if not names:
@@ -86,7 +86,7 @@ def cmd_dilution(args) -> int:
                          "share one (or analyze each in its own run)")
     tok = next(iter(toks.values()), None)
     if tok is None:
-        tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer(
+        tok = tokenizer_from_arg(args.tokenizer) if args.tokenizer else build_tokenizer(
             load_corpus(args.data, cache_dir=args.cache_dir), args.vocab_size, cache_dir=args.cache_dir)
     for name in names:
         if name not in models:

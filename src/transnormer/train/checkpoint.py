@@ -293,8 +293,8 @@ def model_tokenizer(model_dir: Path, spec: str | None = None, *, flag: str = "--
     on with it silently. ``flag`` names ``spec`` in the messages."""
     from ..data.tokenizer import load_tokenizer
 
-    own = next((c for c in (model_dir / "tokenizer", model_dir) if (c / "tokenizer.json").is_file()), None)
-    given = load_tokenizer(spec) if spec else None
+    own = _own_tokenizer_dir(model_dir)
+    given = tokenizer_from_arg(spec, flag=flag) if spec else None
     if own is None:
         if given is None:
             raise ValueError(f"no tokenizer in {model_dir} (tokenizer/ or tokenizer.json); pass {flag} with the one "
@@ -305,6 +305,31 @@ def model_tokenizer(model_dir: Path, spec: str | None = None, *, flag: str = "--
         raise ValueError(f"{flag} {spec} is not the tokenizer the model in {model_dir} was trained with (saved in "
                          f"{own}): its ids would index other tokens' embeddings; leave {flag} out to use that one")
     return tok
+
+
+def _own_tokenizer_dir(model_dir: Path) -> Path | None:
+    return next((c for c in (model_dir / "tokenizer", model_dir) if (c / "tokenizer.json").is_file()), None)
+
+
+def tokenizer_from_arg(spec: str | os.PathLike, *, flag: str = "--tokenizer"):
+    """A ``--tokenizer`` value: a tokenizer file or folder, a Hugging Face name, or a run, checkpoint
+    root or checkpoint folder, which gives the tokenizer saved with its model (such folders had gone on
+    to AutoTokenizer, which asked for sentencepiece)."""
+    from ..data.tokenizer import load_tokenizer
+
+    path = Path(spec).expanduser()
+    if path.is_dir() and not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        try:
+            model_dir = resolve_model_dir(path, what=flag)
+        except ValueError:
+            model_dir = None  # not a model folder: e.g. a sentencepiece-only tokenizer, for AutoTokenizer
+        if model_dir is not None:
+            own = _own_tokenizer_dir(model_dir)
+            if own is None:
+                raise ValueError(f"{flag} {str(spec)!r} is a model folder ({model_dir}) saved without a tokenizer; "
+                                 "give the tokenizer it was trained with")
+            return load_tokenizer(own)
+    return load_tokenizer(spec)
 
 
 def latest_valid_checkpoint(root: str | os.PathLike, log=print) -> Path | None:

@@ -24,7 +24,7 @@ from ..data.mlm import mask_tokens
 from ..data.mlm_blocks import BlockBatchIterator, eval_block_batches, line_end_ids
 from ..data.sampler import StepBatchSampler
 from ..data.token_cache import build_token_cache
-from ..data.tokenizer import build_tokenizer, load_tokenizer
+from ..data.tokenizer import build_tokenizer
 from .distributed import DistInfo, all_reduce_sum, forwards_in_step, forwards_to_match, main_first
 from .evaluate import evaluate_classifier
 
@@ -162,7 +162,9 @@ def get_tokenizer(cfg, corpus: Corpus | None, info: DistInfo):
         return model_tokenizer(resolve_model_dir(cfg.init_from, what="init_from"), cfg.tokenizer,
                                flag="tokenizer (--tokenizer)")
     if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer)
+        from .checkpoint import tokenizer_from_arg
+
+        return tokenizer_from_arg(cfg.tokenizer)
     if corpus is None:
         raise ValueError("tokenizer: this task needs --tokenizer (or --init-from a checkpoint that has one)")
     return main_first(info, lambda: build_tokenizer(corpus, cfg.vocab_size, cache_dir=cfg.cache_dir))
