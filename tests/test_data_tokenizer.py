@@ -247,3 +247,28 @@ def test_causal_save_frames_text_after_eos_and_keeps_the_fingerprint(bpe, tmp_pa
     # read back from a causal LM's checkpoint and saved for an MLM or a classifier: <s> A </s> again
     load_tokenizer(tmp_path / "clm").save(tmp_path / "again")
     assert AutoTokenizer.from_pretrained(str(tmp_path / "again"))(text)["input_ids"] == [1, *bpe.encode(text), 2]
+
+
+def test_save_keeps_an_hf_tokenizers_cls_sep_and_settings(tmp_path):
+    # save() (every checkpoint's tokenizer/) had rebuilt a plain tokenizer of the five roles: a BERT-style
+    # tokenizer lost [CLS]/[SEP] as cls/sep tokens, its model_max_length and padding_side
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "##b", "c"])}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+                            unk_token="[UNK]", mask_token="[MASK]", model_max_length=512,
+                            padding_side="left").save_pretrained(tmp_path / "wp")
+    tok = load_tokenizer(tmp_path / "wp")
+    tok.save(tmp_path / "again")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "again")
+    assert (hf.cls_token, hf.sep_token, hf.model_max_length, hf.padding_side) == ("[CLS]", "[SEP]", 512, "left")
+    assert hf.convert_tokens_to_ids(["[CLS]", "[SEP]", "c"]) == [2, 3, 8] and len(hf) == len(vocab)
+    assert load_tokenizer(tmp_path / "again").fingerprint == tok.fingerprint
+    # a cls/sep the vocabulary lacks is not written (HF would add it as a new id)
+    cfg = json.loads((tmp_path / "wp" / "tokenizer_config.json").read_text())
+    (tmp_path / "wp" / "tokenizer_config.json").write_text(json.dumps({**cfg, "cls_token": "<cls>"}))
+    load_tokenizer(tmp_path / "wp").save(tmp_path / "third")
+    assert AutoTokenizer.from_pretrained(tmp_path / "third").cls_token is None

@@ -83,6 +83,7 @@ class TextTokenizer:
         special_tokens: dict[str, str | None] | None = None,
         hf=None,
         name: str = "",
+        hf_settings: dict | None = None,
     ) -> None:
         if backend is None and hf is None:
             raise ValueError("backend: give a tokenizers.Tokenizer (or hf, a transformers tokenizer)")
@@ -90,6 +91,9 @@ class TextTokenizer:
             raise TypeError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
         self.name = name
         self._hf = hf
+        # HF-side settings the source tokenizer had beyond the five roles (BERT's [CLS]/[SEP],
+        # model_max_length, padding_side, ...): kept through save() (they had been dropped)
+        self._hf_settings = _hf_settings_of(hf_settings or (getattr(hf, "init_kwargs", None) if hf is not None else None))
         self._hf_vocab: dict[str, int] | None = None
         self._fingerprint: str | None = None
         if backend is not None:
@@ -103,6 +107,9 @@ class TextTokenizer:
         unknown = set(given) - set(_ROLE_CANDIDATES)
         if unknown:
             raise ValueError(f"special_tokens: unknown role(s) {sorted(unknown)}; use {sorted(_ROLE_CANDIDATES)}")
+        for key in ("cls_token", "sep_token"):  # one the vocabulary lacks would be added by HF, shifting ids
+            if key in self._hf_settings and self._token_to_id(self._hf_settings[key]) is None:
+                del self._hf_settings[key]
         for role, candidates in _ROLE_CANDIDATES.items():
             token = given.get(role)
             if token is not None and self._token_to_id(token) is None:
@@ -125,6 +132,7 @@ class TextTokenizer:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_fingerprint", None)  # pickled before the attribute existed
+        self.__dict__.setdefault("_hf_settings", {})
         if self._json is not None:
             self._backend = _encoding_backend(self._json)
 
@@ -298,7 +306,8 @@ class TextTokenizer:
         from transformers import PreTrainedTokenizerFast  # heavy import, only when asked for
 
         kwargs = {f"{role}_token": tok for role, tok in self._special.items() if tok is not None}
-        return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer_json), **kwargs)
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer_json),
+                                       **{**self._hf_settings, **kwargs})
 
     def _framed_json(self, causal: bool) -> str:
         """The JSON with a causal LM's framing, ``</s> A`` (text follows an end of document, as in
@@ -336,6 +345,25 @@ class TextTokenizer:
             # save_pretrained re-serialises the tokenizer; write the exact JSON so fingerprints survive.
             atomic_write_text(directory / "tokenizer.json", js)
         return directory
+
+
+# tokenizer_config.json entries that describe HF-side behaviour, not encoding (the fingerprint leaves
+# them out): what save() writes back beside the roles.
+_HF_SETTINGS = ("cls_token", "sep_token", "model_max_length", "padding_side", "truncation_side", "chat_template",
+                "clean_up_tokenization_spaces")
+
+
+def _hf_settings_of(config: dict | None) -> dict:
+    """The :data:`_HF_SETTINGS` of a ``tokenizer_config.json`` (or a transformers tokenizer's
+    ``init_kwargs``), tokens given as ``{"content": ...}`` read as their text."""
+    out = {}
+    for key in _HF_SETTINGS:
+        value = (config or {}).get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None and not (key.endswith("_token") and not isinstance(value, str)):
+            out[key] = value if isinstance(value, (str, int, float, bool, list)) else str(value)
+    return out
 
 
 def _bpe_framing(bos: str, bos_id: int, eos: str, eos_id: int):
@@ -450,17 +478,22 @@ def build_tokenizer(
 # ----------------------------------------------------------------------------------------------- loading
 
 
+def _read_config(f: Path) -> dict:
+    """A tokenizer folder's JSON config ({} when missing)."""
+    if not f.is_file():
+        return {}
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{str(f)!r} is not valid JSON: {e}") from e
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def _config_specials(directory: Path) -> dict[str, str | None]:
     """Special tokens named in tokenizer_config.json / special_tokens_map.json, if any."""
     found: dict[str, str | None] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):
-        f = directory / fname
-        if not f.is_file():
-            continue
-        try:
-            cfg = json.loads(f.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ValueError(f"{str(f)!r} is not valid JSON: {e}") from e
+        cfg = _read_config(directory / fname)
         for role in _ROLE_CANDIDATES:
             value = cfg.get(f"{role}_token")
             if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
@@ -493,7 +526,8 @@ def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
         except Exception as e:  # the Rust error type is not importable; report the file
             raise ValueError(f"{str(json_file)!r} is not a valid tokenizer.json: {e}") from e
         specials = _config_specials(path) if path.is_dir() else {}
-        return TextTokenizer(backend, special_tokens=specials, name=str(path))
+        settings = _read_config(path / "tokenizer_config.json") if path.is_dir() else {}
+        return TextTokenizer(backend, special_tokens=specials, name=str(path), hf_settings=settings)
     if path.is_dir():
         pass  # e.g. a sentencepiece-only directory: AutoTokenizer below knows how to read it
     elif spec.startswith((".", "/", "~")) or path.suffix == ".json":
