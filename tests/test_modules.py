@@ -298,3 +298,38 @@ def test_masked_batch_norm_checks_the_mask_and_needs_two_positions():
     y = bn(x, mask)
     assert torch.equal(bn.running_var, torch.ones(4)) and torch.equal(bn.running_mean, torch.zeros(4))
     torch.testing.assert_close(y, x * torch.rsqrt(torch.tensor(1 + bn.eps)))
+
+
+@pytest.mark.parametrize("cast", ["half", "default_dtype"])
+def test_masked_batch_norm_keeps_its_running_statistics_in_fp32(cast):
+    # after NormAttention's core (no denominator) the running variance passes fp16's 65504: model.half()
+    # (or building under an fp16 default dtype, as from_pretrained(dtype=float16) does) had made it inf,
+    # and the norm then gave only its bias (and NaN after an fp16 training step)
+    from transnormer.modules.norms import MaskedBatchNorm
+
+    torch.manual_seed(0)
+    bn = MaskedBatchNorm(4)
+    x = torch.randn(8, 16, 4) * 1000
+    for _ in range(60):
+        bn(x)
+    bn.eval()
+    want = bn(x[:1, :3])
+    if cast == "half":
+        half = MaskedBatchNorm(4)
+        half.load_state_dict(bn.state_dict())
+        half = half.half()
+    else:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float16)
+        try:
+            half = MaskedBatchNorm(4)
+        finally:
+            torch.set_default_dtype(previous)
+        half.load_state_dict(bn.state_dict())
+    assert half.running_var.dtype == torch.float32 and torch.isfinite(half.running_var).all()
+    half.eval()
+    torch.testing.assert_close(half(x[:1, :3].half()).float(), want, atol=2e-2, rtol=1e-2)
+    half.train()
+    half(x.half())
+    assert torch.isfinite(half.running_var).all() and torch.isfinite(half.running_mean).all()
+    assert half.double().running_var.dtype == torch.float64  # a cast up still applies

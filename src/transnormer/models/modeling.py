@@ -235,7 +235,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
             self.embed_positions = LearnedPositions(config.max_position_embeddings, d)
         else:
             self.embed_positions = None
-        self.embed_norm = nn.LayerNorm(d) if config.embed_norm else None
+        self.embed_norm = LayerNorm(d) if config.embed_norm else None  # (fp32 for half inputs: modules.norms)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(TransNormerBlock(config, i) for i in range(config.num_hidden_layers))
         self.gradient_checkpointing = False  # HF activation_checkpointing_enable() turns it on

@@ -126,9 +126,22 @@ class MaskedBatchNorm(nn.Module):
         self.dim, self.eps, self.momentum = dim, eps, momentum
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
-        self.register_buffer("running_mean", torch.zeros(dim))
-        self.register_buffer("running_var", torch.ones(dim))
+        # fp32 whatever the default dtype (from_pretrained(dtype=torch.float16) builds under it)
+        self.register_buffer("running_mean", torch.zeros(dim, dtype=torch.float32))
+        self.register_buffer("running_var", torch.ones(dim, dtype=torch.float32))
         self.synced = False  # statistics over every process (sync_batch_norm)
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's (``.half()``, ``.to(dtype)``, ...), except that the running statistics keep
+        at least fp32: after NormAttention's core (no denominator) the variance grows with T², past
+        fp16's 65504, and ``model.half()`` had made it inf, so the norm gave only its bias."""
+        before = {name: getattr(self, name) for name in ("running_mean", "running_var")}
+        super()._apply(fn, recurse)
+        for name, data in before.items():
+            t = getattr(self, name)
+            if t.dtype.itemsize < 4 <= data.dtype.itemsize:  # a cast down: move them at full precision
+                setattr(self, name, data.to(t.device))
+        return self
 
     def _batch_stats(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """(mean, biased var, count) over the rows of flat [n, d], pooled over the processes when
@@ -167,8 +180,7 @@ class MaskedBatchNorm(nn.Module):
                 if not recomputing():  # once per step: not again in activation checkpointing's recomputation
                     with torch.no_grad():
                         unbiased = var * n / max(n - 1, 1)
-                        # in the statistics' own dtype: model.half() makes them half, and lerp_
-                        # refused the fp32 batch statistics
+                        # in the statistics' own dtype (fp32, or fp64 for an fp64 model)
                         self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
                         self.running_var.lerp_(unbiased.detach().to(self.running_var.dtype), self.momentum)
         else:
