@@ -5,8 +5,9 @@ Registered presets (task ``cls``), for TASK in listops, text, retrieval, image, 
 * ``t1-lra-TASK`` / ``t2-lra-TASK``: the authors' per-task TransNormer (``script_lra.py``): first
   ⌊L/2⌋ layers Diag (block 64), the rest Norm, each followed by a plain GELU MLP of ratio r; pre-norm;
   masked BatchNorm (``norm_type="batch"``: statistics over valid positions only, spec §12 item 6) in
-  the blocks, inside the attentions (T1: both; T2: NormAttention only) and as the final norm; plain RoPE (fixed θ) in both
-  attentions plus sinusoidal absolute positions; non-causal; mean or last-valid-token pooling.
+  the blocks, inside the attentions (T1: both; T2: NormAttention only) and as the final norm; plain
+  RoPE (fixed θ) in both attentions plus sinusoidal absolute positions; non-causal; mean or
+  last-valid-token pooling.
   The SRMSNorm variant is the override ``norm_type="simple_rms"`` (``--set norm_type=simple_rms``).
 * ``vanilla-lra-TASK``: the same stack with softmax attention (layer type ``softmax``, no RoPE:
   the paper's "Vanilla Transformer" uses absolute positions only) in every layer.
