@@ -149,7 +149,10 @@ class LRPE(nn.Module):
 
 
 def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int = 0, pairing: str = "interleaved"):
-    """``householder_rope`` (LRPE), ``rope`` (plain, fixed θ) or ``none`` (returns None)."""
+    """``householder_rope`` (LRPE), ``rope`` (plain, fixed θ) or ``none`` (returns None).
+
+    ``learn_theta`` (the config's ``lrpe_learn_theta``) applies to ``householder_rope`` only: ``rope``
+    is the LRA configs' plain RoPE, θ fixed (spec §3), whatever it says."""
     if kind == "householder_rope":
         return LRPE(head_dim, householder=True, learn_theta=learn_theta, seed=seed, pairing=pairing)
     if kind == "rope":
