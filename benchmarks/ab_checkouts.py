@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from transnormer.cli import positive_int
+
 # The child is the fresh process: it measures in place (isolate=False) with the allocator setting
 # train_step_throughput's own fresh process would have applied.
 _CHILD = """
@@ -52,19 +54,17 @@ def main() -> None:
     ap.add_argument("--base", type=Path, required=True, help="the other checkout's root (it has src/transnormer)")
     ap.add_argument("--preset", default="flash-lm")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--vocab-size", type=int, default=32768)
-    ap.add_argument("--tokens-per-step", type=int, help="tokens a step (batch = this // T, at least 1; default T)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per process (after the checkout's own warm-up)")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2, help="threads of each timed process (default 2, this machine's cores)")
+    ap.add_argument("--seq-len", type=positive_int, default=4096)
+    ap.add_argument("--vocab-size", type=positive_int, default=32768)
+    ap.add_argument("--tokens-per-step", type=positive_int, help="tokens a step (batch = this // T, at least 1; default T)")
+    ap.add_argument("--steps", type=positive_int, default=3, help="timed steps per process (after the checkout's own warm-up)")
+    ap.add_argument("--rounds", type=positive_int, default=4)
+    ap.add_argument("--threads", type=positive_int, default=2, help="threads of each timed process (default 2, this machine's cores)")
     args = ap.parse_args()
     here = Path(__file__).resolve().parents[1] / "src"
     base = args.base.resolve() / "src"
     if not (base / "transnormer").is_dir():
         ap.error(f"--base must be a checkout of this repository; {base / 'transnormer'} does not exist")
-    if args.rounds < 1 or args.threads < 1:
-        ap.error("--rounds and --threads must be >= 1")
     times: dict[str, list[float]] = {"base": [], "this": []}
     for r in range(args.rounds):
         for name, src in (("base", base), ("this", here)):

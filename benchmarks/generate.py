@@ -82,11 +82,15 @@ def main() -> None:
             r = results[L]
             print(f"| {name} | {L} | {r['latency_ms']:.2f} | {r['latency_ms'] / base:.2f}x | {r['cache_mb']:.2f} | "
                   f"{r['rss_growth_mb']:.1f} |", flush=True)
-            if name.startswith("t2-lm") and L == max(args.contexts):
+            # the target is set at 16k against 256: judged only when the run reaches 16k from a shorter context
+            if name.startswith("t2-lm") and L == max(args.contexts) >= 16384 and len(args.contexts) > 1:
                 ratio = r["latency_ms"] / base
                 verdicts.append(f"{name}: latency at {L} is {ratio:.2f}x that at {args.contexts[0]} (target <= 1.2x): "
                                 f"{'PASS' if ratio <= 1.2 else 'FAIL'}")
         del model
+    if not verdicts:
+        verdicts.append(f"SKIP  the target (t2-lm's latency at 16k within 1.2x of that at 256) needs a t2-lm preset "
+                        f"and contexts from a shorter one up to >= 16384; given {args.contexts}")
     print("\n".join(verdicts))
 
 

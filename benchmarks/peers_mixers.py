@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.benchmark import Timer
 
-from transnormer._files import atomic_write_text
+from transnormer._files import atomic_write_text, check_output
 from transnormer.bench.peers import _import_peer, peer_versions
 from transnormer.cli import positive_float, positive_int
 from transnormer.layers import FLASH, NormAttention, SoftmaxAttention
@@ -102,6 +102,12 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.lengths) < 1 or args.dim < 1 or args.heads < 1 or args.dim % args.heads:
         ap.error("lengths, dim and heads must be >= 1, and dim a multiple of heads")
+    if len(set(args.lengths)) != len(args.lengths):  # a repeat's rows had been divided by another run's SDPA
+        ap.error(f"--lengths: each once, got {args.lengths}")
+    try:  # before minutes of measuring, not after
+        check_output(args.out, "--out", directory=True)
+    except ValueError as e:
+        ap.error(str(e))
     tune_allocator()
     causal = not args.bidirectional
     mixers = build_mixers(args.dim, args.heads, causal)

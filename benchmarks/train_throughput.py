@@ -15,10 +15,10 @@ import json
 
 import torch
 
-from transnormer._files import atomic_write_text
-from transnormer.bench.train_step import model_flops_per_token, train_step_throughput
+from transnormer._files import atomic_write_text, check_output
+from transnormer.bench.suite import preset_flops_per_token
+from transnormer.bench.train_step import train_step_throughput
 from transnormer.cli import positive_int
-from transnormer.presets import get_config
 from transnormer.runtime import tune_allocator
 
 
@@ -32,6 +32,14 @@ def main() -> None:
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
+    for flag, values in (("--presets", args.presets), ("--lengths", args.lengths), ("--dtypes", args.dtypes)):
+        if len(set(values)) != len(values):
+            ap.error(f"{flag}: each once, got {values}")
+    try:  # before minutes of measuring, not after
+        if args.json:
+            check_output(args.json, "--json")
+    except ValueError as e:
+        ap.error(str(e))
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.tokens_per_step} tokens/step, "
           f"vocab {args.vocab_size}; each row a fresh process; median of {args.steps} steps")
@@ -48,11 +56,13 @@ def main() -> None:
                 row[p] = r
                 results.append(r)
             a, b = args.presets[0], args.presets[-1]
-            fl = {(p, rc): model_flops_per_token(get_config(p, vocab_size=args.vocab_size), T, recompute=rc)
+            # (None for a layer type without a FLOP model, e.g. FLASH, or a peer: no ideal then)
+            fl = {(p, rc): preset_flops_per_token(p, args.vocab_size, T, recompute=rc)
                   for p in (a, b) for rc in (True, False)}
+            ideal = [f"{fl[b, rc] / fl[a, rc]:.2f}x" if fl[a, rc] and fl[b, rc] else "-" for rc in (True, False)]
             cells = " | ".join(f"{row[p]['tokens_per_s']:,.0f} | {row[p]['peak_mem_mb']:,.0f}" for p in args.presets)
             print(f"| {dtype} | {T} | {cells} | {row[a]['tokens_per_s'] / row[b]['tokens_per_s']:.2f}x | "
-                  f"{fl[b, True] / fl[a, True]:.2f}x | {fl[b, False] / fl[a, False]:.2f}x |", flush=True)
+                  f"{ideal[0]} | {ideal[1]} |", flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps(results, indent=1))
 

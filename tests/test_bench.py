@@ -170,9 +170,9 @@ def test_flop_model_is_only_used_where_it_exists(monkeypatch, tmp_path):
 
     with pytest.raises(ValueError, match="no FLOP model"):
         model_flops_per_token(get_config("flash-lm"), 512)
-    assert suite._flops_per_token("flash-lm", 1000, 512) is None
-    assert suite._flops_per_token("peer:flash-pytorch", 1000, 512) is None
-    assert suite._flops_per_token("t2-lm", 1000, 512) > 0
+    assert suite.preset_flops_per_token("flash-lm", 1000, 512) is None
+    assert suite.preset_flops_per_token("peer:flash-pytorch", 1000, 512) is None
+    assert suite.preset_flops_per_token("t2-lm", 1000, 512) > 0
 
     def fake(preset, T, **kw):
         return {"preset": preset, "seq_len": T, "batch": 1, "step_s": 1.0, "tokens_per_s": float(T),
@@ -553,3 +553,20 @@ def test_a_step_with_nan_gradients_is_not_finite(monkeypatch):
     row = train_step.train_step_throughput("t2-lm-tiny", 32, tokens_per_step=32, vocab_size=64, steps=1,
                                            isolate=False)
     assert row["loss_finite"] and row["grads_finite"] and row["params_finite"] and row["finite"]
+
+
+@pytest.mark.parametrize("kw, match", [({"dtype": "fp16"}, "dtype must be 'fp32' or 'bf16'"),
+                                       ({"mode": "training"}, "mode must be 'train' or 'infer'"),
+                                       ({"seq_len": 0}, "seq_len must be an int >= 1"),
+                                       ({"tokens_per_step": -8}, "tokens_per_step must be an int >= 1")])
+def test_train_step_throughput_refuses_what_it_would_mislabel(kw, match):
+    # fp16 had been measured as fp32, and "training" as a no-grad forward, each under the name given
+    from transnormer.bench import suite
+    from transnormer.bench.train_step import train_step_throughput
+
+    args = {"seq_len": 64, **kw}
+    with pytest.raises(ValueError, match=match):
+        train_step_throughput("t2-lm-tiny", args.pop("seq_len"), isolate=False, **args)
+    if "mode" in kw:
+        with pytest.raises(ValueError, match=match):
+            suite.bench_train("unused", mode=kw["mode"])

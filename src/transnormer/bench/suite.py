@@ -12,7 +12,7 @@ import torch
 from .ops_bench import op_throughput, same_shape_gemm_gflops
 from .report import write_report
 from .timing import DTYPES, gemm_gflops
-from .train_step import counted_step_flops, model_flops_per_token, train_step_throughput
+from .train_step import check_bench_mode, counted_step_flops, model_flops_per_token, train_step_throughput
 
 
 def verdict(name: str, ok: bool, detail: str) -> str:
@@ -151,6 +151,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     dtype; the row says so in ``status`` and its longer lengths get a ``skipped`` row. A target
     whose rows are missing is a FAIL that names why.
     """
+    check_bench_mode(mode)
     lengths = _increasing_lengths(lengths)
     if max_step_s is not None and not max_step_s > 0:
         raise ValueError(f"max_step_s must be > 0 seconds, got {max_step_s!r}")
@@ -191,15 +192,15 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
             got = alternating_median(measure, presets, rounds)
             for p in presets:
                 r = got[p]
-                fpt = _flops_per_token(p, vocab_size, T)
+                fpt = preset_flops_per_token(p, vocab_size, T)
                 if fpt is not None and "tokens_per_s" in r:
                     fpt /= 3 if mode != "train" else 1
                     r["model_gflops"] = fpt * r["tokens_per_s"] / 1e9
                 r["label"] = f"{p} {dname}"
                 rows.append(r)
             a, b = presets[0], presets[-1]
-            fa, fb = _flops_per_token(a, vocab_size, T), _flops_per_token(b, vocab_size, T)
-            ea, eb = (_flops_per_token(p, vocab_size, T, recompute=True) for p in (a, b))
+            fa, fb = preset_flops_per_token(a, vocab_size, T), preset_flops_per_token(b, vocab_size, T)
+            ea, eb = (preset_flops_per_token(p, vocab_size, T, recompute=True) for p in (a, b))
             missing = "; ".join(f"{p}: {got[p]['status']}" for p in (a, b) if "tokens_per_s" not in got[p])
             if mode == "train" and a != b and (fa is None or fb is None):  # (it had been left out silently)
                 verdicts.append(f"SKIP  {a} vs {b} {dname} T={T}: no FLOP count for "
@@ -407,7 +408,7 @@ def _config(preset: str, vocab_size: int):
     return get_config(preset, vocab_size=vocab_size)
 
 
-def _flops_per_token(preset: str, vocab_size: int, T: int, *, recompute: bool = False) -> float | None:
+def preset_flops_per_token(preset: str, vocab_size: int, T: int, *, recompute: bool = False) -> float | None:
     """model_flops_per_token of a preset, or None for a peer or a layer type it has no model for
     (those rows get no MFU and no ideal ratio rather than a wrong one)."""
     if preset.startswith("peer:"):

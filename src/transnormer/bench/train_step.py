@@ -167,6 +167,12 @@ def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_
             "threads": torch.get_num_threads()}
 
 
+def check_bench_mode(mode) -> None:
+    """``"train"`` (a training step) or ``"infer"`` (a no-grad forward), else a ValueError."""
+    if mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+
+
 def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tokens_per_step: int = 8192,
                           vocab_size: int | None = 32768, steps: int = 3, threads: int | None = None,
                           overrides: dict | None = None, isolate: bool = True, mode: str = "train",
@@ -179,6 +185,13 @@ def train_step_throughput(preset: str, seq_len: int, *, dtype: str = "fp32", tok
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # (0 had been an IndexError)
         raise ValueError(f"steps must be an int >= 1 (timed steps after the warm-up), got {steps!r}")
+    # (an unknown dtype or mode had been measured as fp32 / a forward under its own name)
+    check_bench_mode(mode)
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be 'fp32' or 'bf16' (autocast), got {dtype!r}")
+    for name, value in (("seq_len", seq_len), ("tokens_per_step", tokens_per_step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if max_mem_gb is not None:
         if isinstance(max_mem_gb, bool) or not isinstance(max_mem_gb, (int, float)) or not 0 < max_mem_gb < 2**20:
             raise ValueError(f"max_mem_gb must be a finite number of GB > 0 (below 2^20), got {max_mem_gb!r}")
