@@ -111,6 +111,10 @@ class RelativePositionBias(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """This module's own tensors, not its RoPE's (``_init_weights`` under RoBERTa's init)."""
         for p in (self.w, self.a, self.b, self.t5):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
@@ -197,9 +201,13 @@ class _GatedUnit(TokenMixer):
         for lin in (self.proj, self.out_proj):
             nn.init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)
+        self.reset_own_parameters()
+        self.rel_bias.reset_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """γ and β only: RoBERTa's init (``_init_weights``) draws the projections itself."""
         nn.init.normal_(self.gamma, std=0.02)
         nn.init.zeros_(self.beta)
-        self.rel_bias.reset_parameters()
 
     # FLASH's training products take the heads in the autocast dtype (C, its only divisor, is a
     # power of two in every preset), so the heads can be made in it; GAU divides by N_q before

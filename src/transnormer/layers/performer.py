@@ -70,6 +70,10 @@ class Performer(KernelLinearAttention):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """The feature projection only (RoBERTa's init draws the linears itself)."""
         self.num_redraws.zero_()
         self._draw(self.feature_seed * _SEED_STRIDE)
 

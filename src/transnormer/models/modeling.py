@@ -163,10 +163,18 @@ class TransNormerPreTrainedModel(PreTrainedModel):
                 nn.init.normal_(module.weight, std=cfg.initializer_range)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                if module.elementwise_affine:
+                    nn.init.ones_(module.weight)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
+            # The other tensors keep their module's own init: γ/β, relative biases, features, norms'
+            # gains and positions (which from_pretrained had left as torch.empty where the checkpoint
+            # lacked them), not the layer's linears, drawn above.
+            elif hasattr(module, "reset_own_parameters"):
+                module.reset_own_parameters()
+            elif hasattr(module, "reset_parameters") and next(module.children(), None) is None:
+                module.reset_parameters()
             return
         if isinstance(module, nn.Embedding):  # fairseq LM: N(0, d^-1/2)
             nn.init.normal_(module.weight, std=module.embedding_dim ** -0.5)

@@ -64,6 +64,10 @@ class RMSNorm(SimpleRMSNorm):
         super().__init__(dim, eps, eps_inside_sqrt)
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        # (from_pretrained leaves a gain the checkpoint lacks as torch.empty and calls this)
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return super().forward(x) * self.weight.to(x.dtype)
 
@@ -81,6 +85,9 @@ class ScaleNorm(nn.Module):
         _check_eps(eps)
         self.dim, self.eps, self.feeds_autocast = dim, eps, feeds_autocast
         self.scale = nn.Parameter(torch.ones(()))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         _check_width(self, x)
@@ -130,6 +137,14 @@ class MaskedBatchNorm(nn.Module):
         self.register_buffer("running_mean", torch.zeros(dim, dtype=torch.float32))
         self.register_buffer("running_var", torch.ones(dim, dtype=torch.float32))
         self.synced = False  # statistics over every process (sync_batch_norm)
+
+    def reset_parameters(self) -> None:
+        """Unit gain, zero bias, fresh running statistics (through torch.nn.init, which HF guards while
+        it loads: what a checkpoint held stays)."""
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+        nn.init.zeros_(self.running_mean)
+        nn.init.ones_(self.running_var)
 
     def _apply(self, fn, recurse=True):
         """As nn.Module's (``.half()``, ``.to(dtype)``, ...), except that the running statistics keep

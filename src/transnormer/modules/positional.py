@@ -199,7 +199,12 @@ class SinusoidalPositions(nn.Module):
             raise ValueError(f"layout must be one of {SINUSOID_LAYOUTS}, got {layout!r}")
         self.dim = dim
         self.layout = layout
+        self.initial_scale = learnable_scale
         self.scale = None if learnable_scale is None else nn.Parameter(torch.tensor(float(learnable_scale)))
+
+    def reset_parameters(self) -> None:
+        if self.scale is not None:
+            nn.init.constant_(self.scale, float(self.initial_scale))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[B, T, dim]; ``dtype`` fp64 computes the table in fp64 (an fp64 model's oracle runs), else fp32."""
@@ -217,6 +222,9 @@ class LearnedPositions(nn.Module):
         check_positive_int("dim", dim)
         self.max_positions = max_positions
         self.weight = nn.Parameter(torch.zeros(max_positions, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
