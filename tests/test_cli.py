@@ -166,6 +166,7 @@ def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
 
 @pytest.mark.parametrize("flags,match", [(["--temperature", "-1"], "--temperature must be finite and >= 0"),
                                          (["--temperature", "inf"], "--temperature must be finite and >= 0"),
+                                         (["--temperature", "1e-45"], "--temperature must be 0 (greedy) or at least"),
                                          (["--top-p", "1.5"], "--top-p must be in"),
                                          (["--top-p", "0"], "--top-p must be in"),
                                          (["--top-k", "-1"], "--top-k must be an int >= 0")])

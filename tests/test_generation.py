@@ -441,3 +441,37 @@ def test_what_padding_holds_never_reaches_a_cached_call(name):
         keep = real[:, :clean.shape[1]] if clean.shape[1] == 13 else torch.ones(2, 1, dtype=torch.bool)
         assert torch.isfinite(dirty[keep]).all()
         torch.testing.assert_close(dirty[keep], clean[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_of_another_model_is_refused_and_none_is_cropped():
+    # a 4-layer cache in a 2-layer model had run on; a T2 cache in a FLASH model restarted from nothing
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    t2 = build_model("t2-lm-tiny", vocab_size=64).eval()
+    flash = build_model("flash-lm-tiny", vocab_size=64, num_hidden_layers=t2.config.num_hidden_layers).eval()
+    shallow = build_model("t2-lm-tiny", vocab_size=64, num_hidden_layers=2).eval()
+    ids = torch.randint(3, 64, (1, 6))
+    cache = t2(ids, use_cache=True).cache
+    for other in (flash, shallow):
+        with pytest.raises(ValueError, match="cache: made by another model"):
+            other(ids[:, :1], cache=cache)
+    assert cache.is_croppable is False  # transformers reads it (on MPS it had been an AttributeError)
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(3)
+    t2(ids[:, :1], cache=cache)  # its own model goes on
+
+
+@pytest.mark.parametrize("preset", ["flash-lm-tiny", "flash-quad-lm-tiny", "t2-lm-tiny"])
+def test_an_empty_chunk_leaves_the_cache_as_it_was(preset):
+    # FLASH had failed on a [B, 0] input (amax over an empty dim), fresh or continuing a cache
+    from transnormer.presets import build_model
+
+    model = build_model(preset, vocab_size=64).eval()
+    assert model(torch.zeros(1, 0, dtype=torch.long)).logits.shape == (1, 0, 64)
+    ids = torch.randint(3, 64, (2, 5))
+    cache = model(ids, use_cache=True).cache
+    out = model(torch.zeros(2, 0, dtype=torch.long), cache=cache)
+    assert out.logits.shape == (2, 0, 64) and out.cache.length == 5
+    whole = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1]
+    torch.testing.assert_close(model(ids[:, :1], cache=out.cache).logits[:, -1], whole, atol=1e-4, rtol=1e-4)

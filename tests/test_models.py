@@ -989,3 +989,24 @@ def test_every_tensor_a_checkpoint_lacks_gets_its_modules_init(tmp_path, preset,
             assert 0.5 < (t.std() / want.std()).item() < 2, name  # drawn: the same spread
     if "abs_pos_scale" in overrides:
         assert new["model.embed_positions.scale"] == ref["model.embed_positions.scale"]
+
+
+@pytest.mark.parametrize("task", ["clm", "mlm"])
+def test_labels_of_any_integer_dtype_and_out_of_range_ones(task):
+    # int32 labels had failed inside cross_entropy (the fused causal path took them), uint8 in the -100
+    # fill, and an id past the vocabulary with an IndexError from the loss
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    model = build_model("t2-lm-tiny" if task == "clm" else "t2-roberta-tiny", vocab_size=50).eval()
+    ids = torch.randint(3, 50, (2, 7))
+    want = model(ids, labels=ids).loss
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        torch.testing.assert_close(model(ids, labels=ids.to(dtype)).loss, want)
+    bad = ids.clone()
+    bad[1, 3] = 60
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 50\) or equal -100.*got 60"):
+        model(ids, labels=bad)
+    model.config.output_attentions = True  # HF's convention: read when the call does not say (it had been ignored)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids)

@@ -264,6 +264,8 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     streamer = TextStreamer(hf_tok, skip_prompt=False, skip_special_tokens=True) if stream else None
     if not 0 <= temperature < float("inf"):  # inf samples uniformly, whatever the model says
         raise ValueError(f"--temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if 0 < temperature < 1e-6:  # logits / 1e-45 (0 in fp32) had ended in a NaN traceback from sampling
+        raise ValueError(f"--temperature must be 0 (greedy) or at least 1e-6, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:

@@ -348,6 +348,8 @@ class FLASH(_GatedUnit):
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
         B, T, _ = x.shape
+        if T == 0:  # (an empty chunk of a piecewise prefill: as every other mixer, no output, the cache as it was)
+            return self.out_proj(x.new_zeros(B, 0, self.e)), cache if use_cache else None
         valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
         if (self.causal and self.local_branch and self.global_branch and mask is None and not use_cache
                 and T % self.chunk_size == 0 and self._dropout() == 0.0 and self.rope is not None

@@ -50,22 +50,31 @@ class TransNormerCache:
     layers: list
     seen: torch.Tensor | None = None  # [B] real tokens so far
     length: int = 0  # tokens (real or padding) consumed so far
+    layer_types: tuple | None = None  # the model's, to refuse a cache made by another model
 
     # What transformers' generate() reads on a cache passed in (a continuation, a cached prefix):
     # not a static cache to compile for, and, for its input slicing, a cache that counts tokens
     # (``get_seq_length``) as a key/value cache does.
     is_compileable = False
+    # Not croppable: NormAttention's state sums every token so far (transformers' own linear-attention
+    # caches say the same; 5.24 reads it on MPS, and it had been an AttributeError there).
+    is_croppable = False
 
     @property
     def is_linear(self) -> list[bool]:
         return [False] * len(self.layers)
 
     @classmethod
-    def empty(cls, num_layers: int) -> TransNormerCache:
-        return cls(layers=[None] * num_layers)
+    def empty(cls, num_layers: int, layer_types=None) -> TransNormerCache:
+        return cls(layers=[None] * num_layers, layer_types=None if layer_types is None else tuple(layer_types))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    def crop(self, max_length: int) -> None:
+        """Refused: a state that sums every token cannot be cut back to an earlier one."""
+        raise ValueError("this cache cannot be cropped: NormAttention keeps one [B, H, e, e] sum over all tokens "
+                         "so far; run the prefix again instead")
 
     def activate_past_recording(self, **kwargs) -> None:
         """Asked by transformers >= 5.25's assisted decoding (assistant_model, prompt_lookup_num_tokens),
@@ -276,6 +285,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         """``return_dict=False`` (or ``config.return_dict = False``) returns the output's tuple;
         ``output_hidden_states`` defaults to ``config.output_hidden_states``."""
+        if output_attentions is None:  # (HF's convention: the config's when not given; it had been ignored)
+            output_attentions = self.config.output_attentions
         if output_attentions:
             raise ValueError("output_attentions=True is not supported: the linear mixers never form an attention "
                              "matrix; transnormer.analysis.attention_map(layer, x) computes one for analysis")
@@ -320,7 +331,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if cache is not None and not isinstance(cache, TransNormerCache):
             raise TypeError(f"cache must be a TransNormerCache, got {type(cache).__name__}")
         if use_cache and cache is None:
-            cache = TransNormerCache.empty(len(self.layers))
+            cache = TransNormerCache.empty(len(self.layers), self.config.layer_types)
+        if cache is not None and (len(cache.layers) != len(self.layers) or cache.layer_types not in (
+                None, tuple(self.config.layer_types))):
+            # (another model's cache had run on: a FLASH layer took a NormAttention state for none)
+            raise ValueError(f"cache: made by another model ({len(cache.layers)} layers, types "
+                             f"{list(cache.layer_types or [])}); this one has {len(self.layers)}: "
+                             f"{list(self.config.layer_types)}")
         decoding = cache is not None and cache.seen is not None
         if decoding and cache.seen.shape[0] != B:
             raise ValueError(f"the cache holds {cache.seen.shape[0]} rows but the input has B = {B}")
@@ -328,7 +345,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
         # layers step a copy of it and no cache is returned.
         step_layers = use_cache or decoding
         if decoding and not use_cache:
-            cache = TransNormerCache(layers=list(cache.layers), seen=cache.seen, length=cache.length)
+            cache = TransNormerCache(layers=list(cache.layers), seen=cache.seen, length=cache.length,
+                                     layer_types=cache.layer_types)
 
         mask = None
         if attention_mask is not None:
@@ -474,7 +492,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
                          position_ids=kwargs.get("position_ids"), return_dict=True)
         h = out.last_hidden_state
         if labels is not None:
-            check_labels(labels, h.shape[:2])
+            labels = check_labels(labels, h.shape[:2], self.config.vocab_size)
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
             if labels is not None:
                 raise ValueError("logits_to_keep drops positions the labels score; pass one or the other")
@@ -527,7 +545,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
                 and model_kwargs.get("past_key_values") is None):
-            model_kwargs["cache"] = TransNormerCache.empty(self.config.num_hidden_layers)
+            model_kwargs["cache"] = TransNormerCache.empty(self.config.num_hidden_layers, self.config.layer_types)
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
                                       **model_kwargs):
@@ -546,7 +564,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         """Feed only the tokens the cache has not seen; create the cache on the first call."""
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
-            cache = TransNormerCache.empty(self.config.num_hidden_layers)
+            cache = TransNormerCache.empty(self.config.num_hidden_layers, self.config.layer_types)
         inputs = {"attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
         # As transformers' own default: generate() says how many trailing positions the cache has not
         # seen (next_sequence_length); None means all of them (the first call, new ids passed alone
@@ -625,7 +643,7 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
                          return_dict=True)
         h = out.last_hidden_state
         if labels is not None:
-            check_labels(labels, h.shape[:2])
+            labels = check_labels(labels, h.shape[:2], self.config.vocab_size)
             given = labels  # as HF Trainer counts them
             if attention_mask is not None:  # a padded position is never a target, whatever its label
                 labels = labels.masked_fill(~padding_mask(attention_mask), -100)
@@ -720,14 +738,23 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
                          "(a tokenizer with more tokens than the model? see resize_token_embeddings)")
 
 
-def check_labels(labels, shape) -> None:
-    """Raise unless ``labels`` is an integer tensor of the tokens' ``shape`` [B, T] (-100: not scored)."""
+def check_labels(labels, shape, vocab_size: int) -> torch.Tensor:
+    """``labels`` as int64, after raising unless it is an integer tensor of the tokens' ``shape`` [B, T]
+    whose values are token ids in [0, vocab_size) or -100 (not scored). Any integer dtype is taken,
+    as for input_ids: int32 labels had failed inside cross_entropy, uint8 in the -100 fill, and an id
+    past the vocabulary with an IndexError from the loss."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.dtype == torch.bool:
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor of token ids (-100: not scored), got {labels.dtype}")
     if tuple(labels.shape) != tuple(shape):
         raise ValueError(f"labels must have the tokens' shape [B, T] = {list(shape)}, got {list(labels.shape)}")
+    labels = labels.long()
+    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
+    if labels.device.type != "meta" and bool(bad.any()):
+        raise ValueError(f"labels must lie in [0, {vocab_size}) or equal -100 (not scored), got "
+                         f"{int(labels[bad][0])}")
+    return labels
 
 
 def over_items(mean_loss: torch.Tensor, count, num_items_in_batch, given=None) -> torch.Tensor:
