@@ -1717,7 +1717,9 @@ def test_a_second_run_in_the_same_out_dir_is_refused(corpus_dir, tmp_path, monke
     seen = []
 
     def inner(c):  # while this run holds the folder, a second one starts there
-        other = replace(c, out_dir=c.out_dir + "/../run")  # (the same folder spelled another way)
+        # (the same folder spelled another way, and with another cache: keyed in the cache, the lock had
+        # let two runs share a folder)
+        other = replace(c, out_dir=c.out_dir + "/../run", cache_dir=str(tmp_path / "another-cache"))
         with pytest.raises(ValueError, match=rf"out_dir '{re.escape(other.out_dir)}' is in use by another "
                                              rf"process \(pid {os.getpid()}\)"):
             loop.train(other)
@@ -1727,9 +1729,9 @@ def test_a_second_run_in_the_same_out_dir_is_refused(corpus_dir, tmp_path, monke
     monkeypatch.setattr(loop, "_train", inner)
     assert loop.train(cfg) == {"steps": 0} and seen == [cfg.out_dir]
     assert loop.train(cfg) == {"steps": 0} and len(seen) == 2  # released: the next run there goes ahead
-    (tmp_path / "a-file").write_text("")  # a cache that cannot be made: the lock steps aside, as before it
+    (tmp_path / "a-file").write_text("")  # a folder that cannot be made: unlocked here, named by _train
     monkeypatch.setattr(loop, "_train", lambda c: {"steps": 0})
-    assert loop.train(replace(cfg, cache_dir=str(tmp_path / "a-file" / "cache"))) == {"steps": 0}
+    assert loop.train(replace(cfg, out_dir=str(tmp_path / "a-file" / "run"))) == {"steps": 0}
 
 
 def test_a_full_disk_is_named_and_keeps_the_last_checkpoint(tmp_path):
@@ -1773,3 +1775,22 @@ def test_out_of_space_reads_every_writers_words():
     except RuntimeError as outer:
         assert out_of_space(outer)
     assert not out_of_space(OSError(13, "Permission denied")) and not out_of_space(ValueError("bad"))
+
+
+def test_a_resume_refuses_an_edited_config_file(corpus_dir, tmp_path):
+    # the same --config path counts as unchanged; the model was rebuilt from the file as it is now, and an
+    # edit the weights still fitted (activation, dropout) trained on as another model
+    from transnormer.presets import get_config
+
+    conf = tmp_path / "model.json"
+    get_config("t2-lm-tiny", vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               block_size=8, chunk_size=8).to_json_file(conf)
+    kw = {"preset": None, "config_file": str(conf), "overrides": {}, "save_every": 1, "max_steps": 3}
+    assert train(cfg_for(corpus_dir, tmp_path, stop_after=1, **kw)) == {"stopped_at": 1}
+    edited = json.loads(conf.read_text())
+    conf.write_text(json.dumps({**edited, "ffn_act": "relu", "dropout": 0.5}))
+    with pytest.raises(ValueError, match=r"resume: the model differs from the one saved in .*model dropout: 0.1 -> "
+                                         r"0.5; model ffn_act: 'silu' -> 'relu'"):
+        train(cfg_for(corpus_dir, tmp_path, resume=True, **kw))
+    conf.write_text(json.dumps(edited))
+    assert train(cfg_for(corpus_dir, tmp_path, resume=True, **kw))["steps"] == 3

@@ -12,7 +12,6 @@ Parallelism is confined to ``setup_distributed()`` / ``wrap_model()``; run it un
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -273,6 +272,22 @@ def config_changes(saved: dict, cfg: TrainConfig) -> list[str]:
             and not (k in _PATH_FIELDS and _same_path(saved[k], v))]
 
 
+# Model config entries that are not the model: where it was saved from and by what, the label names
+# (set from the data after the model is built) and problem_type (set by the first loss).
+_NOT_THE_MODEL = ("transformers_version", "architectures", "_name_or_path", "id2label", "label2id", "dtype",
+                  "torch_dtype", "problem_type")
+
+
+def model_config_changes(model, ckpt: Path) -> list[str]:
+    """Entries of ``model``'s config that differ from the one saved in checkpoint ``ckpt``."""
+    if not (Path(ckpt) / "config.json").is_file():
+        return []
+    saved = type(model.config).from_pretrained(ckpt).to_dict()
+    now = model.config.to_dict()
+    return [f"model {k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if k not in _NOT_THE_MODEL and saved.get(k) != now.get(k)]
+
+
 # Fields naming a file or folder: the same one spelled another way (relative, absolute, through a
 # link) is no change. (Other data under the same name is: the training batches' fingerprint.)
 _PATH_FIELDS = ("data", "tokenizer", "init_from", "config_file")
@@ -425,6 +440,9 @@ RUN_FILES = ("metrics.jsonl", "grad_norms.jsonl", "summary.json", "train_config.
              "grad_rsd.json", "grad_norms.png", "tensorboard", "lra_result.json", "lra_result.md")
 
 
+RUN_LOCK = ".transnormer-run.lock"  # held by the run training in an out_dir (train)
+
+
 def real_tokens(batch: dict) -> int:
     """The tokens a batch holds: its attention masks' ones (padding is no token), else every id.
     ``tokens`` counts batch x seq_len positions a step (what budgets count), which for classification
@@ -542,16 +560,11 @@ def train(cfg: TrainConfig) -> dict:
     second started on the same folder is refused (it had moved the first's files aside and deleted the
     checkpoint it was writing)."""
     cfg.check()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return _train(cfg)
-    from ..data._util import resolve_cache_dir
-
-    out = os.path.realpath(cfg.out_dir)
-    try:
-        lock = resolve_cache_dir(cfg.cache_dir) / "runs" / f"{hashlib.sha256(out.encode()).hexdigest()[:16]}.lock"
-    except OSError:  # a cache that cannot be made: the run says so where it first needs it; unlocked here
-        return _train(cfg)
-    with held_alone(lock, f"out_dir {cfg.out_dir!r}"):
+    if int(os.environ.get("RANK", "0")) != 0 or _run_dir_holding(Path(cfg.out_dir)) is not None:
+        return _train(cfg)  # (the second: refused there, without a lock file left in a checkpoint folder)
+    # The lock lives in the folder itself: keyed in the cache, two runs given different caches had
+    # shared one out_dir. Best effort: a folder that cannot be made fails in _train, by name.
+    with held_alone(Path(cfg.out_dir) / RUN_LOCK, f"out_dir {cfg.out_dir!r}"):
         return _train(cfg)
 
 
@@ -653,6 +666,13 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
         except ValueError as exc:  # (its words had named neither the flags nor the resume)
             raise ValueError(f"resume: {exc}; the data order was saved for the run's data, --seq-len and "
                              "--batch-size x processes: resume with those") from None
+        # the model's own config too (after the data's check, whose words name a changed vocabulary
+        # better): an edited --config file, the same path, had rebuilt another model that the weights
+        # still fitted (activation, dropout, norm, LRPE options), and it trained on as that
+        changed = model_config_changes(model, ckpt)
+        if changed:
+            raise ValueError(f"resume: the model differs from the one saved in {ckpt} ({'; '.join(changed)}); "
+                             "resume with the original --config / --set, or start a new run (--init-from)")
         load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
         sched.update(state["sched"])
         per_rank = state.get("rng_per_rank")
