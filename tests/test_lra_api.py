@@ -192,3 +192,15 @@ def test_dataset_validation():
     with pytest.raises(IndexError):
         ds[1]
     assert ds[-1]["input_ids"].tolist() == [0, 1, 2] and ds.label_counts().tolist() == [0, 1]
+
+
+def test_the_fmnist_stand_in_is_never_official(tmp_path):
+    # labelled official it had filled Image's place in "LRA average (five tasks, official data)"
+    from transnormer.cli_lra import results_table
+
+    with pytest.raises(ValueError, match="image-fmnist32 is a stand-in for LRA's Image task"):
+        load_lra("image-fmnist32", tmp_path, "test", provenance="official")
+    recs = [{"task": t, "data_provenance": "official", "dataset_id": t, "preset": f"t2-lra-{t}",
+             "test": {"accuracy": 0.5}} for t in ("listops", "text", "retrieval", "image-fmnist32", "pathfinder")]
+    table = results_table(recs, "test")
+    assert "LRA average" not in table and "avg over" in table

@@ -287,3 +287,29 @@ def test_markers_are_discs_of_the_marker_radius(resolution):
     img = pf.render(geom, cfg).astype(np.float64) / 255
     area = img[: R * 3 // 8 + 4, : R * 3 // 8 + 4].sum()  # the marker at (R/4, R/4) alone
     assert area == pytest.approx(np.pi * cfg.marker_radius ** 2, rel=0.06)
+
+
+def test_an_official_difficulty_folder_given_as_root_keeps_its_level(tmp_path):
+    # the CLI's only way to easy or intermediate data: it had been labelled the hard LRA set
+    from transnormer.data.lra import load_lra
+    from transnormer.data.lra._common import SIDECAR_NAME
+
+    pf.write_pathfinder(tmp_path, seed=0, config=pf.PathfinderConfig(n_images=10, batch_size=10))
+    base = tmp_path / "pathfinder32" / "curv_baseline"
+    (tmp_path / "pathfinder32" / "curv_contour_length_14").rename(base)
+    (base / SIDECAR_NAME).unlink()  # the official files carry no record of ours
+    ds = load_lra("pathfinder", base, "test")
+    assert ds.provenance == "official" and ds.dataset_id == "pathfinder32-curv_baseline (official LRA files)"
+    assert load_lra("pathfinder", tmp_path, "test", difficulty="easy").dataset_id == ds.dataset_id
+    with pytest.raises(ValueError, match="is the curv_baseline folder, but difficulty 'hard' was asked for"):
+        load_lra("pathfinder", base, "test", difficulty="hard")
+
+
+def test_a_set_of_under_ten_images_is_refused(tmp_path):
+    # 80/10/10 of 5 images left the validation split empty, and its evaluation NaN
+    from transnormer.data.lra import prepare
+
+    with pytest.raises(ValueError, match="n_images"):
+        prepare("pathfinder", tmp_path / "pf", n_images=5, seed=0)
+    with pytest.raises(ValueError, match="the val split of 5 images is empty"):
+        pf.split_indices(5, "val")

@@ -429,6 +429,11 @@ def test_lra_eval_and_report_refuse_what_they_cannot_score(listops_root, tmp_pat
     build_model("t2-lra-text-tiny").save_pretrained(text)
     assert main(["lra", "eval", "retrieval", "--model", str(text), "--root", str(listops_root)]) == 2
     assert "is a single-tower classifier; retrieval needs a two-tower one" in capsys.readouterr().err
+    from transnormer.train.lra_tasks import LRAVocab
+
+    LRAVocab("text", 257, 0).save(text)  # as `lra train` records it: Text's sizes had passed for Pathfinder
+    assert main(["lra", "eval", "pathfinder", "--model", str(text), "--root", str(listops_root)]) == 2
+    assert "was trained on text, not pathfinder" in capsys.readouterr().err
     assert main(["lra", "eval", "listops", "--model", str(other), "--out", str(tmp_path / "e.md")]) == 2
     assert "give the JSON file's name" in capsys.readouterr().err
     (tmp_path / "ev.json").write_text(json.dumps({"kind": "lra-eval", "task": "listops"}))

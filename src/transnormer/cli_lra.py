@@ -166,8 +166,8 @@ def results_table(records: list[dict], split: str = "test") -> str:
         if len(chosen) < 2:
             continue
         mean = 100 * sum(float(chosen[t][split]["accuracy"]) for t in chosen) / len(chosen)
-        official_five = set(chosen) == set(LRA_FIVE) and all(
-            c["data_provenance"] == "official" and not _caveats(c) for c in chosen.values())
+        official_five = set(chosen) == set(LRA_FIVE) and all(  # (each slot its own task: no stand-in in Image's)
+            c["data_provenance"] == "official" and not _caveats(c) and c["task"] == slot for slot, c in chosen.items())
         if official_five:
             name = f"{family}: LRA average (five tasks, official data)"
         else:
@@ -419,6 +419,12 @@ def _check_classifier_for(task: str, model, path) -> None:
         raise ValueError(f"--model {path} has {model.config.num_labels} classes and a vocabulary of "
                          f"{model.config.vocab_size}; {task} has {info.num_classes} classes and {info.vocab_size} "
                          "symbols: a model trained on another task")
+    # the task recorded at training: a Text model (2 classes, 257 symbols) had passed the sizes'
+    # check for Pathfinder, and been scored under the Text run's data labels and length
+    trained = _trained_labels(Path(path)).get("lra_task")
+    if trained and task_info(trained).name != info.name:
+        raise ValueError(f"--model {path} was trained on {task_info(trained).name}, not {info.name}: evaluate it "
+                         f"on {task_info(trained).name}")
 
 
 def cmd_eval(args) -> int:
@@ -438,14 +444,18 @@ def cmd_eval(args) -> int:
     # By default the run's own data settings (sequence length, provenance label, Text's validation
     # source), so that evaluating a run reproduces its result and keeps its data label.
     run = run_settings(Path(path))
+    if run.get("data"):
+        from .train.lra_tasks import parse_lra_spec
+
+        if parse_lra_spec(run["data"])[0] != task:  # another task's length and data labels do not apply
+            run = {}
     seq_len = args.seq_len or run.get("seq_len")
     opts = {**run.get("options", {}), **_load_options(args)}
     root = args.root
-    if root is None and run.get("data"):
+    if root is None and run.get("data"):  # the folder the run read, unless told otherwise
         from .train.lra_tasks import parse_lra_spec
 
-        run_task, run_root = parse_lra_spec(run["data"])
-        root = run_root if run_task == task else None  # the folder the run read, unless told otherwise
+        root = parse_lra_spec(run["data"])[1]
     # under torchrun each rank scores its share of the split; rank 0 reports
     info = setup_distributed(args.device)
     res, prov = evaluate_model(task, model, root=root, split=args.split, seq_len=seq_len,
@@ -486,7 +496,7 @@ def _trained_labels(model_path: Path) -> dict:
         f = d / VOCAB_FILE
         if f.is_file():
             meta = json.loads(f.read_text())
-            return {k: meta.get(k) for k in ("data_provenance", "dataset_id")}
+            return {"lra_task": meta.get("task"), **{k: meta.get(k) for k in ("data_provenance", "dataset_id")}}
     return {}
 
 

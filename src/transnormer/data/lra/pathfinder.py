@@ -879,6 +879,8 @@ def split_indices(n: int, split: str, *, mode: str = "position", seed: int = 42)
     else:
         raise ValueError(f"split_mode must be 'position' or 'random', got {mode!r}")
     a, b = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, n)}[split]
+    if a == b:  # (a set of under 10 images: its evaluation had been NaN over nothing)
+        raise ValueError(f"the {split} split of {n} images is empty (80/10/10): the set needs at least 10 images")
     return order[a:b]
 
 

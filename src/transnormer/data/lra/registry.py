@@ -306,6 +306,9 @@ def load_lra(
             **common,
         )
     if t == "image-fmnist32":
+        if provenance == "official":  # it is not LRA's Image (CIFAR-10): it had counted in the LRA average
+            raise ValueError("provenance: image-fmnist32 is a stand-in for LRA's Image task (lra.md §5), not its "
+                             "official data; label it 'stand-in' (the default) or another name")
         opts = take(("strict_counts",))
         x, labels, info = _image.load_fmnist_split(root, split, **opts)
         prov = provenance or "stand-in"
@@ -316,9 +319,16 @@ def load_lra(
     # Pathfinder family
     opts = dict(take(("difficulty", "split_mode", "split_seed", "preload")))
     res = _PF_RESOLUTION[t]
-    diff = opts.pop("difficulty", "hard")
-    difficulty = _pf.DIFFICULTIES.get(diff, diff)
+    named = opts.pop("difficulty", None)
+    difficulty = _pf.DIFFICULTIES.get(named or "hard", named or "hard")
     images, labels, info = _pf.load_pathfinder_split(root, split, resolution=res, difficulty=difficulty, **opts)
+    read = Path(info["dir"]).name
+    if read in _pf.CONTOUR_LENGTHS and read != difficulty:
+        # root was the difficulty folder itself (the CLI's way to another level): its label is that
+        # folder's, not the default's (an easy set had been labelled the hard LRA one)
+        if named is not None:
+            raise ValueError(f"root {str(root)!r} is the {read} folder, but difficulty {named!r} was asked for")
+        difficulty = read
     meta = _read_sidecar(Path(info["dir"]), "transnormer.data.lra.pathfinder")
     if meta is not None:  # the per-batch metadata files are small; the PNGs' digests are not re-derived
         listed = (meta.get("sha256") or {}).get("metadata") or {}
@@ -468,7 +478,8 @@ def prepare(
             "images 80/10/10 by position, as the official data is split)"
         )
     if n_images is not None:
-        opts["n_images"] = check_int("n_images", n_images, minimum=1)
+        # 80/10/10 at load time: under 10 images the validation split is empty (evaluation gave NaN)
+        opts["n_images"] = check_int("n_images", n_images, minimum=10)
     try:
         cfg = _pf.pathfinder_config(res, difficulty, **opts)
     except TypeError as e:
