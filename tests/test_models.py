@@ -1010,3 +1010,34 @@ def test_labels_of_any_integer_dtype_and_out_of_range_ones(task):
     model.config.output_attentions = True  # HF's convention: read when the call does not say (it had been ignored)
     with pytest.raises(ValueError, match="output_attentions=True is not supported"):
         model(ids)
+
+
+def test_t1_trains_under_fp16_autocast_without_nan():
+    # under fp16 autocast DiagAttention's fp32 guard did nothing: block_attn returned fp16 to the norm,
+    # whose dy/eps on a dead row overflowed, and every gradient went NaN (model.half() was fine)
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    model = build_model("t1-lm-tiny", dropout=0.0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 64))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert torch.isfinite(loss) and not bad, bad
+
+
+def test_every_tiny_preset_pickles():
+    # the 1+elu and identity kernels were lambdas: torch.save(model) of every T2 and 1+elu model failed
+    import io
+    import pickle
+    import re
+
+    from transnormer.presets import PRESETS, build_model, preset_table
+
+    names = sorted(set(re.findall(r"[a-z0-9+\-]+-tiny", str(preset_table()))) | {p for p in PRESETS if p.endswith("-tiny")})
+    assert len(names) > 30
+    for name in names:
+        model = build_model(name, vocab_size=64) if "-lra-" not in name else build_model(name)
+        torch.save(model, io.BytesIO())
+        pickle.loads(pickle.dumps(model))

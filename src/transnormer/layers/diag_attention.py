@@ -8,6 +8,7 @@ from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
 from ..ops._checks import check_probability, check_right_padded
+from ..ops._dtypes import autocast_off
 from .base import (
     MultiHeadMixer,
     mask_and_positions,
@@ -112,14 +113,23 @@ class DiagAttention(MultiHeadMixer):
     @reads_given_cache
     def forward(self, x, *, attention_mask=None, positions=None, cache=None, use_cache=False):
         mask, positions = mask_and_positions(x, attention_mask, positions, cache, hidden_size=self.hidden_size)
-        B, T, _ = x.shape
         q, k, v = self.featurize(x, positions)
         # fp16 with the norm (T1): a block's first query whose only score is negative gives a zero row, whose
         # norm gradient dy/eps (1e8 dy) overflows fp16, and 0 * inf in the product before it is NaN in every
-        # gradient. The attention and its norm then run in fp32, as NormAttention's fp16 path does.
+        # gradient. The attention and its norm then run in fp32, as NormAttention's fp16 path does, with
+        # autocast off: under fp16 autocast block_attn had handed the norm fp16 again.
         wide = q.dtype == torch.float16 and self.norm is not None
         if wide:
-            q, k, v = q.float(), k.float(), v.float()
+            with autocast_off(x.device.type):
+                o, new_cache = self._attend_and_norm(q.float(), k.float(), v.float(), mask, positions, cache,
+                                                     use_cache)
+            return self.out_proj(o.to(x.dtype)), new_cache
+        o, new_cache = self._attend_and_norm(q, k, v, mask, positions, cache, use_cache)
+        return self.out_proj(o), new_cache
+
+    def _attend_and_norm(self, q, k, v, mask, positions, cache, use_cache):
+        """The block attention of q, k, v [B, T, H, e] and the norm after it: ([B, T, d], new cache)."""
+        B, T = q.shape[:2]
         new_cache = None
         continuing = use_cache and cache is not None and "k" in cache
         if not continuing and T > self.block_size:  # one block (T <= block) is the same either way
@@ -127,7 +137,7 @@ class DiagAttention(MultiHeadMixer):
         if use_cache:
             if not self.causal:
                 raise ValueError("use_cache needs a causal DiagAttention (decoding is causal)")
-            valid = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
+            valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
             if continuing:
                 o = cached_block_attend(q, k, v, cache, positions, valid, block=self.block_size, kernel=self.kernel)
             else:
@@ -144,4 +154,4 @@ class DiagAttention(MultiHeadMixer):
         o = o.reshape(B, T, self.hidden_size)
         if self.norm is not None:
             o = self.norm(o, mask)
-        return self.out_proj(o.to(x.dtype) if wide else o), new_cache
+        return o, new_cache

@@ -18,10 +18,21 @@ import torch.nn.functional as F
 from . import _native
 from ._checks import check_scale, first_order_only
 
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def one_plus_elu(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 + F.elu(x)
+
+
+# Named functions, not lambdas: a layer keeps its kernel, and a lambda made every T2 and 1+elu
+# model impossible to pickle (torch.save(model), spawned workers).
 FEATURE_KERNELS = {
-    "identity": lambda x: x,
+    "identity": identity,
     "elu": F.elu,  # T1: may be negative
-    "1+elu": lambda x: 1.0 + F.elu(x),  # T2
+    "1+elu": one_plus_elu,  # T2
     "relu": F.relu,
     "silu": F.silu,
 }
