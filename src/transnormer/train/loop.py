@@ -564,8 +564,16 @@ def train(cfg: TrainConfig) -> dict:
         return _train(cfg)  # (the second: refused there, without a lock file left in a checkpoint folder)
     # The lock lives in the folder itself: keyed in the cache, two runs given different caches had
     # shared one out_dir. Best effort: a folder that cannot be made fails in _train, by name.
-    with held_alone(Path(cfg.out_dir) / RUN_LOCK, f"out_dir {cfg.out_dir!r}"):
-        return _train(cfg)
+    out = Path(cfg.out_dir)
+    made = not out.exists()
+    try:
+        with held_alone(out / RUN_LOCK, f"out_dir {cfg.out_dir!r}"):
+            return _train(cfg)
+    finally:  # a run refused before it wrote anything leaves no folder behind for its lock
+        if made and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_LOCK}:
+            with contextlib.suppress(OSError):
+                (out / RUN_LOCK).unlink(missing_ok=True)
+                out.rmdir()
 
 
 def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
