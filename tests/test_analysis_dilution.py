@@ -409,3 +409,37 @@ def test_a_layer_map_with_rows_above_one_is_normalised():
     amap = attention_map(_Heavy(), torch.randn(1, 4, 8))
     assert amap.kind == "layer_normalized" and torch.allclose(amap.weights.sum(-1), torch.ones(1, 2, 4, dtype=amap.weights.dtype))
     assert attention_map(_Uniform(), torch.randn(1, 4, 8)).kind == "layer"
+
+
+def test_run_dilution_refuses_clashing_names_and_unordered_windows(tmp_path):
+    # "runs/t2" and "runs_t2" had written the same files (one model's results lost); an unordered rs
+    # gave a negative AUC
+    model = build_model("t2-lm-tiny", vocab_size=64, num_hidden_layers=1)
+    ids = torch.randint(3, 64, (1, 16))
+    with pytest.raises(ValueError, match="would write the same output files"):
+        run_dilution({"runs/t2": model, "runs_t2": model}, ids, tmp_path)
+    with pytest.raises(ValueError, match="rs must be increasing"):
+        dilution_curves(model, ids, rs=[1.0, 0.5, 0.0])
+
+
+def test_analyze_dilution_keeps_a_presets_position_limit(tmp_path, monkeypatch):
+    # cosFormer's re-weighting length M is max_position_embeddings: the CLI had set it to 512 for
+    # cosformer-lm-tiny (1024), analysing another model than the preset
+    from transnormer import presets
+    from transnormer.cli import main
+
+    write_small_corpus(tmp_path, splits=(("train", 200), ("valid", 20), ("test", 20)))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(name, **kw):
+        seen.append(kw["max_position_embeddings"])
+        raise Stop
+
+    monkeypatch.setattr(presets, "build_model", spy)
+    with pytest.raises(Stop):
+        main(["analyze", "dilution", "--models", "cosformer-lm-tiny", "--data", str(tmp_path), "--seq-len", "64",
+              "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
+    assert seen == [presets.get_config("cosformer-lm-tiny").max_position_embeddings] == [1024]

@@ -278,3 +278,24 @@ def test_ablation_cli_marks_a_run_the_loop_stopped(tmp_path, monkeypatch):
     stats = json.loads((tmp_path / "ablation.json").read_text())["stats"]
     assert {k: v["diverged"] for k, v in stats.items()} == {"linear_elu": False, "linear_elu_no_denom": True,
                                                             "norm": False}
+
+
+def test_grad_stats_reads_a_file_cut_short_and_names_the_key(tmp_path):
+    # a last line cut mid-write (a run killed or still writing) had been a raw json error naming
+    # "line 1"; another key's plot was labelled a gradient norm and its RSD "norm_over_steps"
+    import matplotlib
+
+    from transnormer.analysis import run_grad_stats
+
+    p = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "step": s, "loss": 4.0 - 0.1 * s, "grad_norm": 1.0 + 0.1 * s} for s in range(1, 11)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "step": 11, "loss": 4.1, "gra')
+    backend = matplotlib.get_backend()
+    assert rsd_from_jsonl(p, "grad_norm")["num_steps"] == 10
+    res = run_grad_stats(p, tmp_path / "out", key="loss")
+    assert res["num_steps"] == 10 and res["mode"] == "rsd_over_steps(loss)"
+    assert rsd_from_jsonl(p)["mode"] == "norm_over_steps"
+    assert matplotlib.get_backend() == backend
+    p.write_text("not json\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 1 is not a JSON record"):
+        rsd_from_jsonl(p)

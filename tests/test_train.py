@@ -1087,6 +1087,12 @@ def test_a_diverged_run_keeps_its_last_finite_checkpoint(corpus_dir, tmp_path, m
     s = train(cfg)
     # the step-4 evaluation is not the run's result (compare had tabulated it as a finished run's)
     assert s["diverged_at"] == 6 and s["steps"] == 6 and s["eval"] is None
+    # strict JSON: the NaN loss is null on disk (a bare NaN had been written, which strict parsers refuse)
+    def refuse(c):
+        raise ValueError(c)
+
+    saved = json.loads((Path(cfg.out_dir) / "summary.json").read_text(), parse_constant=refuse)
+    assert saved["final_train_loss"] is None and saved["diverged_at"] == 6
     (ckpt,) = list_checkpoints(Path(cfg.out_dir) / "checkpoints")
     assert ckpt.name == "step-00000004"
     assert all(bool(torch.isfinite(w).all()) for w in load_file(str(ckpt / "model.safetensors")).values())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "cache_write_text", "can_create_in",
            "check_output", "file_lock", "no_space_error",
-           "out_of_space"]
+           "out_of_space", "read_jsonl", "to_jsonable"]
 
 
 def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
@@ -40,6 +40,43 @@ def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False)
                 raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is not writable")
             break
     return p
+
+
+def to_jsonable(obj):
+    """Tensors and arrays → lists, non-finite floats → None (strict JSON has no NaN/Infinity: a
+    diverged run's summary.json had held a bare NaN), paths → str."""
+    import math
+
+    if hasattr(obj, "tolist") and callable(obj.tolist):  # a tensor or array (torch-free here)
+        return to_jsonable(obj.detach().cpu().tolist() if hasattr(obj, "detach") else obj.tolist())
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSONL file. A last line cut short (the writer killed, or the disk full,
+    mid-write; or a run still writing) is dropped; any other bad line is a ValueError naming the file
+    and the line."""
+    import json
+
+    path = Path(path)
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i} is not a JSON record ({e})") from None
+    return records
 
 
 def can_create_in(folder: str | os.PathLike) -> bool:

@@ -95,8 +95,11 @@ def cmd_dilution(args) -> int:
             from .presets import build_model
 
             torch.manual_seed(args.seed)  # a preset's random weights: the same for every run and position in --models
+            # the preset's own limit unless --seq-len needs more (cosFormer's re-weighting length M is
+            # it: a smaller one had analysed another model than the preset)
+            limit = max(get_config(name).max_position_embeddings, args.seq_len)
             models[name] = build_model(name, vocab_size=tok.vocab_size, dropout=0.0,
-                                       max_position_embeddings=max(512, args.seq_len)).eval()
+                                       max_position_embeddings=limit).eval()
     ids = _text_ids(args.data, tok, args.seq_len, args.samples, args.cache_dir)
     res = run_dilution(models, ids, args.out, mode=args.mode, seq_len=args.seq_len, seed=args.seed)
     _dump(res["summary"])

@@ -3,27 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-import torch
-
-from .._files import atomic_savefig, atomic_write_text
-
-
-def to_jsonable(obj):
-    """Tensors → lists, non-finite floats → None (strict JSON has no NaN/Infinity)."""
-    if isinstance(obj, torch.Tensor):
-        return to_jsonable(obj.detach().cpu().tolist())
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
+from .._files import atomic_savefig, atomic_write_text, to_jsonable
 
 
 def save_json(obj, path) -> Path:

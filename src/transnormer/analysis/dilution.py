@@ -159,6 +159,8 @@ def dilution_curves(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     rs = [float(r) for r in rs]
     if not rs:
         raise ValueError("rs must hold at least one window fraction")
+    if any(b <= a for a, b in zip(rs, rs[1:], strict=False)):  # the AUC's trapezoids would be negative or wrong
+        raise ValueError(f"rs must be increasing, got {rs}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
     if attention_mask is not None:
@@ -304,6 +306,11 @@ def run_dilution(models, text_ids: torch.Tensor | None = None, out_dir="analysis
         gen = torch.Generator().manual_seed(seed)
         text_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
     out = Path(out_dir)
+    stems = [_safe(name) for name in built]
+    clash = next((n for n, s in zip(built, stems, strict=True) if stems.count(s) > 1), None)
+    if clash is not None:  # one model's files had overwritten the other's
+        raise ValueError(f"models: {[n for n, s in zip(built, stems, strict=True) if s == _safe(clash)]} would "
+                         "write the same output files; rename one")
     results, summary, files = {}, {}, []
     for name, m in built.items():
         res = dilution_curves(m, text_ids, attention_mask, rs=rs, mode=mode)

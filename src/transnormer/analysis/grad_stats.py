@@ -19,12 +19,12 @@ import fnmatch
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from .._files import atomic_path
+from .._files import atomic_path, read_jsonl
 from ..ops._checks import check_positive_int
 from ._io import new_figure, save_figure, save_json, to_jsonable
 
@@ -57,7 +57,8 @@ def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, 
     if steps and not pairs:  # a range that misses every record: an RSD of nothing would read as a result
         raise ValueError(f"no recorded step lies in [{start}, {end}] (recorded: {steps[0]}..{steps[-1]})")
     finite = [(s, v) for s, v in pairs if v is not None and math.isfinite(v)]
-    out = {"mode": MODE, "param_set": param_set, "key": key, "std": "population (ddof=0)",
+    # (another key's RSD, e.g. the loss's, is not the gradient norm's mode)
+    out = {"mode": MODE if key == "grad_norm" else f"rsd_over_steps({key})", "param_set": param_set, "key": key, "std": "population (ddof=0)",
            "step_range": [finite[0][0], finite[-1][0]] if finite else None,
            "requested_range": [start, end], "num_steps": len(finite), "num_nonfinite": len(pairs) - len(finite)}
     if not finite:
@@ -243,31 +244,24 @@ class GradientRecorder:
 
 def plot_grad_norms(steps: Sequence[int], values: Sequence[float], path, *, title: str = "",
                     per_layer: dict[str, Sequence[float]] | None = None,
-                    window: tuple[int, int] | None = None) -> Path:
-    """``window``: the (first, last) step an RSD in the title covers, shaded."""
+                    window: tuple[int, int] | None = None, ylabel: str = "‖∇θ L‖₂") -> Path:
+    """``window``: the (first, last) step an RSD in the title covers, shaded; ``ylabel``: what
+    ``values`` are (another key than the gradient norm names itself)."""
     fig, axes = new_figure(size=(6.0, 4.0))
     ax = axes[0, 0]
     if window is not None:
         ax.axvspan(*window, color="C0", alpha=0.1, label="RSD window")
     clean = [float("nan") if v is None else v for v in values]
-    ax.plot(steps, clean, lw=1.2, color="k", label="total")
+    ax.plot(steps, clean, lw=1.2, color="k", label="total" if ylabel == "‖∇θ L‖₂" else ylabel)
     for g, vals in (per_layer or {}).items():
         ax.plot(steps, vals, lw=0.8, label=g)
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("‖∇θ L‖₂")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return save_figure(fig, path)
-
-
-def read_jsonl(path) -> Iterable[dict]:
-    with Path(path).open() as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                yield json.loads(line)
 
 
 def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, end: int | None = None,
@@ -313,6 +307,7 @@ def run_grad_stats(metrics_jsonl, out_dir="analysis_out/grad_stats", *, key: str
     where = f", steps {window[0]}-{window[1]}" if window else ""
     files = [save_json(summary, out / "grad_rsd.json"),
              plot_grad_norms([r["step"] for r in recs], [r[key] for r in recs], out / "grad_norms.png",
-                             title=f"{key}: RSD={summary['rsd']} ({summary['param_set']}{where})", window=window)]
+                             title=f"{key}: RSD={summary['rsd']} ({summary['param_set']}{where})", window=window,
+                             **({} if key == "grad_norm" else {"ylabel": key}))]
     summary["files"] = [str(f) for f in files]
     return summary

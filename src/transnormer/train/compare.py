@@ -13,7 +13,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from .._files import atomic_write_text
+from .._files import atomic_write_text, to_jsonable
 from ..runtime import call_in_fresh_process
 from .distributed import DistInfo, cleanup, setup_distributed
 from .loop import TrainConfig, parse_budget, train
@@ -67,10 +67,10 @@ def _compare(presets: list[str], base: TrainConfig, evals_per_run: int, info: Di
     if not is_main:
         return {"summaries": summaries, "table": table, "plot": None}
     atomic_write_text(out / "comparison.md", table + "\n")
-    atomic_write_text(out / "comparison.json", json.dumps(summaries, indent=1))
+    atomic_write_text(out / "comparison.json", json.dumps(to_jsonable(summaries), indent=1))  # (NaN: null)
     plot_curves(curves, out / "valid_curves.png", xlabel="training tokens",
                 ylabel="training-split loss (no dev file)" if _scored_on_train(summaries) else "validation loss",
-                title=f"{base.data}, budget {base.budget or base.max_steps}, seed {base.seed}")
+                title=f"{base.data}, budget {base.budget or f'{base.max_steps} steps'}, seed {base.seed}")
     print("\n" + table)
     return {"summaries": summaries, "table": table, "plot": str(out / "valid_curves.png")}
 

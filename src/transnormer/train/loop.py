@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._files import atomic_write_text, check_output, held_alone
+from .._files import atomic_write_text, check_output, held_alone, to_jsonable
 from ..models.configuration import check_overrides
 from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb, reset_peak_rss
 from .checkpoint import (
@@ -965,7 +965,7 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     if info.is_main:
         eval_pts = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval"]
         plot_curves({"train": train_pts, "valid": eval_pts}, out / "loss.png", title=str(summary["name"]))
-        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+        atomic_write_text(out / "summary.json", json.dumps(to_jsonable(summary), indent=1))  # (NaN: null)
     metrics.close()
     cleanup(info)
     return summary

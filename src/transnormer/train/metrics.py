@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from .._files import atomic_savefig, atomic_write_text
+from .._files import atomic_savefig, atomic_write_text, read_jsonl
 
 
 class MetricsLogger:
@@ -53,18 +53,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The records of a JSONL metrics file. A last line cut short (the process killed, or the disk
     full, mid-write) is dropped: it is the record of a step that a resumed run repeats anyway."""
     path = Path(path)
-    if not path.exists():
-        return []
-    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    records = []
-    for n, (i, line) in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if n == len(lines) - 1:
-                break
-            raise ValueError(f"{path}: line {i} is not a JSON record ({e})") from None
-    return records
+    return read_jsonl(path) if path.exists() else []
 
 
 def truncate_metrics(path: str | Path, after_step: int, redo: tuple[str, ...] = ()) -> None:
@@ -84,14 +73,12 @@ def truncate_metrics(path: str | Path, after_step: int, redo: tuple[str, ...] = 
 def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, *, xlabel: str = "step",
                 ylabel: str = "loss", title: str = "", logy: bool = False, logx: bool = False) -> Path | None:
     """One PNG with a line per named series of (x, y) points; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure without pyplot: the caller's backend (a notebook's) is left as it is
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for name, pts in series.items():
         pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y)]
         if pts:
@@ -109,6 +96,4 @@ def plot_curves(series: dict[str, list[tuple[float, float]]], path: str | Path, 
     if ax.lines:  # a run with no finite point (diverged before its first evaluation) draws none
         ax.legend()
     fig.tight_layout()
-    path = atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+    return atomic_savefig(fig, path, dpi=120)
