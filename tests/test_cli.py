@@ -153,7 +153,7 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     (["analyze", "dilution", "--models", "t2-lm-tiny", "--vocab-size", "0"], "--vocab-size must be >= 261"),
     (["analyze", "grad-stats", "--metrics", "{tmp}/mixer.jsonl", "--param-set", "all"],
      "records norms over mixer"),  # the report had named norms the file does not hold
-    (["analyze", "ablation", "--budget", "bogus"], "budget must look like"),  # had written its configs first
+    (["analyze", "ablation", "--budget", "bogus"], "budget (--budget) must look like"),  # had written its configs first
 ])
 def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
     (tmp_path / "empty.jsonl").write_text("")
@@ -382,7 +382,7 @@ def test_compare_and_generate_refuse_bad_input_up_front(run_dir, tmp_path, capsy
     assert main(["compare", "--presets", ",", "--max-steps", "1", *common]) == 2
     assert "--presets: give one or more" in capsys.readouterr().err
     assert main(["compare", "--presets", "t2-lm-tiny", *common]) == 2  # no steps or budget
-    assert "give max_steps or budget" in capsys.readouterr().err
+    assert "give max_steps (--max-steps) or budget (--budget" in capsys.readouterr().err
     assert main(["compare", "--presets", "t2-roberta-tiny", "--task", "mlm", "--sample", "--max-steps", "1",
                  *common]) == 2
     assert "--sample generates text and needs --task clm" in capsys.readouterr().err
@@ -471,8 +471,8 @@ def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, caps
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--weight-decay", "inf"], "weight_decay must be finite"),  # had saved NaN weights with rc 0
-    (["--clip", "inf"], "clip must be finite, got inf (0 turns clipping off)"),
+    (["--weight-decay", "inf"], "weight_decay (--weight-decay) must be finite"),  # had saved NaN weights with rc 0
+    (["--clip", "inf"], "clip (--clip) must be finite, got inf (0 turns clipping off)"),
     (["--set", "hidden_size"], "transnormer train: error: --set expects KEY=VALUE"),  # had exited 1, no prefix
     (["--config", "/nonexistent/config.json"], "is not a readable JSON config"),
     (["--set", "hidden_size=33"], "hidden_size (33) must be divisible by the number of heads"),

@@ -117,3 +117,22 @@ def test_reset_peak_rss_starts_this_runs_peak_again():
     if not reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs")
     assert peak_rss_mb() < before - 32
+
+
+@pytest.mark.parametrize("var, value, match", [
+    ("TRANSNORMER_FP32_GEMM", "bogus", "TRANSNORMER_FP32_GEMM must be one of"),
+    ("TRANSNORMER_NATIVE", "off", "TRANSNORMER_NATIVE must be 0"),
+    ("TRANSNORMER_MALLOC", "bogus", "TRANSNORMER_MALLOC must be 'default'"),
+])
+def test_a_bad_environment_variable_is_refused_before_any_work(tmp_path, monkeypatch, capsys, var, value, match):
+    # FP32_GEMM had been found at the first forward, after train had moved --out's earlier run aside;
+    # NATIVE=off and MALLOC=bogus had been taken silently
+    from transnormer.cli import main
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    monkeypatch.setenv(var, value)
+    assert main(["train", "--preset", "t2-lm-tiny", "--data", str(tmp_path / "none.txt"), "--max-steps", "1",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert match in capsys.readouterr().err
+    assert (tmp_path / "run" / "summary.json").is_file()  # nothing moved aside

@@ -138,8 +138,8 @@ def test_read_metrics_drops_only_a_torn_last_line(tmp_path):
 @pytest.mark.parametrize("kw,match", [({"eval_stride": 0}, "eval_stride must be an int in"),
                                       ({"eval_stride": 33}, "eval_stride must be an int in"),
                                       ({"eval_stride": 8, "task": "mlm"}, "eval_stride applies to task 'clm' only"),
-                                      ({"mlm_packing": "complete"}, "mlm_packing applies to task 'mlm' only"),
-                                      ({"mlm_packing": "lines", "task": "mlm"}, "mlm_packing must be one of")])
+                                      ({"mlm_packing": "complete"}, r"mlm_packing \(--mlm-packing\) applies to task 'mlm' only"),
+                                      ({"mlm_packing": "lines", "task": "mlm"}, r"mlm_packing \(--mlm-packing\) must be one of")])
 def test_eval_stride_is_checked_before_training(corpus_dir, tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         cfg_for(corpus_dir, tmp_path, **kw).check()
@@ -628,11 +628,11 @@ def test_schedules_and_budgets():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("lr", 0.0, "lr must be > 0"), ("max_steps", 0, "max_steps must be >= 1"), ("eval_batches", 0, "eval_batches"),
-    ("warmup", -5, "warmup must be >= 0"), ("eval_every", -1, "eval_every"), ("save_every", -1, "save_every"),
+    ("lr", 0.0, r"lr \(--lr\) must be > 0"), ("max_steps", 0, r"max_steps \(--max-steps\) must be >= 1"), ("eval_batches", 0, "eval_batches"),
+    ("warmup", -5, r"warmup \(--warmup\) must be >= 0"), ("eval_every", -1, "eval_every"), ("save_every", -1, "save_every"),
     ("keep_last", -2, "keep_last"), ("log_every", 0, "log_every"),
-    ("lr", float("inf"), "lr must be > 0 and finite"), ("min_lr_ratio", 3.0, r"min_lr_ratio must be in \[0, 1\]"),
-    ("budget", "0", "budget must be > 0"), ("budget", "0s", "budget must be > 0"),
+    ("lr", float("inf"), r"lr \(--lr\) must be > 0 and finite"), ("min_lr_ratio", 3.0, r"min_lr_ratio \(--min-lr-ratio\) must be in \[0, 1\]"),
+    ("budget", "0", r"budget \(--budget\) must be > 0"), ("budget", "0s", r"budget \(--budget\) must be > 0"),
     ("overrides", {"dropuot": 0.0}, "'dropuot' is not a TransNormerConfig field; did you mean 'dropout'"),
     ("overrides", {"dropout": "abc"}, "dropout='abc' must be float"),
     ("overrides", {"hidden_size": 32.5}, "hidden_size=32.5 must be int"),
@@ -644,17 +644,17 @@ def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, match)
 
 
 @pytest.mark.parametrize("field,value,err,match", [
-    ("max_steps", 2.5, TypeError, "max_steps must be an int"),  # had trained 3 steps
-    ("max_steps", True, TypeError, "max_steps must be an int"),  # had trained 1
-    ("save_every", 1.5, TypeError, "save_every must be an int"),
-    ("grad_accum", 2.0, TypeError, "grad_accum must be an int"),  # had failed after the data and model
-    ("seq_len", "32", TypeError, "seq_len must be an int"),
-    ("lr", "1e-3", TypeError, "lr must be a number"),
-    ("seed", -1, ValueError, r"seed must be in \[0, 2\*\*32\)"),  # had failed inside numpy
-    ("warmup_init_lr", 1.0, ValueError, "warmup_init_lr must be <= lr"),
-    ("adam_eps", 0.0, ValueError, "adam_eps must be > 0"),
-    ("betas", (0.9, 1.5), ValueError, "betas must be two numbers"),
-    ("betas", (0.9,), ValueError, "betas must be two numbers"),
+    ("max_steps", 2.5, TypeError, r"max_steps \(--max-steps\) must be an int"),  # had trained 3 steps
+    ("max_steps", True, TypeError, r"max_steps \(--max-steps\) must be an int"),  # had trained 1
+    ("save_every", 1.5, TypeError, r"save_every \(--save-every\) must be an int"),
+    ("grad_accum", 2.0, TypeError, r"grad_accum \(--grad-accum\) must be an int"),  # had failed after the data and model
+    ("seq_len", "32", TypeError, r"seq_len \(--seq-len\) must be an int"),
+    ("lr", "1e-3", TypeError, r"lr \(--lr\) must be a number"),
+    ("seed", -1, ValueError, r"seed \(--seed\) must be in \[0, 2\*\*32\)"),  # had failed inside numpy
+    ("warmup_init_lr", 1.0, ValueError, r"warmup_init_lr \(--warmup-init-lr\) must be <= lr"),
+    ("adam_eps", 0.0, ValueError, r"adam_eps \(--adam-eps\) must be > 0"),
+    ("betas", (0.9, 1.5), ValueError, r"betas \(--betas\) must be two numbers"),
+    ("betas", (0.9,), ValueError, r"betas \(--betas\) must be two numbers"),
 ])
 def test_wrongly_typed_settings_are_refused_before_any_work(tmp_path, field, value, err, match):
     with pytest.raises(err, match=match):

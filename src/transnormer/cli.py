@@ -103,7 +103,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG]")
     p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
     p.add_argument("--vocab-size", type=positive_int,
-                   help=f"of the BPE trained on the data (default: {d.vocab_size}); not with --tokenizer or --init-from")
+                   help=f"of the BPE trained on the data (default: {d.vocab_size}); not with --tokenizer"
+                        + ("" if preset_required else " or --init-from"))  # (compare has no --init-from)
     p.add_argument("--cache-dir")
     _add_cls_column_args(p)
     p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
@@ -429,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from .runtime import threads_from_env, tune_allocator
+    from .runtime import check_env, tune_allocator
 
-    tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
     try:
-        threads_from_env()  # TRANSNORMER_THREADS (README): training, evaluation and the rest
+        check_env()  # TRANSNORMER_THREADS (README) set for training, evaluation and the rest; the others checked
+        tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
         _check_outputs(args)
         return args.func(args)
     except KeyboardInterrupt:  # a second Ctrl-C (training saves and stops at the first): no traceback

@@ -47,6 +47,27 @@ def cpu_has_bf16_products() -> bool:
         return False
 
 
+def malloc_opted_out() -> bool:
+    """``TRANSNORMER_MALLOC=default`` leaves glibc's allocator alone; unset or ``tuned`` tunes it;
+    any other value is refused (it had tuned silently)."""
+    raw = os.environ.get("TRANSNORMER_MALLOC", "").strip().lower()
+    if raw not in ("", "default", "tuned"):
+        raise ValueError(f"TRANSNORMER_MALLOC must be 'default' (glibc's own) or 'tuned', got {raw!r}")
+    return raw == "default"
+
+
+def check_env() -> None:
+    """Check the library's environment variables before any work: a typo had been found at the
+    first forward, after a training run had moved --out's earlier run aside."""
+    from .ops import _native
+    from .ops.dense import _leaves_mkl
+
+    threads_from_env()
+    malloc_opted_out()
+    _native.native_disabled()
+    _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "auto"))
+
+
 def tune_allocator() -> bool:
     """Make glibc keep freed memory for reuse (no ``mmap`` per large tensor, no trimming).
 
@@ -57,7 +78,7 @@ def tune_allocator() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if os.environ.get("TRANSNORMER_MALLOC", "").lower() == "default":
+    if malloc_opted_out():
         return False
     try:  # the process's own symbols: libc is loaded already (find_library would run ldconfig)
         mallopt = ctypes.CDLL(None).mallopt

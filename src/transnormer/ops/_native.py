@@ -361,6 +361,15 @@ def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
         return _variants[key]
 
 
+def native_disabled() -> bool:
+    """``TRANSNORMER_NATIVE=0`` (``1``, the default, uses the kernels); any other value is refused:
+    "false" or "off" had left the kernels on without a word."""
+    raw = os.environ.get("TRANSNORMER_NATIVE", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"TRANSNORMER_NATIVE must be 0 (the PyTorch forms) or 1 (the native kernels), got {raw!r}")
+    return raw == "0"
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None when it cannot be built."""
     global _lib, _tried, _error
@@ -370,7 +379,7 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         try:
-            if os.environ.get("TRANSNORMER_NATIVE", "1") == "0":
+            if native_disabled():
                 _error = "disabled by TRANSNORMER_NATIVE=0"
             else:
                 _lib = _open()

@@ -112,6 +112,17 @@ class TrainConfig:
     progress: bool = True
 
     def check(self) -> None:
+        """Raise on a bad field; the message names the field and, where `transnormer train` has one,
+        its flag (``grad_accum (--grad-accum) must be >= 1``): the CLI's users had read field names."""
+        try:
+            self._check()
+        except (ValueError, TypeError) as e:
+            name, rest = str(e).split(" ", 1)[0], str(e)[len(str(e).split(" ", 1)[0]):]
+            if name in _FLAGS and rest.startswith((" must ", " applies ")):
+                raise type(e)(f"{name} ({_FLAGS[name]}){rest}") from None
+            raise
+
+    def _check(self) -> None:
         if self.task not in ("clm", "mlm", "cls"):
             raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {self.task!r}")
         if self.schedule not in SCHEDULES:
@@ -178,7 +189,8 @@ class TrainConfig:
             if self.mlm_packing not in MLM_PACKINGS:
                 raise ValueError(f"mlm_packing must be one of {MLM_PACKINGS}, got {self.mlm_packing!r}")
         if self.max_steps is None and self.budget is None:
-            raise ValueError("give max_steps or budget (tokens like '200k' or time like '5min')")
+            raise ValueError("give max_steps (--max-steps) or budget (--budget: tokens like '200k' or time like "
+                             "'5min')")
         if self.budget is not None:
             parse_budget(self.budget)
         if self.task != "cls" and (self.cls_read_kwargs or self.no_truncate):  # they would change nothing
@@ -440,6 +452,14 @@ RUN_FILES = ("metrics.jsonl", "grad_norms.jsonl", "summary.json", "train_config.
              "grad_rsd.json", "grad_norms.png", "tensorboard", "lra_result.json", "lra_result.md")
 
 
+# TrainConfig fields and the `transnormer train` flags that set them (for check()'s messages)
+_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "task", "preset", "data", "tokenizer", "vocab_size", "cache_dir", "mlm_packing", "seq_len", "batch_size",
+    "grad_accum", "max_steps", "budget", "lr", "min_lr_ratio", "warmup", "warmup_init_lr", "schedule",
+    "weight_decay", "betas", "adam_eps", "clip", "dtype", "strategy", "device", "seed", "eval_every",
+    "eval_batches", "save_every", "keep_last", "init_from")} | {"out_dir": "--out", "config_file": "--config",
+                                                                 "overrides": "--set", "no_truncate": "--no-truncate"}
+
 RUN_LOCK = ".transnormer-run.lock"  # held by the run training in an out_dir (train)
 
 
@@ -591,7 +611,7 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     log = print if info.is_main else (lambda *a, **k: None)
     run_dir = _run_dir_holding(out)
     if run_dir is not None:  # (a resume there found no checkpoint and trained a new run inside the old one)
-        raise ValueError(f"out_dir {str(out)!r} is a run's checkpoint folder; give the run directory "
+        raise ValueError(f"out_dir (--out) {str(out)!r} is a run's checkpoint folder; give the run directory "
                          f"{str(run_dir)!r} (--resume finds its newest checkpoint there)")
     if info.is_main:  # before any data or model work: a run must not train only to fail at its first save
         try:  # (nothing created: a run refused later had left an empty checkpoints/ behind)
