@@ -16,9 +16,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "cache_write_text", "can_create_in",
-           "check_output", "file_lock", "no_space_error",
-           "out_of_space", "read_jsonl", "to_jsonable"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "cache_write_text",
+           "can_create_in", "check_output", "file_lock", "no_space_error", "out_of_space", "read_jsonl",
+           "to_jsonable"]
 
 
 def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
