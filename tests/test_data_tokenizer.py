@@ -267,6 +267,10 @@ def test_save_keeps_an_hf_tokenizers_cls_sep_and_settings(tmp_path):
     assert (hf.cls_token, hf.sep_token, hf.model_max_length, hf.padding_side) == ("[CLS]", "[SEP]", 512, "left")
     assert hf.convert_tokens_to_ids(["[CLS]", "[SEP]", "c"]) == [2, 3, 8] and len(hf) == len(vocab)
     assert load_tokenizer(tmp_path / "again").fingerprint == tok.fingerprint
+    # transformers 5 saves a chat template beside the config, in chat_template.jinja: kept too
+    (tmp_path / "wp" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    load_tokenizer(tmp_path / "wp").save(tmp_path / "chat")
+    assert AutoTokenizer.from_pretrained(tmp_path / "chat").chat_template.startswith("{% for m in messages %}")
     # a cls/sep the vocabulary lacks is not written (HF would add it as a new id)
     cfg = json.loads((tmp_path / "wp" / "tokenizer_config.json").read_text())
     (tmp_path / "wp" / "tokenizer_config.json").write_text(json.dumps({**cfg, "cls_token": "<cls>"}))

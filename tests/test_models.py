@@ -1007,6 +1007,13 @@ def test_labels_of_any_integer_dtype_and_out_of_range_ones(task):
     bad[1, 3] = 60
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 50\) or equal -100.*got 60"):
         model(ids, labels=bad)
+    # a label that is never read (a padded position's; the causal head's first column) may be anything
+    mask = torch.ones_like(ids)
+    mask[1, 3:] = 0
+    unread = ids.clone()
+    unread[1, 3:] = -1
+    unread[:, 0] = -7 if task == "clm" else unread[:, 0]
+    assert torch.isfinite(model(ids, attention_mask=mask, labels=unread).loss)
     model.config.output_attentions = True  # HF's convention: read when the call does not say (it had been ignored)
     with pytest.raises(ValueError, match="output_attentions=True is not supported"):
         model(ids)

@@ -333,3 +333,9 @@ def test_masked_batch_norm_keeps_its_running_statistics_in_fp32(cast):
     half(x.half())
     assert torch.isfinite(half.running_var).all() and torch.isfinite(half.running_mean).all()
     assert half.double().running_var.dtype == torch.float64  # a cast up still applies
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:  # and an fp64 model built under an fp64 default keeps fp64 statistics
+        assert MaskedBatchNorm(4).running_var.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)

@@ -136,3 +136,22 @@ def test_a_bad_environment_variable_is_refused_before_any_work(tmp_path, monkeyp
                  "--out", str(tmp_path / "run")]) == 2
     assert match in capsys.readouterr().err
     assert (tmp_path / "run" / "summary.json").is_file()  # nothing moved aside
+
+
+def test_a_bad_native_or_malloc_value_raises_every_time_in_library_use():
+    # it had raised once, then the kernels were silently off (and the allocator silently untuned)
+    code = ("from transnormer.ops import _native; from transnormer import runtime\n"
+            "for f in (_native.load, _native.load, runtime.tune_allocator, runtime.tune_allocator):\n"
+            "    try:\n        f(); print('ran')\n    except ValueError:\n        print('refused')\n")
+    env = {**os.environ, "TRANSNORMER_NATIVE": "off", "TRANSNORMER_MALLOC": "bogus"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["refused"] * 4
+
+
+def test_a_model_config_error_names_the_model_not_the_train_flag():
+    # --set vocab_size=0 had read "vocab_size (--vocab-size) must ...", the tokenizer's flag
+    from transnormer.train import TrainConfig
+
+    with pytest.raises(ValueError) as e:
+        TrainConfig(preset="t2-lm-tiny", overrides={"vocab_size": 0}, max_steps=1).check()
+    assert "(--vocab-size)" not in str(e.value) and str(e.value).startswith("the model (with --set {'vocab_size': 0}):")

@@ -109,13 +109,26 @@ def out_of_space(error: BaseException) -> bool:
 
 
 def no_space_error(error: BaseException, what: str, path: str | os.PathLike) -> OSError:
-    """A clear OSError (ENOSPC) for an ``out_of_space`` error: what was being written and where, with
-    the free space left there (the writers' own messages name a temporary file, or no path at all)."""
-    try:
-        free = f"{shutil.disk_usage(Path(path).parent if not Path(path).is_dir() else path).free / 2**20:.0f} MiB free"
-    except OSError:
-        free = "free space unknown"
-    return OSError(errno.ENOSPC, f"no space left writing {what} ({free} there; nothing partial was left)", str(path))
+    """A clear OSError for an ``out_of_space`` error: what was being written, where, and why (a full
+    disk with the space left there, a quota, or a file size limit), with the cause's errno (the
+    writers' own messages name a temporary file, or no path at all)."""
+    codes, text, seen = set(), "", set()
+    while error is not None and id(error) not in seen:  # the chain's errnos, and words: safetensors keeps none
+        seen.add(id(error))
+        codes.add(getattr(error, "errno", None))
+        text += f" {error}"
+        error = error.__cause__ or error.__context__
+    if errno.EFBIG in codes or "File too large" in text:
+        code, why = errno.EFBIG, "a file size limit (ulimit -f) was reached"
+    elif errno.EDQUOT in codes or "quota" in text.lower():
+        code, why = errno.EDQUOT, "the disk quota is exceeded"
+    else:
+        try:
+            free = shutil.disk_usage(Path(path) if Path(path).is_dir() else Path(path).parent).free / 2**20
+            code, why = errno.ENOSPC, f"no space left on the device ({free:.0f} MiB free there)"
+        except OSError:
+            code, why = errno.ENOSPC, "no space left on the device"
+    return OSError(code, f"{why} writing {what}; nothing partial was left", str(path))
 
 
 def cache_write_text(path: str | os.PathLike, text: str) -> bool:

@@ -77,8 +77,9 @@ def tune_allocator() -> bool:
     global _done
     if _done is not None:
         return _done
+    opted_out = malloc_opted_out()  # (before _done: a bad value raises every time, not once)
     _done = False
-    if malloc_opted_out():
+    if opted_out:
         return False
     try:  # the process's own symbols: libc is loaded already (find_library would run ldconfig)
         mallopt = ctypes.CDLL(None).mallopt

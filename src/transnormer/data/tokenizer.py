@@ -527,6 +527,8 @@ def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
             raise ValueError(f"{str(json_file)!r} is not a valid tokenizer.json: {e}") from e
         specials = _config_specials(path) if path.is_dir() else {}
         settings = _read_config(path / "tokenizer_config.json") if path.is_dir() else {}
+        if path.is_dir() and (path / "chat_template.jinja").is_file():  # (transformers 5 writes it apart)
+            settings = {**settings, "chat_template": (path / "chat_template.jinja").read_text(encoding="utf-8")}
         return TextTokenizer(backend, special_tokens=specials, name=str(path), hf_settings=settings)
     if path.is_dir():
         pass  # e.g. a sentencepiece-only directory: AutoTokenizer below knows how to read it

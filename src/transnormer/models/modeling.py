@@ -492,7 +492,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
                          position_ids=kwargs.get("position_ids"), return_dict=True)
         h = out.last_hidden_state
         if labels is not None:
-            labels = check_labels(labels, h.shape[:2], self.config.vocab_size)
+            labels = check_labels(labels, h.shape[:2])
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
             if labels is not None:
                 raise ValueError("logits_to_keep drops positions the labels score; pass one or the other")
@@ -508,6 +508,8 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
             # row: the model runs left padding on the right), and right padding's first pad be a target.
             real = padding_mask(attention_mask[:, -labels.shape[1]:])
             shifted = shifted.masked_fill(~(real & F.pad(real[:, 1:], (0, 1), value=False)), -100)
+        if shifted is not None:
+            check_targets(shifted, self.config.vocab_size)
         if shifted is not None and not return_logits:
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
         else:
@@ -643,10 +645,11 @@ class TransNormerForMaskedLM(TransNormerPreTrainedModel):
                          return_dict=True)
         h = out.last_hidden_state
         if labels is not None:
-            labels = check_labels(labels, h.shape[:2], self.config.vocab_size)
+            labels = check_labels(labels, h.shape[:2])
             given = labels  # as HF Trainer counts them
             if attention_mask is not None:  # a padded position is never a target, whatever its label
                 labels = labels.masked_fill(~padding_mask(attention_mask), -100)
+            check_targets(labels, self.config.vocab_size)
         if labels is not None and not return_logits:
             picked = labels.reshape(-1) != -100
             sel = self.lm_head(h.reshape(-1, h.shape[-1])[picked])
@@ -738,23 +741,27 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
                          "(a tokenizer with more tokens than the model? see resize_token_embeddings)")
 
 
-def check_labels(labels, shape, vocab_size: int) -> torch.Tensor:
+def check_labels(labels, shape) -> torch.Tensor:
     """``labels`` as int64, after raising unless it is an integer tensor of the tokens' ``shape`` [B, T]
-    whose values are token ids in [0, vocab_size) or -100 (not scored). Any integer dtype is taken,
-    as for input_ids: int32 labels had failed inside cross_entropy, uint8 in the -100 fill, and an id
-    past the vocabulary with an IndexError from the loss."""
+    (-100: not scored). Any integer dtype is taken, as for input_ids: int32 labels had failed inside
+    cross_entropy, uint8 in the -100 fill."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor of token ids (-100: not scored), got {labels.dtype}")
     if tuple(labels.shape) != tuple(shape):
         raise ValueError(f"labels must have the tokens' shape [B, T] = {list(shape)}, got {list(labels.shape)}")
-    labels = labels.long()
-    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
-    if labels.device.type != "meta" and bool(bad.any()):
+    return labels.long()
+
+
+def check_targets(targets: torch.Tensor, vocab_size: int) -> None:
+    """Raise unless every scored target (after the shift and the padding mask: a padded position's
+    label is never read, whatever it is) is a token id in [0, vocab_size) or -100. An id past the
+    vocabulary had been an IndexError from the loss."""
+    bad = (targets != -100) & ((targets < 0) | (targets >= vocab_size))
+    if targets.device.type != "meta" and bool(bad.any()):
         raise ValueError(f"labels must lie in [0, {vocab_size}) or equal -100 (not scored), got "
-                         f"{int(labels[bad][0])}")
-    return labels
+                         f"{int(targets[bad][0])}")
 
 
 def over_items(mean_loss: torch.Tensor, count, num_items_in_batch, given=None) -> torch.Tensor:

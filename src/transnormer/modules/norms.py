@@ -133,9 +133,11 @@ class MaskedBatchNorm(nn.Module):
         self.dim, self.eps, self.momentum = dim, eps, momentum
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
-        # fp32 whatever the default dtype (from_pretrained(dtype=torch.float16) builds under it)
-        self.register_buffer("running_mean", torch.zeros(dim, dtype=torch.float32))
-        self.register_buffer("running_var", torch.ones(dim, dtype=torch.float32))
+        # at least fp32 whatever the default dtype (from_pretrained(dtype=torch.float16) builds under it);
+        # fp64 under an fp64 default
+        stats = torch.promote_types(torch.get_default_dtype(), torch.float32)
+        self.register_buffer("running_mean", torch.zeros(dim, dtype=stats))
+        self.register_buffer("running_var", torch.ones(dim, dtype=stats))
         self.synced = False  # statistics over every process (sync_batch_norm)
 
     def reset_parameters(self) -> None:

@@ -375,11 +375,12 @@ def load() -> ctypes.CDLL | None:
     global _lib, _tried, _error
     if _tried:
         return _lib
+    disabled = native_disabled()  # (before _tried: a bad value raises every time, not once)
     with _lock:
         if _tried:
             return _lib
         try:
-            if native_disabled():
+            if disabled:
                 _error = "disabled by TRANSNORMER_NATIVE=0"
             else:
                 _lib = _open()

@@ -220,7 +220,12 @@ class TrainConfig:
             for k, v in self.overrides.items():
                 setattr(config, k, v)
         if config is not None:
-            config.check()
+            try:  # the model's own field (vocab_size, dtype), not the TrainConfig field of that name
+                config.check()
+            except (ValueError, TypeError) as e:
+                source = f"config_file (--config) {self.config_file!r}" if self.config_file else "the model"
+                raise type(e)(f"{source} (with --set {self.overrides}): {e}" if self.overrides else
+                              f"{source}: {e}") from None
             check_task_fits(config, self.task, f"config_file (--config) {self.config_file!r}" if self.config_file
                             else f"preset {self.preset!r}")
             if self.sync_batch_norm and config.norm_type != "batch":  # (wrap_model checks an init_from model)
