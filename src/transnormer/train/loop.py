@@ -585,11 +585,15 @@ def train(cfg: TrainConfig) -> dict:
     second started on the same folder is refused (it had moved the first's files aside and deleted the
     checkpoint it was writing)."""
     cfg.check()
-    if int(os.environ.get("RANK", "0")) != 0 or _run_dir_holding(Path(cfg.out_dir)) is not None:
-        return _train(cfg)  # (the second: refused there, without a lock file left in a checkpoint folder)
+    out = Path(cfg.out_dir)
+    run_dir = _run_dir_holding(out)  # (refused before the lock: no lock file left in a checkpoint folder)
+    if run_dir is not None:  # (a resume there found no checkpoint and trained a new run inside the old one)
+        raise ValueError(f"out_dir (--out) {str(out)!r} is a run's checkpoint folder; give the run directory "
+                         f"{str(run_dir)!r} (--resume finds its newest checkpoint there)")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(cfg)
     # The lock lives in the folder itself: keyed in the cache, two runs given different caches had
     # shared one out_dir. Best effort: a folder that cannot be made fails in _train, by name.
-    out = Path(cfg.out_dir)
     made = not out.exists()
     try:
         with held_alone(out / RUN_LOCK, f"out_dir {cfg.out_dir!r}"):
@@ -614,10 +618,6 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     log = print if info.is_main else (lambda *a, **k: None)
-    run_dir = _run_dir_holding(out)
-    if run_dir is not None:  # (a resume there found no checkpoint and trained a new run inside the old one)
-        raise ValueError(f"out_dir (--out) {str(out)!r} is a run's checkpoint folder; give the run directory "
-                         f"{str(run_dir)!r} (--resume finds its newest checkpoint there)")
     if info.is_main:  # before any data or model work: a run must not train only to fail at its first save
         try:  # (nothing created: a run refused later had left an empty checkpoints/ behind)
             check_output(ckpt_root, "out_dir", directory=True)
