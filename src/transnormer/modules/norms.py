@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..ops._dtypes import autocast_enabled
 from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import scale_norm, simple_rms_norm
+from .precision import apply_keeping_full_precision
 from .recompute import recomputing
 
 
@@ -152,13 +153,8 @@ class MaskedBatchNorm(nn.Module):
         """As nn.Module's (``.half()``, ``.to(dtype)``, ...), except that the running statistics keep
         at least fp32: after NormAttention's core (no denominator) the variance grows with T², past
         fp16's 65504, and ``model.half()`` had made it inf, so the norm gave only its bias."""
-        before = {name: getattr(self, name) for name in ("running_mean", "running_var")}
-        super()._apply(fn, recurse)
-        for name, data in before.items():
-            t = getattr(self, name)
-            if t.dtype.itemsize < 4 <= data.dtype.itemsize:  # a cast down: move them at full precision
-                setattr(self, name, data.to(t.device))
-        return self
+        return apply_keeping_full_precision(self, ("running_mean", "running_var"),
+                                            lambda: super(MaskedBatchNorm, self)._apply(fn, recurse))
 
     def _batch_stats(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """(mean, biased var, count) over the rows of flat [n, d], pooled over the processes when

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..ops._checks import check_positive_int
 from ..ops.lrpe import FEATURE_KERNELS, lrpe_feature_map
+from .precision import apply_keeping_full_precision
 
 LRPE_TYPES = ("householder_rope", "rope", "none")
 
@@ -107,18 +108,7 @@ class LRPE(nn.Module):
         by radians (θ_0 = 1 off by up to 2^-9: ~4 rad at m = 2048), a silent change of the encoding
         the model was trained with; autocast keeps them fp32 as it is. The tables are cast where they
         are used."""
-        # (.data: views of the storage as it is now; _apply then swaps in the converted tensors)
-        before = {name: (t.data, None if t.grad is None else t.grad.data)
-                  for name, t in (("theta", self.theta), ("u", self.u)) if t is not None}
-        super()._apply(fn, recurse)
-        for name, (data, grad) in before.items():
-            t = getattr(self, name)
-            if t.dtype.itemsize < 4 <= data.dtype.itemsize:  # a cast down: the same move at full precision
-                t.grad = None
-                t.data = data.to(t.device)
-                if grad is not None:
-                    t.grad = grad.to(t.device)
-        return self
+        return apply_keeping_full_precision(self, ("theta", "u"), lambda: super(LRPE, self)._apply(fn, recurse))
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """The pair angles m·θ [B or 1, T, D/2] at positions [B, T] (or [T])."""
