@@ -508,13 +508,12 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
             # row: the model runs left padding on the right), and right padding's first pad be a target.
             real = padding_mask(attention_mask[:, -labels.shape[1]:])
             shifted = shifted.masked_fill(~(real & F.pad(real[:, 1:], (0, 1), value=False)), -100)
-        if shifted is not None:
-            check_targets(shifted, self.config.vocab_size)
-        if shifted is not None and not return_logits:
+        if shifted is not None and not return_logits:  # (linear_cross_entropy checks the targets' range itself)
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, shifted.reshape(-1))
         else:
             logits = self.lm_head(h)
             if shifted is not None:
+                check_targets(shifted, self.config.vocab_size)
                 loss = F.cross_entropy(_fp32_unless_autocast(logits).reshape(-1, logits.shape[-1]),
                                        shifted.reshape(-1), ignore_index=-100)
         if loss is not None:
