@@ -32,14 +32,17 @@ def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False)
         raise ValueError(f"{flag} {str(p)!r} is a file; give a folder")
     if not directory and p.is_dir():
         raise ValueError(f"{flag} {str(p)!r} is a folder; give a file name")
-    for parent in (p, *p.parents) if directory else p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is not writable")
-            break
+    parent = _nearest_existing(p if directory else p.parent)
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {str(p)!r}: {str(parent)!r} is not writable")
     return p
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` if it exists, else its nearest existing parent (where a new file or folder would go)."""
+    return next(p for p in (path, *path.parents) if p.exists())
 
 
 def to_jsonable(obj):
@@ -82,10 +85,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 def can_create_in(folder: str | os.PathLike) -> bool:
     """Whether files can be made in ``folder``: it is writable, or (missing) its nearest existing
     parent is. For caches that may be shared read-only: reading them needs no write access."""
-    for p in (Path(folder), *Path(folder).parents):
-        if p.exists():
-            return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
-    return False  # pragma: no cover - the root always exists
+    p = _nearest_existing(Path(folder))
+    return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
 
 
 # The words writers use for a full disk or quota: OSError's errno, safetensors' Rust IoError and
