@@ -98,27 +98,25 @@ _NO_SPACE_WORDS = ("No space left", "StorageFull", "Disk quota exceeded", "File 
 def out_of_space(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) says the disk, a quota or a file size limit
     is full."""
+    return any((isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS) or any(w in str(e) for w in _NO_SPACE_WORDS)
+               for e in _cause_chain(error))
+
+
+def _cause_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from (``__cause__``, else ``__context__``), each once."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS:
-            return True
-        if any(w in str(error) for w in _NO_SPACE_WORDS):
-            return True
+        yield error
         error = error.__cause__ or error.__context__
-    return False
 
 
 def no_space_error(error: BaseException, what: str, path: str | os.PathLike) -> OSError:
     """A clear OSError for an ``out_of_space`` error: what was being written, where, and why (a full
     disk with the space left there, a quota, or a file size limit), with the cause's errno (the
     writers' own messages name a temporary file, or no path at all)."""
-    codes, text, seen = set(), "", set()
-    while error is not None and id(error) not in seen:  # the chain's errnos, and words: safetensors keeps none
-        seen.add(id(error))
-        codes.add(getattr(error, "errno", None))
-        text += f" {error}"
-        error = error.__cause__ or error.__context__
+    chain = list(_cause_chain(error))  # the chain's errnos, and words: safetensors keeps no errno
+    codes, text = {getattr(e, "errno", None) for e in chain}, " ".join(str(e) for e in chain)
     if errno.EFBIG in codes or "File too large" in text:
         code, why = errno.EFBIG, "a file size limit (ulimit -f) was reached"
     elif errno.EDQUOT in codes or "quota" in text.lower():
