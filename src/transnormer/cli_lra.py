@@ -429,7 +429,7 @@ def _check_classifier_for(task: str, model, path) -> None:
 
 def cmd_eval(args) -> int:
     from .train.distributed import cleanup, setup_distributed
-    from .train.lra_tasks import comparable_to_published
+    from .train.lra_tasks import comparable_to_published, parse_lra_spec
 
     task = _canonical(args.task)
     if args.out and Path(args.out).suffix == ".md":  # the JSON goes to --out, the table beside it as .md
@@ -444,18 +444,12 @@ def cmd_eval(args) -> int:
     # By default the run's own data settings (sequence length, provenance label, Text's validation
     # source), so that evaluating a run reproduces its result and keeps its data label.
     run = run_settings(Path(path))
-    if run.get("data"):
-        from .train.lra_tasks import parse_lra_spec
-
-        if parse_lra_spec(run["data"])[0] != task:  # another task's length and data labels do not apply
-            run = {}
+    run_task, run_root = parse_lra_spec(run["data"]) if run.get("data") else (None, None)
+    if run_task != task:  # another task's length, data labels and folder do not apply
+        run, run_root = {}, None
     seq_len = args.seq_len or run.get("seq_len")
     opts = {**run.get("options", {}), **_load_options(args)}
-    root = args.root
-    if root is None and run.get("data"):  # the folder the run read, unless told otherwise
-        from .train.lra_tasks import parse_lra_spec
-
-        root = parse_lra_spec(run["data"])[1]
+    root = args.root if args.root is not None else run_root  # the folder the run read, unless told otherwise
     # under torchrun each rank scores its share of the split; rank 0 reports
     info = setup_distributed(args.device)
     res, prov = evaluate_model(task, model, root=root, split=args.split, seq_len=seq_len,
