@@ -117,9 +117,9 @@ class TrainConfig:
         try:
             self._check()
         except (ValueError, TypeError) as e:
-            name, rest = str(e).split(" ", 1)[0], str(e)[len(str(e).split(" ", 1)[0]):]
-            if name in _FLAGS and rest.startswith((" must ", " applies ")):
-                raise type(e)(f"{name} ({_FLAGS[name]}){rest}") from None
+            name, _, rest = str(e).partition(" ")
+            if name in _FLAGS and rest.startswith(("must ", "applies ")):
+                raise type(e)(f"{name} ({_FLAGS[name]}) {rest}") from None
             raise
 
     def _check(self) -> None:
