@@ -316,6 +316,22 @@ def test_errors(tmp_path):
         load_corpus(one_doc, valid_fraction=0.7)
 
 
+def test_directory_refuses_one_text_plain_and_compressed(tmp_path):
+    # a directory holding docs.valid.txt beside docs.valid.txt.xz (left by `xz -dk`) read both: every
+    # valid document twice, where a file spec refused the pair
+    (tmp_path / "docs.train.txt").write_text(_paragraphs("t", 20), encoding="utf-8")
+    (tmp_path / "docs.valid.txt").write_text(_paragraphs("v", 2), encoding="utf-8")
+    with lzma.open(tmp_path / "docs.valid.txt.xz", "wt", encoding="utf-8") as f:
+        f.write(_paragraphs("v", 2))
+    with pytest.raises(ValueError, match=r"2 files differing only in compression \(docs.valid.txt, docs.valid.txt.xz\)"):
+        load_corpus(tmp_path)
+    (tmp_path / "docs.valid.txt").unlink()  # one copy, and same names in two folders, are fine
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "docs.train.txt").write_text(_paragraphs("u", 4), encoding="utf-8")
+    c = load_corpus(tmp_path)
+    assert len(c["valid"]) == 2 and len(c["train"]) + len(c["test"]) == 24  # test carved from train
+
+
 # ------------------------------------------------------------------------------------------------ hf:
 
 
@@ -376,6 +392,53 @@ def test_hf_val_split_is_the_valid_split(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a: split))
     c = load_corpus("hf:vals")
     assert c["valid"] == ["val doc"] and len(c["train"]) == 30
+
+
+class _FakeTable:
+    """A split of several columns with datasets-like ``features`` (each with a ``dtype``)."""
+
+    def __init__(self, columns: dict, dtypes: dict):
+        self._columns, self.column_names = columns, list(columns)
+        self.features = {c: types.SimpleNamespace(dtype=dtypes[c]) for c in columns}
+
+    def __getitem__(self, column):
+        return list(self._columns[column])
+
+
+def test_hf_column_is_text_the_only_string_one_or_named(monkeypatch):
+    n = 30
+    two = _FakeTable({"id": [f"id{i}" for i in range(n)], "content": [f"content of document {i}" for i in range(n)]},
+                     {"id": "string", "content": "string"})
+    large = _FakeTable({"n": list(range(n)), "content": [f"content {i}" for i in range(n)]},
+                       {"n": "int64", "content": "large_string"})
+    data = {"two": {"train": two}, "large": {"train": large}}
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, cfg: data[name]))
+    # the first string column ("id") had been trained on as the text, without a word
+    with pytest.raises(ValueError, match=r"2 string columns \['id', 'content'\]; name one with hf:NAME\[:CONFIG\]#COLUMN"):
+        load_corpus("hf:two")
+    c = load_corpus("hf:two#content")
+    assert sorted(c["train"] + c["valid"] + c["test"]) == sorted(two["content"])
+    with pytest.raises(ValueError, match=r"no column 'body' \(has \['id', 'content'\]\)"):
+        load_corpus("hf:two#body")
+    with pytest.raises(ValueError, match="expected 'hf:NAME'"):
+        load_corpus("hf:two#")
+    # a large_string column (Arrow's large_utf8) is a string column: it had been "no string column"
+    c = load_corpus("hf:large")
+    assert sorted(c["train"] + c["valid"] + c["test"]) == sorted(large["content"])
+
+
+def test_hf_unknown_split_names_warn_and_empty_splits_are_refused(monkeypatch):
+    train = _FakeSplit([f"train doc {i}\n\n" for i in range(50)])
+    data = {"ev": {"train": train, "eval": _FakeSplit(["eval doc\n"])},
+            "blank": {"train": _FakeSplit([None, "  ", ""] * 5), "validation": _FakeSplit(["v\n"])}}
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, cfg: data[name]))
+    # a validation split named "eval" had been dropped silently, and valid carved out of train
+    with pytest.warns(UserWarning, match=r"ignoring split\(s\) \['eval'\].*valid and test carved from train"):
+        c = load_corpus("hf:ev")
+    assert "eval doc" not in c["valid"] and len(c["train"]) < 50
+    # a train split of blank rows had been accepted as train=0 docs
+    with pytest.raises(ValueError, match="split 'train' has no documents"):
+        load_corpus("hf:blank")
 
 
 def test_hf_spec_without_datasets(monkeypatch):

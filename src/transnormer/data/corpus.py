@@ -4,7 +4,9 @@ A spec is one of
 
 * ``"stdlib"`` (the default): English docstrings of the running Python's standard library
   (:mod:`transnormer.data.stdlib_docs`), cached per Python version, works offline;
-* ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a dataset loaded with the optional ``datasets`` package;
+* ``"hf:NAME"`` or ``"hf:NAME:CONFIG"``: a dataset loaded with the optional ``datasets`` package; its
+  ``text`` column, else its only string column, or the column named by a suffix ``#COLUMN``; its splits
+  named as files' are (``train``, ``validation``, ...; others are ignored with a warning);
 * a path: a text file (``.txt``, ``.tokens``, ... optionally compressed ``.xz``/``.gz``/``.bz2``) or a
   directory of them (searched recursively; empty or blank files in it are skipped with a warning).
 
@@ -352,6 +354,7 @@ def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]
             f"directory {str(spec_path)!r} contains no text files "
             f"(looked for {', '.join(sorted(_TEXT_SUFFIXES))}, optionally .xz/.gz/.bz2)"
         )
+    _refuse_compression_twins(files, spec_path)
     by_split: dict[str, list[Path]] = {}
     unnamed: list[Path] = []
     for f in files:
@@ -365,6 +368,20 @@ def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]
         else:
             unnamed.append(f)
     return by_split, unnamed
+
+
+def _refuse_compression_twins(files: list[Path], spec_path: Path) -> None:
+    """Refuse one text held both plain and compressed in a directory (``docs.valid.txt`` beside
+    ``docs.valid.txt.xz``, left by ``xz -dk``): both were read, every document of it twice."""
+    by_stem: dict[tuple[Path, str], list[Path]] = {}
+    for f in files:
+        by_stem.setdefault((f.parent, _strip_compression(f.name)[0].lower()), []).append(f)
+    for copies in by_stem.values():
+        if len(copies) > 1:
+            raise ValueError(
+                f"directory {str(spec_path)!r} has {len(copies)} files differing only in compression "
+                f"({', '.join(str(f.relative_to(spec_path)) for f in copies)}): each would be read; keep one"
+            )
 
 
 def _hidden(path: Path, root: Path) -> bool:
@@ -451,10 +468,10 @@ def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fractio
 
 
 def _load_hf_corpus(spec: str, seed: int, valid_fraction: float, test_fraction: float) -> Corpus:
-    rest = spec[len("hf:") :]
+    rest, hash_sign, column = spec[len("hf:") :].partition("#")
     name, _, config = rest.partition(":")
-    if not name:
-        raise ValueError(f"data spec {spec!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
+    if not name or (hash_sign and not column):
+        raise ValueError(f"data spec {spec!r}: expected 'hf:NAME', 'hf:NAME:CONFIG' or either with '#COLUMN'")
     try:
         import datasets  # optional dependency, imported only when asked for
     except ImportError as e:
@@ -464,26 +481,46 @@ def _load_hf_corpus(spec: str, seed: int, valid_fraction: float, test_fraction: 
         ) from e
     ds = datasets.load_dataset(name, config or None)
     splits: dict[str, list[str]] = {}
+    ignored = []
     for hf_split in ds:  # the split names a path's file names use ("val" had been dropped, a valid split carved from train)
         ours = _SPLIT_WORDS.get(hf_split)
         if ours is None or ours in splits:
+            ignored.append(hf_split)
             continue
-        splits[ours] = _hf_documents(ds[hf_split], f"{spec} [{hf_split}]")
+        splits[ours] = _hf_documents(ds[hf_split], f"{spec} [{hf_split}]", column or None)
+        if not splits[ours]:
+            raise ValueError(f"data spec {spec!r}: split {hf_split!r} has no documents (no non-blank text)")
     if "train" not in splits:
         raise ValueError(f"data spec {spec!r}: the dataset has no 'train' split (has {list(ds)})")
+    if ignored:  # a validation split named "eval" had been dropped silently, and a valid split carved from train
+        carved = [s for s in SPLITS if s not in splits]
+        warnings.warn(
+            f"data spec {spec!r}: ignoring split(s) {ignored}, which name no split (train/training, "
+            f"valid/validation/val/dev, test/testing) or repeat one"
+            + (f"; {' and '.join(carved)} carved from train" if carved else ""),
+            stacklevel=3,
+        )
     splits = _carve_missing(splits, seed, valid_fraction, test_fraction)
     return Corpus(name=spec, splits=splits, sources={s: [spec] for s in splits})
 
 
-def _hf_documents(split_ds, where: str) -> list[str]:
+def _hf_documents(split_ds, where: str, column: str | None = None) -> list[str]:
+    """The documents of one split: column ``column``, else ``text``, else the only string column."""
     columns = list(split_ds.column_names)
-    if "text" in columns:
+    if column is not None:
+        if column not in columns:
+            raise ValueError(f"{where}: no column {column!r} (has {columns})")
+    elif "text" in columns:
         column = "text"
     else:
         features = getattr(split_ds, "features", {}) or {}
-        strings = [c for c in columns if getattr(features.get(c), "dtype", None) == "string"]
+        strings = [c for c in columns if getattr(features.get(c), "dtype", None) in ("string", "large_string")]
         if not strings:
-            raise ValueError(f"{where}: no 'text' column and no string column among {columns}")
+            raise ValueError(f"{where}: no 'text' column and no string column among {columns}; "
+                             "name one with hf:NAME[:CONFIG]#COLUMN")
+        if len(strings) > 1:  # the first had been taken: an "id" column before the content trained as text
+            raise ValueError(f"{where}: no 'text' column and {len(strings)} string columns {strings}; "
+                             "name one with hf:NAME[:CONFIG]#COLUMN")
         column = strings[0]
     rows = [r for r in split_ds[column] if isinstance(r, str)]
     nonblank = [r for r in rows if r.strip()]
