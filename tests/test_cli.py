@@ -108,6 +108,34 @@ def test_eval_finds_a_tokenizer_beside_the_weights(run_dir, tmp_path, capsys):
     assert json.loads(printed[printed.find("{"):])["eval_tokens"] > 0
 
 
+def test_eval_splits_the_data_with_the_runs_data_seed(run_dir, tmp_path, capsys, monkeypatch):
+    """valid/test carved out of train depend on the run's data_seed; eval had split with seed 0, so a
+    run trained with data_seed=3 (Python API) was scored on documents it had trained on."""
+    import shutil
+
+    from transnormer.cli import resolve_model_dir
+    from transnormer.train import tasks
+    from transnormer.train.checkpoint import MANIFEST
+
+    root, out = run_dir
+    plain = tmp_path / "plain"  # no file names a split: all three are carved by the seed
+    plain.mkdir()
+    (plain / "all.txt").write_text("\n\n".join((root / f"{s}.txt").read_text() for s in ("train", "valid")))
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_dir(out), model)
+    for f in ("trainer_state.pt", MANIFEST):  # a model folder: its run's train_config.json records the seed
+        (model / f).unlink()
+    (model / "train_config.json").write_text(json.dumps({"data": str(plain), "data_seed": 3}))
+    seeds = []
+    real = tasks.load_corpus
+    monkeypatch.setattr(tasks, "load_corpus", lambda spec, **kw: seeds.append(kw["seed"]) or real(spec, **kw))
+    for data, seed in ((str(plain), 3), (str(plain) + "/../plain", 3), (str(root), 0)):  # another corpus: 0
+        assert main(["eval", "--model", str(model), "--data", data, "--seq-len", "32", "--max-batches", "1",
+                     "--cache-dir", str(root / "cache")]) == 0
+        printed = capsys.readouterr().out
+        assert json.loads(printed[printed.find("{"):])["data_seed"] == seed and seeds[-1] == seed
+
+
 def test_eval_with_stride(run_dir, capsys):
     root, out = run_dir
     assert main(["eval", "--model", str(out), "--data", str(root), "--seq-len", "32", "--stride", "16",

@@ -100,7 +100,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
         p.add_argument("--init-from", help="pretrained model directory to fine-tune")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (JSON value), e.g. --set dropout=0.0")
-    p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG]")
+    p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG][#COLUMN]")
     p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
     p.add_argument("--vocab-size", type=positive_int,
                    help=f"of the BPE trained on the data (default: {d.vocab_size}); not with --tokenizer"
@@ -307,6 +307,27 @@ def _check_head_for(task: str, model_dir: Path, flag: str | None = None) -> None
                          + f"; {flag or f'--task {task} needs'} a *{_HEADS[task]} model")
 
 
+def _same_data(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:  # one path spelt two ways (relative, absolute, through a link)
+        return Path(a).exists() and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def _run_data_seed(model_dir: Path, data: str) -> int:
+    """The seed the model's run split ``data`` with (0, the default, when it was trained on other data
+    or nothing records it): the valid/test documents carved out of train depend on it, and eval had
+    split with seed 0 whatever the run had used, scoring a ``data_seed=3`` run on its training text."""
+    from .train.checkpoint import saved_train_configs
+
+    for cfg, _ in saved_train_configs(model_dir)[:1]:
+        if _same_data(str(cfg.get("data", "")), data):
+            return int(cfg.get("data_seed") or 0)
+    return 0
+
+
 def cmd_eval(args) -> int:
     from .train.distributed import cleanup, setup_distributed
     from .train.loop import TrainConfig, autocast_factory, build_model_for, name_classes, special_token_ids
@@ -319,9 +340,10 @@ def cmd_eval(args) -> int:
     read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
     _check_head_for(args.task, model_dir)
+    data_seed = _run_data_seed(model_dir, args.data)
     # no --tokenizer: the model's own, in <model>/tokenizer or beside its weights (tasks.get_tokenizer)
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
-                      seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
+                      data_seed=data_seed, seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
                       cache_dir=args.cache_dir, max_steps=1, dtype=args.dtype, cls_read_kwargs=read,
                       no_truncate=args.no_truncate,
                       mlm_packing=args.mlm_packing)
@@ -338,7 +360,7 @@ def cmd_eval(args) -> int:
         model = model.to(info.device)
         res = data.evaluate(model, args.split, args.max_batches)
     cleanup(info)
-    res = {"model": str(model_dir), "data": args.data, "split": args.split, "task": args.task,
+    res = {"model": str(model_dir), "data": args.data, "data_seed": data_seed, "split": args.split, "task": args.task,
            "seq_len": args.seq_len, "stride": args.stride, "max_batches": args.max_batches,
            "world_size": info.world_size, **res}
     if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it

@@ -376,22 +376,12 @@ def cmd_train(args) -> int:
 
 
 def run_settings(model_path: Path) -> dict:
-    """The data settings the model was trained with ({} when nothing records them): the training
-    config saved in the checkpoint itself, else the run's ``train_config.json`` one or two levels
-    above it (a checkpoint moved aside by a later run keeps its own). Read without hashing the
-    checkpoint's files: a run directory's checkpoint was verified when ``load_model_dir`` chose it,
-    the model is already loaded from it, and only settings are read here."""
-    from .train.checkpoint import CheckpointError, load_trainer_state
+    """The data settings the model was trained with ({} when nothing records them), from
+    ``saved_train_configs``: a run directory's checkpoint was verified when ``load_model_dir``
+    chose it, the model is already loaded from it, and only settings are read here."""
+    from .train.checkpoint import saved_train_configs
 
-    found = []
-    try:
-        found.append((load_trainer_state(model_path, verify=False).get("config") or {}, str(model_path)))
-    except (CheckpointError, OSError, ValueError):  # a bare model directory: no trainer state
-        pass
-    for d in (model_path, *list(model_path.parents)[:3]):
-        if (d / "train_config.json").is_file():
-            found.append((json.loads((d / "train_config.json").read_text()), str(d)))
-            break
+    found = saved_train_configs(model_path)
     for cfg, where in found:
         if str(cfg.get("data", "")).startswith("lra:"):
             return {"seq_len": cfg.get("seq_len"), "options": dict(cfg.get("cls_read_kwargs") or {}),

@@ -263,6 +263,26 @@ def load_trainer_state(path: str | os.PathLike, *, verify: bool = True) -> dict:
         raise CheckpointError(f"checkpoint file {path / STATE} cannot be read: {e}") from e
 
 
+def saved_train_configs(model_path: str | os.PathLike) -> list[tuple[dict, str]]:
+    """The training configs recorded for a model directory, as ``(config dict, where)``: the one saved
+    in the checkpoint itself, then the run's ``train_config.json`` up to three levels above it (a
+    checkpoint moved aside by a later run keeps its own); ``[]`` for a bare model directory. Read
+    without hashing the checkpoint's files (settings only, from a checkpoint already chosen)."""
+    import json
+
+    model_path = Path(model_path)
+    found = []
+    try:
+        found.append((load_trainer_state(model_path, verify=False).get("config") or {}, str(model_path)))
+    except (CheckpointError, OSError, ValueError):  # a bare model directory: no trainer state
+        pass
+    for d in (model_path, *list(model_path.parents)[:3]):
+        if (d / "train_config.json").is_file():
+            found.append((json.loads((d / "train_config.json").read_text()), str(d)))
+            break
+    return found
+
+
 def load_model_weights(model, path: str | os.PathLike) -> None:
     """Load ``model.safetensors`` of a verified checkpoint into ``model`` (strict, ties restored)."""
     from safetensors.torch import load_file
