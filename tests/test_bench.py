@@ -225,6 +225,9 @@ def test_bench_refuses_sizes_below_one(argv):
     (["bench", "train", "--presets", "t2-roberta", "t2-lm"], "'t2-roberta' is bidirectional"),
     (["bench", "infer", "--max-mem-gb", str(2 ** 20)], "--max-mem-gb must be below 2^20 GB"),
     (["bench", "train", "--presets", "peer:performer-pytorch", "t2-lm"], "peer package 'performer_pytorch' is not"),
+    # peers.py's hint had been lost to "unknown peer"
+    (["bench", "train", "--presets", "peer:sdpa", "t2-lm"], "our 'vanilla-lm' preset is the SDPA softmax baseline"),
+    (["bench", "peers"], "bench peers: peer package 'flash_pytorch' is not available"),
 ])
 def test_bench_refuses_options_it_would_ignore_before_measuring(argv, match, tmp_path, capsys, monkeypatch):
     from transnormer.bench import suite
@@ -236,8 +239,35 @@ def test_bench_refuses_options_it_would_ignore_before_measuring(argv, match, tmp
     for name in ("gemm_gflops", "same_shape_gemm_gflops", "train_step_throughput", "op_throughput"):
         monkeypatch.setattr(suite, name, measured)
     monkeypatch.setitem(sys.modules, "performer_pytorch", None)  # as if not installed
+    if argv[1] == "peers":
+        _hide_flash_pytorch(monkeypatch)
     assert main([*argv, "--out", str(tmp_path / "b")]) == 2
     assert match in capsys.readouterr().err
+
+
+def _hide_flash_pytorch(monkeypatch):
+    for name in ("flash_pytorch", "flash_pytorch.flash_pytorch"):  # as if not installed (even if imported)
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_bench_all_skips_peers_up_front_when_flash_pytorch_is_missing(tmp_path, capsys, monkeypatch):
+    """bench all had run ops, train, infer, memory and long (hours) before finding the peer missing,
+    and then exited 2 without its verdicts."""
+    from transnormer.bench import suite
+    from transnormer.cli import main
+
+    ran = []
+
+    def part(name):
+        return lambda *a, **k: ran.append(name) or {"table": f"| {name} |", "verdicts": [f"PASS  {name}"], "files": []}
+
+    for name in ("ops", "train", "memory", "long", "peers"):
+        monkeypatch.setattr(suite, f"bench_{name}", part(name))
+    _hide_flash_pytorch(monkeypatch)
+    assert main(["bench", "all", "--dtypes", "fp32", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert ran == ["ops", "train", "train", "memory", "long"]  # (train measures train and infer)
+    assert "SKIP  peers: bench peers: peer package 'flash_pytorch' is not available" in out.split("## verdicts")[1]
 
 
 def test_a_sweep_records_what_did_not_fit_and_skips_the_presets_longer_lengths(monkeypatch, tmp_path):

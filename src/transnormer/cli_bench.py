@@ -37,6 +37,9 @@ def _check_flags(args) -> None:
         if preset.startswith("peer:"):
             from .bench.peers import PEER_MODULES, PEER_NAMES, _import_peer
 
+            if preset == "peer:sdpa":  # (the hint peers.py gives had been lost to "unknown peer")
+                raise ValueError("--presets peer:sdpa: our 'vanilla-lm' preset is the SDPA softmax baseline; "
+                                 "use vanilla-lm")
             if preset[5:] not in PEER_NAMES:
                 raise ValueError(f"--presets: unknown peer {preset!r}; known: {['peer:' + n for n in PEER_NAMES]}")
             try:  # (a missing package had been found after the GEMM probe)
@@ -50,8 +53,20 @@ def _check_flags(args) -> None:
                 require_causal(preset)
             except ValueError as e:
                 raise ValueError(f"--presets: {e}") from None
+    if args.what == "peers":
+        _peer_for_bench_peers()
     if args.max_mem_gb is not None and args.max_mem_gb >= 2**20:
         raise ValueError(f"--max-mem-gb must be below 2^20 GB, got {args.max_mem_gb:g}")
+
+
+def _peer_for_bench_peers() -> None:
+    """Raise ValueError when flash-pytorch, bench peers' peer, cannot be imported."""
+    from .bench.peers import PEER_MODULES, _import_peer
+
+    try:
+        _import_peer(PEER_MODULES["flash-pytorch"])
+    except ImportError as e:
+        raise ValueError(f"bench peers: {e}") from None
 
 
 def cmd_bench(args) -> int:
@@ -74,6 +89,13 @@ def cmd_bench(args) -> int:
                 what.remove("long")
                 all_verdicts.append("SKIP  long: its target is a bf16 step, and this CPU has no bf16 products "
                                     "(bench long to insist)")
+    if "peers" in what and len(what) > 1:
+        try:  # (bench all had run every other part, hours, before finding the peer missing)
+            _peer_for_bench_peers()
+        except ValueError as e:
+            what.remove("peers")
+            all_verdicts.append(f"SKIP  peers: {e}")
+            print(f"bench all: skipping peers ({e})", flush=True)
     args.presets = args.presets or ["t2-lm", "vanilla-lm"]
     args.vocab_size = args.vocab_size or 32768
     args.rounds = args.rounds or 1

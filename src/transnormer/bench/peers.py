@@ -388,6 +388,8 @@ def load_flash_pytorch_weights(ours: nn.Module, theirs: nn.Module, *, seq_len: i
     _check_matchable(theirs, kind)
     mixer = getattr(ours, "mixer", ours)
     norm = getattr(ours, "mixer_norm", None)
+    if norm is not None and not getattr(ours, "pre_norm", True):  # (had loaded, and computed another function)
+        raise ValueError("flash_pytorch's modules are pre-norm: build our block with pre_norm=True")
     want = OurFLASH if kind == "flash" else OurGAU
     if type(mixer) is not want:
         raise TypeError(f"their {type(theirs).__name__} maps onto our {want.__name__}, got {type(mixer).__name__}")

@@ -27,7 +27,11 @@ def build_bench_model(preset: str, seq_len: int, vocab_size: int | None, overrid
     if preset.startswith("peer:"):
         from .peers import build_peer_model
 
-        return build_peer_model(preset[5:], seq_len=seq_len, vocab_size=vocab_size, **overrides)
+        model = build_peer_model(preset[5:], seq_len=seq_len, vocab_size=vocab_size, **overrides)
+        if not model.config.peer_args.get("causal", True):  # (had been timed as a causal LM)
+            raise ValueError(f"{preset} as asked ({overrides}) is bidirectional: bench train/infer measure causal "
+                             "LM steps; match an -lm preset")
+        return model
     from ..presets import build_model
 
     kw = {"dropout": 0.0, "max_position_embeddings": max(seq_len, 512), **overrides}
