@@ -486,6 +486,24 @@ def test_cosformer_max_len_must_be_positive():
         cosformer_attn(q, q, q, causal=True, positions=torch.arange(4)[None], max_len=0)
 
 
+def test_cosformer_row_lengths_with_an_empty_row():
+    """max_len as row lengths (mask.sum(1)) with an all-padding row: M = 0 made that row's angles NaN,
+    and the NaN reached the shared projection's gradient even with the row masked out of the loss."""
+    from transnormer.ops.linear_baselines import cosformer_attn
+
+    torch.manual_seed(0)
+    x, W = torch.randn(2, 5, 4, dtype=torch.float64), torch.nn.Linear(4, 4).double()
+    mask = torch.tensor([[False] * 5, [True] * 5])
+    q = W(x).view(2, 5, 1, 4)
+    o = cosformer_attn(q, q, q, torch.arange(5).expand(2, 5), mask.sum(1), causal=False, key_padding_mask=mask)
+    (o * mask[:, :, None, None]).sum().backward()
+    assert torch.isfinite(o).all() and torch.isfinite(W.weight.grad).all()
+    alone = cosformer_attn(q[1:], q[1:], q[1:], torch.arange(5)[None], 5, causal=False)
+    assert rel_err(o[1:], alone) < 1e-12
+    with pytest.raises(ValueError, match="max_len must be >= 1 in every row with tokens, got 0.5 in row 1"):
+        cosformer_attn(q, q, q, torch.zeros(2, 5), torch.tensor([5.0, 0.5]), causal=False)
+
+
 def _x(*shape):
     return torch.randn(*shape)
 

@@ -161,6 +161,24 @@ def test_lrpe_one_token_of_several_sequences(backend_mode, layout, dtype):
     assert rel_err(y.double(), ref) < tol and rel_err(gx.double(), gref) < tol
 
 
+@pytest.mark.parametrize("form", ["fp64", "silu", "fp32"])
+def test_lrpe_cos_and_sin_of_different_batch(form, backend_mode):
+    """cos [B, T, D/2] beside sin [1, T, D/2] passes the checks (each is "[B or 1, ...]"); the fused
+    kernel and the reference took it, the PyTorch form failed in torch.stack."""
+    dtype = torch.float64 if form == "fp64" else torch.float32
+    kernel = "silu" if form == "silu" else "identity"
+    x = torch.randn(2, 4, 1, 6, dtype=dtype, requires_grad=True)
+    ang = torch.randn(2, 4, 3, dtype=dtype)
+    cos, sin = ang.cos().requires_grad_(), ang[:1].sin().requires_grad_()
+    backend_mode("torch")
+    y = lrpe_feature_map(x, cos, sin, kernel=kernel)
+    ref = lrpe_feature_map_reference(x, cos, sin, kernel=kernel)
+    assert rel_err(y, ref) < 1e-6
+    g = torch.autograd.grad(y.square().sum(), (x, cos, sin))
+    gref = torch.autograd.grad(ref.square().sum(), (x, cos, sin))
+    assert all(a.shape == b.shape and rel_err(a, b) < 1e-6 for a, b in zip(g, gref, strict=True))
+
+
 def test_lrpe_bad_shapes():
     x = torch.randn(1, 5, 2, 8)
     c = torch.randn(1, 5, 4)

@@ -245,10 +245,12 @@ def favor_features(x: torch.Tensor, proj: torch.Tensor, *, is_query: bool) -> to
 # cosFormer
 # ----------------------------------------------------------------------------------------------
 def cosformer_angles(positions: torch.Tensor, max_len) -> torch.Tensor:
-    """θ_p = π/2 · p / M. positions [B, T] (real-token positions); M a number or [B] tensor."""
+    """θ_p = π/2 · p / M. positions [B, T] (real-token positions); M a number or [B] tensor (a row
+    of no tokens, length 0, is given M = 1: its angles are never read, and 0 made them NaN, whose
+    gradient reached the shared projections)."""
     M = torch.as_tensor(max_len, device=positions.device, dtype=torch.float64)
     if M.dim() == 1:
-        M = M[:, None]
+        M = M.clamp_min(1)[:, None]
     return (positions.to(torch.float64) * (math.pi / 2) / M)
 
 
@@ -319,6 +321,13 @@ def cosformer_attn(
     if not isinstance(max_len, torch.Tensor) and not max_len >= 1:  # M = 0 made every weight NaN
         raise ValueError(f"max_len must be >= 1 (or a [B] tensor of row lengths), got {max_len!r}")
     check_cosformer_positions(positions, max_len, mask, q.shape[0], q.shape[1])
+    if isinstance(max_len, torch.Tensor) and max_len.dim() == 1 and max_len.numel():
+        # a row with tokens needs M >= 1, as a number does; a row of padding alone may say 0
+        real = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device) if mask is None else mask
+        bad = (real.any(1) & ~(max_len.to(torch.float64) >= 1)).nonzero()
+        if len(bad):
+            r = int(bad[0, 0])
+            raise ValueError(f"max_len must be >= 1 in every row with tokens, got {float(max_len[r]):g} in row {r}")
     qf = cosformer_features(q, positions, max_len)
     kf = cosformer_features(k, positions, max_len)
     o, _ = kernel_linear_attn(qf, kf, v, causal=causal, eps=eps, chunk_size=chunk_size,

@@ -73,6 +73,7 @@ class _FusedLRPE(torch.autograd.Function):
 
 
 def _torch_form(x, cos, sin, u, scale, kernel):
+    cos, sin = torch.broadcast_tensors(cos, sin)  # each [B or 1, T, D/2]: [B, ...] beside [1, ...] had failed here
     x = FEATURE_KERNELS[kernel](x)
     e = x.shape[-1]
     cs = torch.stack((torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)), -2)
