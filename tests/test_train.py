@@ -1317,6 +1317,25 @@ def test_fsdp_resume_keeps_each_ranks_batch_norm_statistics(corpus_dir, tmp_path
     assert any(kind == "eval" for kind, _, _ in full) and full == part
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_rank_evaluation_scores_the_model_it_saves(corpus_dir, tmp_path, strategy):
+    """Without synced batch norm each rank evaluated its share with its own running statistics, so
+    the run's eval record (5.663) was no one model's: `eval` of the checkpoint it saved gave 5.656."""
+    import json
+
+    c = cfg_for(corpus_dir, tmp_path, task="mlm", preset="t2-roberta-tiny", batch_size=2, max_steps=3,
+                eval_every=0, strategy=strategy, out_dir=str(tmp_path / "bn"))
+    c.overrides = {**c.overrides, "norm_type": "batch"}
+    res = tmp_path / "eval.json"
+    run_runs_on_two_ranks(tmp_path, [("train", c), (
+        "cli", ["eval", "--model", c.out_dir, "--task", "mlm", "--data", c.data, "--seq-len", "32", "--batch-size", "2",
+                "--max-batches", "2", "--cache-dir", c.cache_dir, "--out", str(res)])])
+    logged = json.loads((tmp_path / "bn" / "summary.json").read_text())["eval"]
+    scored = json.loads(res.read_text())
+    assert logged["eval_tokens"] == scored["eval_tokens"]
+    assert abs(logged["loss"] - scored["loss"]) < 1e-6
+
+
 def test_ddp_resume_is_exact_when_ranks_draw_different_amounts(tmp_path):
     """cls pads each rank's batch to its own longest example, so dropout draws a different number
     of random numbers per rank: a resume that gave every rank rank 0's saved generators drifted

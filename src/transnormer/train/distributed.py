@@ -199,6 +199,16 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+@torch.no_grad()
+def broadcast_buffers(model: nn.Module, names, info: DistInfo) -> None:
+    """Give every rank rank 0's buffers named in ``names`` (in place; nothing in one process)."""
+    if not info.enabled:
+        return
+    for name, buf in model.named_buffers():
+        if name in names:
+            dist.broadcast(buf, src=0)
+
+
 def gather_objects(obj, info: DistInfo) -> list:
     """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` in one process."""
     if not info.enabled:

@@ -44,6 +44,7 @@ from .checkpoint import (
 from .distributed import (
     DistInfo,
     all_reduce_sum,
+    broadcast_buffers,
     check_strategy,
     cleanup,
     full_state,
@@ -806,7 +807,14 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
         log(f"{cfg.data} has no validation split: evaluating on its {data.eval_split} split")
 
     def evaluate(split=data.eval_split):  # the task's split: a cls dataset may have no dev file
+        # Without synced batch norm each rank's running statistics are its own batches' (FSDP never
+        # aligns them, DDP at its next training forward), and each rank scored its share of the split
+        # with them: a result of no one model. Evaluate rank 0's, which the checkpoint holds, and give
+        # each rank its own back for training.
+        own = running_statistics(unwrap(model)) if info.enabled else {}
+        broadcast_buffers(unwrap(model), own, info)
         res = data.evaluate(unwrap(model), split, cfg.eval_batches)
+        load_running_statistics(unwrap(model), own)
         metrics.log({"kind": "eval", "step": step, "split": split, "tokens": tokens_seen, "elapsed": elapsed, **res})
         return res
 
