@@ -282,6 +282,13 @@ def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
                  "--header", "no", "--drop-label", "-"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["n"] == summary["eval"]["n"] and "cls: truncated" in captured.err
+    # without the flags, eval reads the run's data as the run did (it had kept the "-" rows, labels
+    # the model does not have, and guessed the header)
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(tmp_path), "--seq-len", "12",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["n"] == summary["eval"]["n"] and res["loss"] == pytest.approx(summary["eval"]["loss"], rel=1e-6)
+    assert res["read"] == {"text_column": 0, "label_column": 1, "has_header": False, "drop_labels": ["-"]}
     # the note names --no-truncate, which eval did not have; and another --tokenizer had been taken
     argv = ["eval", "--task", "cls", "--model", str(out), "--data", str(tmp_path), "--seq-len", "12", "--cache-dir",
             str(tmp_path / "cache"), "--text-column", "0", "--label-column", "1", "--header", "no", "--drop-label", "-"]

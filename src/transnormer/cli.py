@@ -316,16 +316,17 @@ def _same_data(a: str, b: str) -> bool:
         return False
 
 
-def _run_data_seed(model_dir: Path, data: str) -> int:
-    """The seed the model's run split ``data`` with (0, the default, when it was trained on other data
-    or nothing records it): the valid/test documents carved out of train depend on it, and eval had
-    split with seed 0 whatever the run had used, scoring a ``data_seed=3`` run on its training text."""
+def _run_config_for(model_dir: Path, data: str) -> dict:
+    """The training config the model's run recorded, when it trained on ``data``; else {}. eval reads
+    ``data`` as the run did from it: the seed that carved valid/test out of train (eval had split
+    with seed 0, scoring a ``data_seed=3`` run on its training text) and a classifier's columns and
+    reading options (a model trained on one column of a pair file had been scored on both)."""
     from .train.checkpoint import saved_train_configs
 
     for cfg, _ in saved_train_configs(model_dir)[:1]:
         if _same_data(str(cfg.get("data", "")), data):
-            return int(cfg.get("data_seed") or 0)
-    return 0
+            return cfg
+    return {}
 
 
 def cmd_eval(args) -> int:
@@ -340,7 +341,11 @@ def cmd_eval(args) -> int:
     read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
     _check_head_for(args.task, model_dir)
-    data_seed = _run_data_seed(model_dir, args.data)
+    run = _run_config_for(model_dir, args.data)
+    data_seed = int(run.get("data_seed") or 0)
+    if args.task == "cls" and run.get("task") == "cls":  # the flags given override the run's
+        read = {**(run.get("cls_read_kwargs") or {}), **read}
+        args.no_truncate = args.no_truncate or bool(run.get("no_truncate"))
     # no --tokenizer: the model's own, in <model>/tokenizer or beside its weights (tasks.get_tokenizer)
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
                       data_seed=data_seed, seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
@@ -360,7 +365,8 @@ def cmd_eval(args) -> int:
         model = model.to(info.device)
         res = data.evaluate(model, args.split, args.max_batches)
     cleanup(info)
-    res = {"model": str(model_dir), "data": args.data, "data_seed": data_seed, "split": args.split, "task": args.task,
+    res = {"model": str(model_dir), "data": args.data, "data_seed": data_seed, **({"read": read} if read else {}),
+           "split": args.split, "task": args.task,
            "seq_len": args.seq_len, "stride": args.stride, "max_batches": args.max_batches,
            "world_size": info.world_size, **res}
     if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it
