@@ -71,6 +71,9 @@ def test_list_of_examples_is_padded_and_padding_never_masked():
     assert (out["input_ids"][pad_positions] == PAD).all() and (out["labels"][pad_positions] == -100).all()
     # With p=1 every real non-special token is selected.
     assert (out["labels"] != -100).sum().item() == 3 + 50 + 20
+    with pytest.raises(ValueError, match="input_ids has length 20 > max_length=16"):  # a ready batch had passed
+        _collator(max_length=16)({"input_ids": torch.full((2, 20), 7)})
+    assert _collator(max_length=16)({"input_ids": torch.full((2, 10), 7)})["input_ids"].shape == (2, 10)
     padded = _collator(max_length=64)(examples)
     assert padded["input_ids"].shape == (3, 64)
 

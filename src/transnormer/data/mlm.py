@@ -149,7 +149,8 @@ class MLMCollator:
         special_ids: ids never selected (pad/bos/eos/unk/mask are typical).
         mlm_probability, mask_fraction, random_fraction: see the module docstring.
         seed: seed of the collator's ``torch.Generator``.
-        max_length: pad every batch to this length (default: longest in batch).
+        max_length: pad a list of examples to this length (default: its longest); a longer example, or
+            a ready batch dict longer than this, is refused (a batch dict is masked as it comes).
 
     Call with a list of examples ``{"input_ids": list|tensor, ...}`` (padded on the right with ``pad_id``)
     or with a batch dict holding ``input_ids [B, T]`` (e.g. from :class:`~transnormer.data.lm.LMBatchIterator`).
@@ -227,6 +228,8 @@ class MLMCollator:
             if "input_ids" not in batch:
                 raise ValueError("batch: a batch dict needs 'input_ids'")
             input_ids = as_ids("input_ids", batch["input_ids"])
+            if self.max_length is not None and input_ids.shape[-1] > self.max_length:  # (had passed silently)
+                raise ValueError(f"batch: input_ids has length {input_ids.shape[-1]} > max_length={self.max_length}")
             attention_mask = batch.get("attention_mask")
             if attention_mask is not None:
                 attention_mask = as_ids("attention_mask", attention_mask, allow_bool=True)

@@ -1,7 +1,10 @@
 """Turn a ``--data`` spec into step-indexed training batches and an evaluation function, per task.
 
     clm: corpus → BPE tokenizer → token cache → contiguous windows (labels = inputs; the model shifts)
-    mlm: the same windows, then 15% BERT masking drawn from a generator seeded by (seed, step, rank)
+    mlm: whole-sentence blocks (<s> first, padded; ``mlm_packing="contiguous"``: the clm windows), each
+         row masked 15% (80/10/10) from a generator seeded by (seed, optimizer step, the row's index in
+         the global batch): the same masks on any number of ranks; evaluation rows by their index in
+         the split, under one seed for every run (``EVAL_MASK_SEED``)
     cls: TSV/CSV/JSONL files (GLUE layout) → tokenized examples → padded batches
 
 Every batch source has ``__next__``, ``state_dict()`` and ``load_state_dict()``, and batch k is a
@@ -27,6 +30,9 @@ from ..data.token_cache import build_token_cache
 from ..data.tokenizer import build_tokenizer
 from .distributed import DistInfo, all_reduce_sum, forwards_in_step, forwards_to_match, main_first
 from .evaluate import evaluate_classifier
+
+# The seed of the MLM evaluation masks, whatever the training seed (it had been seed + 1_000_003).
+EVAL_MASK_SEED = 1_000_003
 
 CLS_SPLIT_NAMES = {"train": ("train",), "valid": ("dev", "valid", "validation", "val", "dev_matched"),
                    "test": ("test", "test_matched")}
@@ -295,7 +301,9 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                     return eval_batches(_split_tokens(cfg, tokens, split, "evaluation"), cfg.seq_len, cfg.batch_size,
                                         rank=info.rank, world_size=info.world_size, with_index=True)
             train = MLMBatches(source, tok, cfg.seed, info.rank, info.world_size, cfg.grad_accum)
-            masker = MLMBatches(source, tok, cfg.seed + 1_000_003, info.rank)
+            # the evaluation's masks do not follow the training seed: runs of a seed sweep, and eval
+            # (which has no --seed) of any of them, score the same masked positions (seed 0's, as before)
+            masker = MLMBatches(source, tok, EVAL_MASK_SEED, info.rank)
 
             def evaluate(model, split="valid", max_batches=None):
                 # each row masked by its index in the split: the same masks on any number of ranks
