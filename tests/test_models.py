@@ -471,6 +471,10 @@ def test_classification_labels_are_checked():
     assert torch.equal(cls(x, labels=torch.tensor([2, 0])).loss, cls(x, labels=torch.tensor([[2], [0]])).loss)
     with pytest.raises(ValueError, match="single-label labels"):
         cls(x, labels=torch.tensor([2, 0, 1]))
+    for bad in (3, -1):  # had been an IndexError from cross_entropy (a device assert on CUDA)
+        with pytest.raises(ValueError, match=rf"class indices in \[0, num_labels=3\) or -100 \(not scored\), got {bad}"):
+            cls(x, labels=torch.tensor([0, bad]))
+    assert torch.equal(cls(x, labels=torch.tensor([-100, 0])).loss, cls(x[1:], labels=torch.tensor([0])).loss)
     # the inferred problem type is kept in the config (HF's heads do so; pipelines read it)
     assert reg.config.problem_type == "regression" and cls.config.problem_type == "single_label_classification"
     cls.config.problem_type = None

@@ -820,7 +820,12 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type
         if labels.numel() != B or labels.is_floating_point() and not bool((labels == labels.round()).all()):
             raise ValueError(f"single-label labels must be [B] = [{B}] class indices, got {tuple(labels.shape)} "
                              f"{labels.dtype}")
-        return F.cross_entropy(_loss_dtype(logits), labels.reshape(B).long())
+        targets = labels.reshape(B).long()
+        bad = (targets != -100) & ((targets < 0) | (targets >= C))
+        if targets.device.type != "meta" and bool(bad.any()):  # (had been an IndexError from the loss)
+            raise ValueError(f"single-label labels must be class indices in [0, num_labels={C}) or -100 (not "
+                             f"scored), got {int(targets[bad][0])}")
+        return F.cross_entropy(_loss_dtype(logits), targets)
     if problem_type == "multi_label_classification":
         if tuple(labels.shape) != (B, C):
             raise ValueError(f"multi-label labels must be [B, num_labels] = [{B}, {C}], got {tuple(labels.shape)}")
