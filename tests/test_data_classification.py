@@ -300,6 +300,39 @@ def test_headerless_first_row_with_a_known_name_is_data(tmp_path):
     assert [(r.text, r.label) for r in named] == [("an example", "1")]
 
 
+@pytest.mark.parametrize("suffix,sep", [(".tsv", "\t"), (".csv", ",")])
+def test_an_unknown_header_is_not_read_as_an_example(tmp_path, suffix, sep):
+    # "tweet<TAB>sentiment" names no known column: it was example 1, and "sentiment" a third class
+    text = sep.join(("tweet", "sentiment")) + "\n" + "".join(
+        f"{t}{sep}{y}\n" for t, y in (("great day", 1), ("awful day", 0), ("nice one", 1)))
+    path = _write(tmp_path / f"tw{suffix}", text)
+    with pytest.raises(ValueError, match=r"line 1: label 'sentiment' looks like a column name .*--header yes/no"):
+        read_classification_file(path, text_column=0, label_column=1)
+    assert [e.label for e in read_classification_file(path, text_column=0, label_column=1, has_header=False)] == \
+        ["sentiment", "1", "0", "1"]  # as told
+    named = read_classification_file(path, text_column="tweet", label_column="sentiment")  # names: a header
+    assert [e.label for e in named] == ["1", "0", "1"]
+    words = _write(tmp_path / f"w{suffix}", text.replace(f"{sep}1\n", f"{sep}pos\n").replace(f"{sep}0\n", f"{sep}neg\n"))
+    assert len(read_classification_file(words, text_column=0, label_column=1)) == 4  # word labels: no telling
+
+
+def test_training_rows_need_labels_whatever_the_file_is_called(tmp_path):
+    """A training file named like sst_test.tsv made labels optional: an empty label passed loading and
+    failed steps later ("some items have labels and some do not"), naming no file."""
+    import contextlib
+
+    from transnormer.train.distributed import DistInfo
+    from transnormer.train.loop import TrainConfig
+    from transnormer.train.tasks import build_task_data
+
+    rows = "".join(f"word{i} other{i % 3}\t{i % 2}\n" for i in range(30))
+    path = _write(tmp_path / "sst_test.tsv", "sentence\tlabel\n" + rows + "an unlabelled row\t\n")
+    cfg = TrainConfig(task="cls", data=str(path), vocab_size=300, seq_len=16, max_steps=1,
+                      cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"sst_test.tsv', line 32: empty label in column 'label'"):
+        build_task_data(cfg, DistInfo(), contextlib.nullcontext)
+
+
 def test_cli_words_in_the_reading_errors(tmp_path):
     # the messages had named Python arguments (skip_bad_rows=True, truncate=True) a CLI user cannot pass
     path = _write(tmp_path / "bad.tsv", "sentence\tlabel\na b\t1\nc\td\t0\n")

@@ -362,6 +362,7 @@ def read_classification_file(
     else:
         labels_by_default = False
 
+    header_guessed = has_header is None and fmt != "jsonl"
     if fmt == "jsonl":
         records = _records_json(path, text)
         keys: list[str] = []
@@ -456,7 +457,21 @@ def read_classification_file(
         examples.append(ClassificationExample(texts[0], texts[1], label, src, lineno))
     if not examples:
         raise ValueError(f"{src!r}: no examples left to read")
+    if header_guessed and not has_header:
+        _refuse_header_read_as_example(examples, src)
     return examples
+
+
+def _refuse_header_read_as_example(examples: list[ClassificationExample], src: str) -> None:
+    """A header of names the detection does not know (``tweet<TAB>sentiment``) was read as an example,
+    and its label ("sentiment") trained as one more class. Refused where that is plain: the first
+    row's label is a word found in no other row, and every other label is a number."""
+    first, rest = examples[0], [ex.label for ex in examples[1:] if ex.label is not None]
+    number = re.compile(r"[-+]?\d+(?:\.\d*)?")
+    if (first.line == 1 and first.label is not None and rest and not number.fullmatch(first.label)
+            and first.label not in rest and all(number.fullmatch(label) for label in rest)):
+        raise ValueError(f"{src!r}, line 1: label {first.label!r} looks like a column name (every other label is a "
+                         "number); say whether the file has a header: has_header=True/False (--header yes/no)")
 
 
 # ------------------------------------------------------------------------------------------------ encoding

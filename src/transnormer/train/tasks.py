@@ -325,7 +325,10 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                      for ex in read_classification_file(files["train"], **cfg.cls_read_kwargs)]
             tok = get_tokenizer(cfg, Corpus(name=str(files["train"]), splits={"train": texts}), info)
         read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
-        datasets, labels = load_classification_splits({k: v for k, v in files.items() if k != "test"}, tok, **read)
+        # training and validation rows need labels, whatever the file is called (a training file named
+        # like sst_test.tsv had taken an empty label as "unlabelled", and failed steps later, unnamed)
+        datasets, labels = load_classification_splits({k: v for k, v in files.items() if k != "test"}, tok,
+                                                      **{"require_labels": True, **read})
         if len(labels.names) < 2:  # one output would read as regression (HF's rule): MSE towards index 0
             raise ValueError(f"{files['train']}: every training example has the label {labels.names[0]!r}; a "
                              "classifier needs at least two classes")
