@@ -913,6 +913,20 @@ def test_a_resume_drops_the_interrupted_steps_record_off_the_log_grid(tmp_path):
     assert read_metrics(path) == [{"kind": "train", "step": s} for s in (1, 3, 4)]
 
 
+def test_resuming_a_spent_time_budget_keeps_its_last_record(corpus_dir, tmp_path):
+    """A time-budget run has no total_steps, so a resume took it for an interrupted one and dropped
+    its last step's record (off the log grid: every 1000th); nothing logged it again, and summary.json gave
+    an earlier step's loss as final_train_loss."""
+    cfg = cfg_for(corpus_dir, tmp_path, max_steps=None, budget="2s", log_every=1000, save_every=0, eval_every=0)
+    first = train(cfg)
+    assert first["steps"] > 1  # the last step off the grid
+    path = Path(cfg.out_dir) / "metrics.jsonl"
+    before = read_metrics(path)
+    again = train(replace(cfg, resume=True))
+    assert read_metrics(path) == before and again["final_train_loss"] == first["final_train_loss"]
+    assert [r["step"] for r in before if r["kind"] == "train"][-1] == first["steps"]
+
+
 def test_a_run_no_longer_than_its_warmup_says_so(corpus_dir, tmp_path, capsys):
     """A time budget too short for the warm-up said so; --max-steps (or a token budget) did not,
     and the rate then never reached --lr."""

@@ -114,7 +114,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
     p.add_argument("--grad-accum", type=int, default=d.grad_accum)
     p.add_argument("--max-steps", type=int, help="with --budget too, the run stops at whichever comes first")
     p.add_argument("--budget", help="tokens ('200k', '2M') or time ('90s', '5min'); with --max-steps too, the run "
-                   "stops at whichever comes first (the schedule then follows --max-steps)")
+                   "stops at whichever comes first (a token budget's schedule follows the smaller of the two, a "
+                   "time budget's follows --max-steps)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     p.add_argument("--warmup", type=int, default=d.warmup)

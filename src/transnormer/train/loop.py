@@ -730,7 +730,9 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
             # evaluation is made up below, and its record written again (an earlier resume from this
             # checkpoint, killed before its next, may have written it already).
             every = (state["config"].get("log_every", cfg.log_every), cfg.log_every)
-            finished = total_steps is not None and step >= total_steps
+            # (a spent time budget too: its run has no total_steps, and the record had been dropped)
+            finished = (total_steps is not None and step >= total_steps) or (
+                budget_kind == "seconds" and elapsed >= budget)
             off_grid = step != 1 and all(step % n for n in every)
             redo = ("train",) * (off_grid and not finished) + ("eval",) * eval_pending
             truncate_metrics(out / "metrics.jsonl", step, redo)
