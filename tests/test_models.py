@@ -657,6 +657,23 @@ def test_get_config_refuses_a_misspelt_field():
     assert get_config("t2-lm-tiny", hidden_size=64, pad_token_id=0).hidden_size == 64
 
 
+def test_layer_options_given_are_merged_into_the_presets():
+    """--set layer_options={"flash": {...}} had replaced the preset's options of that type: FLASH lost
+    its chunk size (32 → 256), linear-elu-noscale its denominator=False, flash-quad its normalizer."""
+    from transnormer.presets import get_config
+
+    flash = get_config("flash-lm-tiny").layer_options["flash"]
+    got = get_config("flash-lm-tiny", layer_options={"flash": {"normalizer": "chunk"}}).layer_options
+    assert got["flash"] == {**flash, "normalizer": "chunk"} and flash["chunk_size"] == 32
+    noscale = get_config("linear-elu-noscale-lm-tiny", layer_options={"linear_elu": {"eps": 1e-5}})
+    assert noscale.layer_options["linear_elu"] == {"denominator": False, "eps": 1e-5}
+    assert get_config("t2-lm-tiny", layer_options={"norm": {"impl": "torch"}}).layer_options == {"norm": {"impl": "torch"}}
+    lra = get_config("flash-lra-listops", hidden_size=64, layer_options={"flash": {"normalizer": "chunk"}})
+    assert lra.layer_options["flash"]["qk_dim"] == 64  # derived from the width as without layer_options
+    assert get_config("flash-lra-listops", hidden_size=64,
+                      layer_options={"flash": {"qk_dim": 32}}).layer_options["flash"]["qk_dim"] == 32
+
+
 def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():
     TransNormerConfig(norm_type="batch", causal=False).check()
     from transnormer.presets import get_config

@@ -99,7 +99,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
         p.add_argument("--config", dest="config_file", help="a config.json instead of a preset")
         p.add_argument("--init-from", help="pretrained model directory to fine-tune")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (JSON value), e.g. --set dropout=0.0")
+                   help="override a config field (JSON value), e.g. --set dropout=0.0; layer_options is merged "
+                        "into the preset's per layer type, e.g. --set 'layer_options={\"flash\": {\"normalizer\": \"chunk\"}}'")
     p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG][#COLUMN]")
     p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
     p.add_argument("--vocab-size", type=positive_int,

@@ -195,7 +195,8 @@ def _lra_widths(task: str):
         if "ffn_hidden_size" not in overrides and kwargs.get("ffn_hidden_size") is not None:
             kwargs["ffn_hidden_size"] = int(round(LRA_MODELS[task].ffn_ratio * d))
         flash = (kwargs.get("layer_options") or {}).get("flash")
-        if flash is not None and "layer_options" not in overrides:
+        given = (overrides.get("layer_options") or {}).get("flash") or {}
+        if flash is not None and "qk_dim" not in given:
             kwargs["layer_options"] = {**kwargs["layer_options"], "flash": {**flash, "qk_dim": min(128, d)}}
 
     return derive

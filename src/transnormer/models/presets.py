@@ -95,12 +95,20 @@ def _load_extra_presets() -> None:
 
 
 def get_config(name: str, **overrides) -> TransNormerConfig:
-    """The config of preset ``name`` with ``overrides`` applied."""
+    """The config of preset ``name`` with ``overrides`` applied. ``layer_options`` is merged into the
+    preset's, option by option for each layer type: ``{"flash": {"normalizer": "chunk"}}`` changes one
+    option of a FLASH preset, whose other options (its chunk size, qk_dim) had been dropped with it."""
     _check_name(name)
     # a misspelt field would be kept by PretrainedConfig as a loose attribute, and the preset built unchanged
     check_overrides(overrides, types=False, where=f"get_config({name!r})")
     kwargs = PRESETS[name][1]()
+    given = overrides.get("layer_options")
+    merged = {t: dict(o) for t, o in (kwargs.get("layer_options") or {}).items()}
     kwargs.update(overrides)
+    if isinstance(given, dict) and merged:
+        for t, o in given.items():
+            merged[t] = {**merged.get(t, {}), **o} if isinstance(o, dict) else o  # (not a dict: check() says)
+        kwargs["layer_options"] = merged
     if name in _DERIVE:
         _DERIVE[name](kwargs, overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in kwargs:
