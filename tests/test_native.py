@@ -106,6 +106,8 @@ class _FakeLib:
     def __init__(self, path):
         if Path(path).read_bytes() == b"garbage":
             raise OSError(f"{path}: invalid ELF header")
+        if Path(path).read_bytes() == b"class32":
+            raise OSError(f"{path}: wrong ELF class: ELFCLASS32")
         if Path(path).read_bytes() == b"newer":
             raise OSError(f"/lib/libstdc++.so.6: version `GLIBCXX_3.4.32' not found (required by {path})")
 
@@ -121,9 +123,61 @@ def test_a_build_without_the_fast_flags_says_why_at_every_load(monkeypatch, tmp_
     monkeypatch.setattr(_native.ctypes, "CDLL", _FakeLib)
     monkeypatch.setattr(_native, "_declare", lambda lib: None)
     for _ in range(2):
-        with pytest.warns(RuntimeWarning, match="without -fopenmp -march=native.*round_to"):
+        with pytest.warns(RuntimeWarning, match=r"without -march=native \(slower\).*round_to"):
             _native._open()
     assert len(list((tmp_path / "native").glob("kernels_*.so"))) == 1
+
+
+def test_a_build_without_one_flag_names_that_flag(monkeypatch, tmp_path):
+    # a compiler without OpenMP: the note had said "built without -fopenmp -march=native"
+    _fake_compiler(monkeypatch, fail_with="-fopenmp")
+    monkeypatch.setenv("TRANSNORMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(_native.ctypes, "CDLL", _FakeLib)
+    monkeypatch.setattr(_native, "_declare", lambda lib: None)
+    with pytest.warns(RuntimeWarning, match=r"built without -fopenmp \(slower\).*delete .*kernels_\w+\.so to build"):
+        _native._open()
+
+
+def test_a_killed_builders_temporary_files_are_removed(tmp_path):
+    # a builder killed by SIGKILL or timeout's SIGTERM (no finally runs) left tmp*.so and tmp*/ for good
+    import time
+
+    old_so, old_dir, fresh = tmp_path / "tmpa1.so", tmp_path / "tmpb2", tmp_path / "tmpc3.so"
+    old_so.write_bytes(b"")
+    (old_dir / "x.o").parent.mkdir()
+    (old_dir / "x.o").write_bytes(b"o")
+    fresh.write_bytes(b"")  # another build's, under way
+    keep = tmp_path / "kernels_0123.so"
+    keep.write_bytes(b"lib")
+    hour_ago = time.time() - 2 * _native._ORPHAN_AGE_S
+    for f in (old_so, old_dir, keep):
+        os.utime(f, (hour_ago, hour_ago))
+    _native._remove_orphans(tmp_path)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["kernels_0123.so", "tmpc3.so"]
+
+
+def test_an_interrupted_build_is_tried_again(monkeypatch):
+    # a Ctrl-C during the first-use build had turned the kernels off for the rest of the process
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native, "_error", None)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_native, "_open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _native.load()
+    lib = object()
+    monkeypatch.setattr(_native, "_open", lambda: lib)
+    assert _native.load() is lib
+
+
+def test_the_kernel_cache_expands_a_home_tilde(monkeypatch, tmp_path):
+    # TRANSNORMER_CACHE='~/c' (a quoted value, a Docker ENV) had built the kernels in ./~/c/native
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TRANSNORMER_CACHE", "~/c")
+    assert _native._cache_dir() == tmp_path / "c" / "native"
 
 
 def _fake_library_builds(monkeypatch, tmp_path) -> list:
@@ -147,12 +201,15 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
     path.write_bytes(b"garbage")
     _native._open()
     assert built == [path, path] and path.read_bytes() == b"ok"
+    path.write_bytes(b"class32")  # a damaged header in other words (it had stayed, the kernels off for good)
+    _native._open()
+    assert built == [path] * 3 and path.read_bytes() == b"ok"
     # a library this machine's libstdc++ is too old for: a rebuild would not help (every rank would
     # delete and build it in turn), so the error stands and the file stays
     path.write_bytes(b"newer")
     with pytest.raises(OSError, match="GLIBCXX"):
         _native._open()
-    assert len(built) == 2 and path.read_bytes() == b"newer"
+    assert len(built) == 3 and path.read_bytes() == b"newer"
 
 
 def test_a_library_cut_short_is_built_again_not_loaded(tmp_path):

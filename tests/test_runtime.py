@@ -35,6 +35,41 @@ def _pid_and(x, *, y=0):
     return os.getpid(), x + y, runtime._done  # _done: None until tune_allocator has run
 
 
+def _threads():
+    return torch.get_num_threads()
+
+
+def _unpicklable():
+    return lambda: None
+
+
+class _NeedsTwo(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")  # (its args are one string: unpickling calls _NeedsTwo(str))
+
+
+def _raise_needs_two():
+    raise _NeedsTwo(1, 2)
+
+
+def test_call_in_fresh_process_keeps_the_threads_and_says_what_could_not_come_back():
+    """The child had every core whatever the parent's threads (TRANSNORMER_THREADS did not reach
+    compare's runs); an error that cannot be unpickled raised the unpickling error in its place, and
+    an unpicklable result came back as its repr alone."""
+    from transnormer.runtime import call_in_fresh_process
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert call_in_fresh_process(_threads) == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match=r"_raise_needs_two could not send back its error \(_NeedsTwo: 1 and 2\)"):
+        call_in_fresh_process(_raise_needs_two)
+    with pytest.raises(RuntimeError, match=r"_unpicklable could not send back its result: \w+Error"):
+        call_in_fresh_process(_unpicklable)
+
+
 def _semaphores() -> int:
     return len([f for f in os.listdir("/dev/shm") if f.startswith("sem.")]) if os.path.isdir("/dev/shm") else 0
 

@@ -103,19 +103,28 @@ def build_cpu_kernels() -> bool:
     return _native.load() is not None
 
 
-def _fresh_process_main(conn, fn, args, kwargs) -> None:
+def _fresh_process_main(conn, fn, args, kwargs, threads: int | None = None) -> None:
     """The child's side of :func:`call_in_fresh_process`: sends (True, result) or (False, error, traceback)."""
+    import pickle
     import traceback
 
     tune_allocator()
+    if threads:  # the parent's (TRANSNORMER_THREADS, or its own choice): a spawned child had every core
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         msg = (True, fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
         msg = (False, e, traceback.format_exc())
+    try:  # what the parent could not unpickle had raised there in the child error's place
+        pickle.loads(pickle.dumps(msg))
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result or error: send its text
+        what = "its result" if msg[0] else f"its error ({type(msg[1]).__name__}: {msg[1]})"
+        msg = (False, RuntimeError(f"{getattr(fn, '__name__', fn)} could not send back {what}: "
+                                   f"{type(exc).__name__}: {exc}"), msg[2] if len(msg) > 2 else "")
     try:
         conn.send(msg)
-    except Exception:  # an unpicklable result or error: send its text
-        conn.send((False, RuntimeError(repr(msg[1])), msg[2] if len(msg) > 2 else ""))
     finally:
         conn.close()
 
@@ -137,7 +146,8 @@ def call_in_fresh_process(fn, *args, **kwargs):
 
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_fresh_process_main, args=(send, fn, args, kwargs), daemon=True)
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+    proc = ctx.Process(target=_fresh_process_main, args=(send, fn, args, kwargs, threads), daemon=True)
     proc.start()
     send.close()  # the child holds the only writer: EOF on recv means it is gone
     msg = None

@@ -105,17 +105,16 @@ def _cap_address_space(max_mem_gb: float) -> None:
 def _measure(preset: str, seq_len: int, dtype: str, tokens_per_step: int, vocab_size: int | None, steps: int,
              threads: int | None, overrides: dict, mode: str = "train", max_mem_gb: float | None = None) -> dict:
 
-    import os
-
     import torch
 
+    from ..runtime import threads_from_env
     from .timing import peak_rss_mb
 
     if max_mem_gb is not None and not torch.cuda.is_available():
         import transformers  # noqa: F401  (libraries are mapped before the cap: it is for the model and its step)
 
         _cap_address_space(max_mem_gb)
-    threads = threads or int(os.environ.get("TRANSNORMER_THREADS", 0))  # `bench --threads` sets it for children
+    threads = threads or threads_from_env()  # `bench --threads` sets it for children
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -70,8 +70,8 @@ _mode = "auto"  # "auto": native when available; "torch": never; "native": requi
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TRANSNORMER_CACHE")
-    return Path(root) / "native" if root else Path.home() / ".cache" / "transnormer" / "native"
+    root = os.environ.get("TRANSNORMER_CACHE")  # (~ expanded, as the data caches do: it had built in ./~/)
+    return Path(root).expanduser() / "native" if root else Path.home() / ".cache" / "transnormer" / "native"
 
 
 class CpuInfo(NamedTuple):
@@ -150,6 +150,28 @@ def _fallback_note(lib: Path) -> Path:
     return lib.with_suffix(".fallback")
 
 
+_ORPHAN_AGE_S = 3600.0  # a build takes minutes: a temporary file this old is a killed builder's
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Remove the temporary library and object folder a builder killed by a signal (SIGKILL, or the
+    SIGTERM of `timeout`: no finally runs) left in the cache; they had stayed there for good."""
+    import shutil
+    import time
+
+    now = time.time()
+    for f in folder.glob("tmp*"):
+        try:
+            if now - f.stat().st_mtime < _ORPHAN_AGE_S:
+                continue
+            if f.is_dir():
+                shutil.rmtree(f, ignore_errors=True)
+            elif f.suffix == ".so":
+                f.unlink()
+        except OSError:  # (another process's, or gone already)
+            pass
+
+
 def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """Build the library at ``out``. With ``extra_flags`` (a variant build) only builds for this
     CPU (-march=native) plus those are tried: a failure raises rather than falling back to a
@@ -159,6 +181,7 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -181,8 +204,9 @@ def _compile(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
         note = _fallback_note(out)
         if first_error is not None and not extra_flags:  # a portable build runs, slowly: say why, at every load
             lines = [ln for ln in first_error.splitlines() if "error" in ln] or first_error.splitlines()
-            note.write_text(f"the CPU kernels ({out.name}) were built without {' '.join(_FLAGS_TRIED_FIRST)} "
-                            f"(slower): {lines[0] if lines else 'compiler failed'}; delete it to build again")
+            missing = [f for f in _FLAGS_TRIED_FIRST if f not in extra]  # (all had been named, whichever failed)
+            note.write_text(f"the CPU kernels ({out.name}) were built without {' '.join(missing)} (slower): "
+                            f"{lines[0] if lines else 'compiler failed'}; delete {out} to build them again")
         else:
             note.unlink(missing_ok=True)
         # mkstemp made the file 0600 (the compiler adds only x bits): other users of a shared cache
@@ -276,9 +300,10 @@ def _build_lock(lib: Path):
             os.close(fd)  # (releases the lock)
 
 
-# dlopen's words for a file that is not a whole library: building it again can help. Other load
-# errors (a libstdc++ older than the one it was built against) raise: a rebuild would not.
-_DAMAGED = ("invalid ELF header", "file too short", "cannot open shared object file")
+# dlopen's words for a file that is not a whole library (cut short, or its header damaged: "invalid
+# ELF header", "wrong ELF class", "ELF file version does not match"): building it again can help.
+# Other load errors (a libstdc++ older than the one it was built against) raise: a rebuild would not.
+_DAMAGED = ("ELF", "file too short", "cannot open shared object file", "no loadable segments")
 
 
 def _elf_cut_short(path: Path) -> bool:
@@ -311,7 +336,8 @@ def _load_cached(path: Path) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
-        if not any(word in str(exc) for word in _DAMAGED):
+        said = str(exc).replace(str(path), "")  # (its words, not the path's: a folder may be called ELF)
+        if not any(word in said for word in _DAMAGED):
             raise
         path.unlink(missing_ok=True)
         return None
@@ -379,6 +405,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        interrupted = False
         try:
             if disabled:
                 _error = "disabled by TRANSNORMER_NATIVE=0"
@@ -387,8 +414,11 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError) as exc:
             _error = str(exc)
             warnings.warn(f"transnormer: fused CPU kernel unavailable, using the PyTorch form ({exc})", stacklevel=2)
+        except KeyboardInterrupt:  # a Ctrl-C during the build: the next call builds (it had turned the
+            interrupted = True  # kernels off for the rest of the process, without a word)
+            raise
         finally:  # only now (a thread on the unlocked fast path must not read _lib mid-build), and
-            _tried = True  # also after a warning raised as an error: not a new build at every call
+            _tried = not interrupted  # also after a warning raised as an error: not a new build at every call
         return _lib
 
 
