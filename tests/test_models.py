@@ -628,6 +628,10 @@ def test_an_encoder_loaded_as_masked_lm_gets_an_initialised_head(tmp_path, initi
     ("initializer_range", "0.02", "initializer_range must be a finite number >= 0"),
     ("abs_pos_scale", 0.0, "abs_pos_scale must be None"),
     ("abs_pos_scale", 1.0, "abs_pos_scale sets scaled_sinusoid's"),  # with the default abs_pos: scales nothing
+    # a list had failed in a membership test ("unhashable type: 'list'"), naming no field
+    ("variant", ["t1"], "variant must be a string, got list"),
+    ("ffn_act", ["silu"], "ffn_act must be a string, got list"),
+    ("norm_kernel", 3, "norm_kernel must be a string, got int"),
 ])
 def test_config_values_are_checked(field, value, match, tmp_path):
     # these used to fail deep inside a layer, or (a truthy string, a misspelt type) be accepted
@@ -635,6 +639,24 @@ def test_config_values_are_checked(field, value, match, tmp_path):
         TransNormerConfig(**{field: value}).check()
     with pytest.raises((ValueError, TypeError), match=match):  # save_pretrained had written them
         TransNormerConfig(**{field: value}).save_pretrained(tmp_path)
+
+
+def test_layer_types_must_be_a_list_of_names():
+    # a string had been split into characters (layer_types='nn' → ['n', 'n']); a nested list unhashable
+    with pytest.raises(TypeError, match="layer_types must be a list of layer type names, got the string 'nn'"):
+        TransNormerConfig(layer_types="nn", num_hidden_layers=2)
+    with pytest.raises(TypeError, match=r"layer_types must hold layer type names, got \['diag'\]"):
+        TransNormerConfig(layer_types=[["diag"], "norm"], num_hidden_layers=2).check()
+
+
+def test_heads_divide_the_width_only_where_layers_have_heads():
+    # a FLASH stack has one head of its own: hidden_size=98 had been refused for 4 heads it never uses
+    from transnormer.presets import build_model
+
+    model = build_model("flash-lm-tiny", hidden_size=96 + 2, vocab_size=50)
+    assert model(torch.randint(3, 50, (1, 9))).logits.shape == (1, 9, 50)
+    with pytest.raises(ValueError, match=r"hidden_size \(98\) must be divisible by the number of heads \(4\)"):
+        TransNormerConfig(hidden_size=98, num_attention_heads=4, num_hidden_layers=2).check()
 
 
 def test_scaled_sinusoid_alpha0_is_a_config_field():

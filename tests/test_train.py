@@ -627,6 +627,29 @@ def test_schedules_and_budgets():
         lr_multiplier(0, kind="linear", warmup=1, total_steps=2)
 
 
+def test_a_config_file_is_checked_for_misspelt_keys_and_keeps_its_positions(corpus_dir, tmp_path):
+    """A config file's typo ("hiden_size") trained the unchanged model; and its max_position_embeddings
+    was overwritten with max(seq_len, 512): learned positions of 2048 trained and saved as 512."""
+    from transnormer.presets import get_config
+    from transnormer.train.loop import model_config_for
+
+    config = get_config("t2-lm-tiny", max_position_embeddings=2048, hidden_size=32, num_attention_heads=2,
+                        num_hidden_layers=2)
+    good = tmp_path / "good.json"
+    config.to_json_file(good)
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({**json.loads(good.read_text()), "hiden_size": 64}))
+    with pytest.raises(ValueError, match=r"config_file \(--config\) .*typo.json': 'hiden_size' is not a "
+                                         r"TransNormerConfig field; did you mean 'hidden_size'"):
+        TrainConfig(preset=None, config_file=str(typo), max_steps=1, out_dir=str(tmp_path / "r")).check()
+    cfg = TrainConfig(preset=None, config_file=str(good), max_steps=1, seq_len=128, out_dir=str(tmp_path / "r"))
+    cfg.check()  # a saved config.json (model_type, mixer_types, ...) is accepted
+    assert model_config_for(cfg, 300, None, {}).max_position_embeddings == 2048
+    assert model_config_for(replace(cfg, seq_len=4096), 300, None, {}).max_position_embeddings == 4096
+    preset = TrainConfig(preset="t2-lm-tiny", max_steps=1, seq_len=128, out_dir=str(tmp_path / "r"))
+    assert model_config_for(preset, 300, None, {}).max_position_embeddings == 512  # presets as before
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("lr", 0.0, r"lr \(--lr\) must be > 0"), ("max_steps", 0, r"max_steps \(--max-steps\) must be >= 1"), ("eval_batches", 0, "eval_batches"),
     ("warmup", -5, r"warmup \(--warmup\) must be >= 0"), ("eval_every", -1, "eval_every"), ("save_every", -1, "save_every"),
@@ -636,6 +659,11 @@ def test_schedules_and_budgets():
     ("overrides", {"dropuot": 0.0}, "'dropuot' is not a TransNormerConfig field; did you mean 'dropout'"),
     ("overrides", {"dropout": "abc"}, "dropout='abc' must be float"),
     ("overrides", {"hidden_size": 32.5}, "hidden_size=32.5 must be int"),
+    # Hugging Face's own keys: dtype=foo had been a traceback, model_type=foo lost on saving
+    ("overrides", {"dtype": "bfloat16"}, r"'dtype' is written by Hugging Face .* \(the run's precision is --dtype\)"),
+    ("overrides", {"model_type": "foo"}, "'model_type' is written by Hugging Face when a model is saved"),
+    ("overrides", {"id2label": [1]}, r"id2label=\[1\] must be dict"),
+    ("overrides", {"id2label": {0: "a"}, "label2id": "a"}, "label2id=.a. must be dict"),
     ("cls_read_kwargs", {"text_column": 0}, "task 'cls' only"), ("no_truncate", True, "task 'cls' only"),
 ])
 def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, match):

@@ -123,6 +123,8 @@ class TransNormerConfig(PretrainedConfig):
         mixer_types = kwargs.pop(SAVED_LAYER_TYPES, None)  # config.json's name for layer_types (to_dict)
         if layer_types is None:
             layer_types = mixer_types
+        if isinstance(layer_types, str):  # list("nn") had made it ['n', 'n']
+            raise TypeError(f"layer_types must be a list of layer type names, got the string {layer_types!r}")
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
@@ -161,6 +163,8 @@ class TransNormerConfig(PretrainedConfig):
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
             )
         for t in self.layer_types:
+            if not isinstance(t, str):  # (an unhashable one had failed in the membership test, unnamed)
+                raise TypeError(f"layer_types must hold layer type names, got {t!r}")
             if t not in LAYER_TYPES:
                 raise ValueError(f"unknown layer type {t!r} in layer_types; known: {sorted(LAYER_TYPES)}")
 
@@ -206,13 +210,21 @@ class TransNormerConfig(PretrainedConfig):
             if not isinstance(value, bool) and not (name == "diag_norm" and value is None):
                 # a string such as "no" would otherwise count as True
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        for name in ("variant", "norm_type", "ffn_type", "ffn_act", "lrpe", "abs_pos", "classifier_pooling",
+                     "initializer", "norm_kernel", "diag_kernel"):
+            value = getattr(self, name)  # (a list had failed in a membership test below, unnamed)
+            if not isinstance(value, str) and not (value is None and name in ("norm_kernel", "diag_kernel")):
+                raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
         if self.variant not in VARIANT_DEFAULTS:
             raise ValueError(f"variant must be one of {tuple(VARIANT_DEFAULTS)}, got {self.variant!r}")
-        heads = [self.num_attention_heads] + ([self.diag_num_attention_heads] if self.diag_num_attention_heads else [])
+        self.validate_layer_type()
+        # heads split the width only in the attention layers (GAU/FLASH have one head of their own)
+        headed = set(self.layer_types) - {"gau", "flash"}
+        heads = [self.num_attention_heads] * bool(headed) + (
+            [self.diag_num_attention_heads] if self.diag_num_attention_heads and "diag" in headed else [])
         for h in heads:
             if self.hidden_size % h:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by the number of heads ({h})")
-        self.validate_layer_type()
         from ..layers import LAYER_TYPES
 
         if not isinstance(self.layer_options, dict) or not all(isinstance(v, dict) for v in self.layer_options.values()):
@@ -275,6 +287,11 @@ def _has_type(value, hint) -> bool:
     return any(isinstance(value, k) for k in kinds)
 
 
+# PretrainedConfig's keys that saving writes (not settings of a run), and the types of those it reads
+_SAVED_BY_HF = frozenset({"_name_or_path", "architectures", "dtype", "model_type", "transformers_version"})
+_HF_FIELD_TYPES = {"num_labels": int, "id2label": dict, "label2id": dict}
+
+
 def check_overrides(overrides: dict, *, types: bool = True, where: str = "overrides (--set)") -> None:
     """Each override must name a TransNormerConfig field and (``types``) hold a value of its type, as
     JSON gives it: a typo would otherwise be stored as an extra config key that changes nothing, and
@@ -288,10 +305,15 @@ def check_overrides(overrides: dict, *, types: bool = True, where: str = "overri
     known = set(hints) | set(TransNormerConfig().to_dict()) | {"num_labels"}  # ours and PretrainedConfig's
     known.discard(SAVED_LAYER_TYPES)  # config.json's name for layer_types, which a preset's own would win over
     for key, value in overrides.items():
+        if types and key in _SAVED_BY_HF:  # (dtype=foo had been a traceback; model_type=foo lost on saving)
+            raise ValueError(f"{where}: {key!r} is written by Hugging Face when a model is saved, not a setting"
+                             + (" (the run's precision is --dtype)" if key == "dtype" else ""))
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ValueError(f"{where}: {key!r} is not a TransNormerConfig field"
                              + (f"; did you mean {close[0]!r}?" if close else ""))
+        if types and key in _HF_FIELD_TYPES and not _has_type(value, _HF_FIELD_TYPES[key]):
+            raise ValueError(f"{where}: {key}={value!r} must be {_HF_FIELD_TYPES[key].__name__} (a JSON value)")
         if types and key in hints and not _has_type(value, hints[key]):
             kinds = typing.get_args(hints[key]) or (hints[key],)
             names = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds)

@@ -215,9 +215,15 @@ class TrainConfig:
 
             try:
                 config = TransNormerConfig.from_json_file(self.config_file)
+                raw = json.loads(Path(self.config_file).read_text())
             except (OSError, ValueError) as e:
                 raise ValueError(f"config_file (--config) {self.config_file!r} is not a readable JSON config: "
                                  f"{e}") from None
+            # a misspelt key ("hiden_size") had been kept as a loose attribute, and the model built without it
+            from ..models.configuration import SAVED_LAYER_TYPES
+
+            raw.pop(SAVED_LAYER_TYPES, None)
+            check_overrides(raw, types=False, where=f"config_file (--config) {self.config_file!r}")
             for k, v in self.overrides.items():
                 setattr(config, k, v)
         if config is not None:
@@ -376,13 +382,16 @@ def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, 
     overrides.setdefault("vocab_size", vocab_size)
     for name, value in special_ids.items():
         overrides.setdefault(name, value)
-    if cfg.task == "clm":
-        overrides.setdefault("max_position_embeddings", max(cfg.seq_len, 512))
     if cfg.config_file:
         config = TransNormerConfig.from_json_file(cfg.config_file)
+        if cfg.task == "clm":  # the file's own limit, raised only to the run's length (it had been
+            # overwritten with max(seq_len, 512): learned positions of 2048 trained and saved as 512)
+            overrides.setdefault("max_position_embeddings", max(config.max_position_embeddings, cfg.seq_len))
         for k, v in {**overrides, **extra}.items():
             setattr(config, k, v)
     else:
+        if cfg.task == "clm":
+            overrides.setdefault("max_position_embeddings", max(cfg.seq_len, 512))
         config = get_config(cfg.preset, **overrides, **extra)
     check_model_fits(config, cfg, vocab_size)
     return config
