@@ -266,8 +266,11 @@ def test_bench_all_skips_peers_up_front_when_flash_pytorch_is_missing(tmp_path, 
     _hide_flash_pytorch(monkeypatch)
     assert main(["bench", "all", "--dtypes", "fp32", "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert ran == ["ops", "train", "train", "memory", "long"]  # (train measures train and infer)
-    assert "SKIP  peers: bench peers: peer package 'flash_pytorch' is not available" in out.split("## verdicts")[1]
+    assert ran == ["ops", "train", "train", "memory"]  # (train measures train and infer)
+    verdicts = out.split("## verdicts")[1]
+    assert "SKIP  peers: bench peers: peer package 'flash_pytorch' is not available" in verdicts
+    # long's target is a bf16 step: --dtypes fp32 had run it (hours on a CPU without bf16 products)
+    assert "SKIP  long: its target is a bf16 step, and --dtypes fp32 leaves bf16 out" in verdicts
 
 
 def test_a_sweep_records_what_did_not_fit_and_skips_the_presets_longer_lengths(monkeypatch, tmp_path):

@@ -82,13 +82,13 @@ def cmd_bench(args) -> int:
     out = Path(args.out)
     what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
     all_verdicts = []
+    given = args.dtypes
     if args.dtypes is None:
         args.dtypes = default_dtypes()
-        if args.dtypes == ["fp32"]:  # no bf16 products on this CPU
-            if "long" in what and len(what) > 1:
-                what.remove("long")
-                all_verdicts.append("SKIP  long: its target is a bf16 step, and this CPU has no bf16 products "
-                                    "(bench long to insist)")
+    if "long" in what and len(what) > 1 and "bf16" not in args.dtypes:  # (--dtypes fp32 had run it anyway)
+        what.remove("long")
+        why = "this CPU has no bf16 products" if given is None else f"--dtypes {' '.join(given)} leaves bf16 out"
+        all_verdicts.append(f"SKIP  long: its target is a bf16 step, and {why} (bench long to insist)")
     if "peers" in what and len(what) > 1:
         try:  # (bench all had run every other part, hours, before finding the peer missing)
             _peer_for_bench_peers()
