@@ -202,6 +202,19 @@ def test_dual_encoder_save_load_round_trip(tmp_path):
     assert isinstance(loaded.model.layers[0].mixer_norm, MaskedBatchNorm)
 
 
+def test_the_pair_heads_activation_is_a_config_field():
+    # docs/lra.md offers config.pair_classifier_act; --set and get_config had refused it as no field
+    from transnormer.models.configuration import check_overrides
+    from transnormer.presets import get_config
+
+    check_overrides({"pair_classifier_act": "gelu"})
+    model = Dual(get_config("t2-lra-retrieval-tiny", pair_classifier_act="gelu", vocab_size=257))
+    assert isinstance(model.classifier[1], torch.nn.GELU)
+    assert Dual(get_config("t2-lra-retrieval-tiny", vocab_size=257)).classifier[1].__class__ is torch.nn.ReLU
+    with pytest.raises(ValueError, match=r"pair_classifier_act must be one of \('relu', 'gelu', 'tanh'\), got 'elu'"):
+        get_config("t2-lra-retrieval-tiny", pair_classifier_act="elu").check()
+
+
 # ------------------------------------------------------------------------------------------- task data
 def test_parse_spec_and_default_root():
     assert parse_lra_spec("lra:listops") == ("listops", None)

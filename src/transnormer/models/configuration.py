@@ -14,6 +14,7 @@ VARIANT_DEFAULTS = {
 }
 ABS_POS_TYPES = ("sinusoidal", "learned", "scaled_sinusoid", "none")
 POOLING_TYPES = ("mean", "first", "last")
+PAIR_ACTIVATION_NAMES = ("relu", "gelu", "tanh")  # the LRA Retrieval head's MLP (dual_encoder.py)
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 
 
@@ -73,6 +74,7 @@ class TransNormerConfig(PretrainedConfig):
         initializer: str = "paper",
         initializer_range: float = 0.02,
         classifier_pooling: str = "mean",
+        pair_classifier_act: str = "relu",
         classifier_dropout: float | None = None,
         layer_options: dict | None = None,
         tie_word_embeddings: bool = True,
@@ -117,6 +119,7 @@ class TransNormerConfig(PretrainedConfig):
         self.initializer = initializer
         self.initializer_range = initializer_range
         self.classifier_pooling = classifier_pooling
+        self.pair_classifier_act = pair_classifier_act  # the two-tower head's (dual_encoder.py)
         self.classifier_dropout = classifier_dropout
         # deep: a preset's nested option dicts must not be shared with (and edited through) a config
         self.layer_options = copy.deepcopy(dict(layer_options or {}))
@@ -211,7 +214,7 @@ class TransNormerConfig(PretrainedConfig):
                 # a string such as "no" would otherwise count as True
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         for name in ("variant", "norm_type", "ffn_type", "ffn_act", "lrpe", "abs_pos", "classifier_pooling",
-                     "initializer", "norm_kernel", "diag_kernel"):
+                     "pair_classifier_act", "initializer", "norm_kernel", "diag_kernel"):
             value = getattr(self, name)  # (a list had failed in a membership test below, unnamed)
             if not isinstance(value, str) and not (value is None and name in ("norm_kernel", "diag_kernel")):
                 raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
@@ -252,6 +255,8 @@ class TransNormerConfig(PretrainedConfig):
             raise ValueError(f"abs_pos_scale must be None (d^-1/2) or a finite number > 0, got {a!r}")
         if a is not None and self.abs_pos != "scaled_sinusoid":  # it would scale nothing
             raise ValueError(f"abs_pos_scale sets scaled_sinusoid's α₀; abs_pos is {self.abs_pos!r}")
+        if self.pair_classifier_act not in PAIR_ACTIVATION_NAMES:
+            raise ValueError(f"pair_classifier_act must be one of {PAIR_ACTIVATION_NAMES}, got {self.pair_classifier_act!r}")
         if self.classifier_pooling not in POOLING_TYPES:
             raise ValueError(f"classifier_pooling must be one of {POOLING_TYPES}, got {self.classifier_pooling!r}")
         if self.initializer not in ("paper", "normal"):

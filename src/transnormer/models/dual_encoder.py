@@ -7,7 +7,7 @@ Both documents go through the encoder in one call (stacked along the batch, padd
 length), as the S4-lineage pipeline the authors used does, so batch-norm statistics cover both.
 Each document is truncated and padded independently; padding never enters the pooling or the
 masked batch statistics. The MLP shape follows the S4-lineage ``RetrievalHead`` (4d → d → C); its
-activation is ``config.pair_classifier_act`` (default ``"relu"`` [I]).
+activation is ``config.pair_classifier_act`` (default ``"relu"`` [I]; ``--set pair_classifier_act=gelu``).
 
 HF-compatible: a :class:`~transformers.PreTrainedModel` with :class:`TransNormerConfig`, so
 ``save_pretrained`` / ``from_pretrained`` round-trip (load it with this class; the Auto
@@ -40,7 +40,7 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
 
     def __init__(self, config: TransNormerConfig):
         super().__init__(config)
-        act = getattr(config, "pair_classifier_act", "relu")
+        act = config.pair_classifier_act
         if act not in PAIR_ACTIVATIONS:
             raise ValueError(f"pair_classifier_act must be one of {tuple(PAIR_ACTIVATIONS)}, got {act!r}")
         self.num_labels = config.num_labels
