@@ -343,6 +343,20 @@ def test_activation_checkpointing_takes_hfs_options():
         assert torch.allclose(p.grad, ref[n], atol=1e-6), n
 
 
+def test_use_cache_in_training_does_not_turn_checkpointing_off():
+    # use_cache=True in training had run every block without checkpointing (all activations kept),
+    # silently; HF's models warn and drop the cache
+    model, x, ref = _model_and_unchecked_grads()
+    model.activation_checkpointing_enable()
+    hf_fn, calls = model.model._gradient_checkpointing_func, []
+    model.model._gradient_checkpointing_func = lambda *a, **k: calls.append(1) or hf_fn(*a, **k)
+    out = model(x, labels=x, use_cache=True)
+    out.loss.backward()
+    assert len(calls) == model.config.num_hidden_layers and out.cache is None
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref[n], atol=1e-6), n
+
+
 def test_checkpointed_blocks_compile(monkeypatch):
     """torch.compile traces a checkpointed block without call state into its checkpoint: the call
     counter and scopes had made dynamo give up on it, and every block ran eagerly (its fused CPU

@@ -326,6 +326,11 @@ class TransNormerModel(TransNormerPreTrainedModel):
             use_cache = cache is not None or (self.config.use_cache and self.config.causal and not self.training
                                               and all(layer.mixer.decodes for layer in self.layers))
         use_cache = bool(use_cache)
+        if use_cache and cache is None and self.gradient_checkpointing and self.training:
+            # as HF's models: the blocks had run without checkpointing (all activations kept), silently
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing in training: "
+                                "setting use_cache=False")
+            use_cache = False
         if use_cache and not self.config.causal:
             raise ValueError("use_cache=True needs a causal model (config.causal=True)")
         if cache is not None and not isinstance(cache, TransNormerCache):
