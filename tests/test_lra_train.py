@@ -602,6 +602,42 @@ def test_lra_eval_defaults_to_the_runs_data_settings(listops_root, tmp_path, cap
     assert again["data_provenance"] == "stand-in"
 
 
+def test_lra_eval_finds_a_relative_root_from_elsewhere_and_keeps_the_runs_precision(listops_root, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """The run saved its --root as given: `lra eval` from another folder failed ("root: directory not
+    found") or read that folder's data/; it evaluated a bf16 run in fp32 and recorded neither; the
+    training split's record (SHA-256, size, cut sequences) was written nowhere."""
+    import shutil
+
+    shutil.copytree(listops_root, tmp_path / "lo")
+    monkeypatch.chdir(tmp_path)
+    assert main(["lra", "train", "listops", "--preset", "t2-lra-listops-tiny", "--root", "lo", "--seq-len", "16",
+                 "--max-steps", "2", "--batch-size", "8", "--out", "run", "--no-progress", "--dtype", "bf16"]) == 0
+    rec = json.loads((tmp_path / "run" / "lra_result.json").read_text())
+    assert rec["training"]["dtype"] == "bf16"
+    assert rec["train_data"]["n_train"] > 0 and rec["train_data"]["truncated"] > 0 and rec["train_data"]["sha256"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["lra", "eval", "listops", "--model", str(tmp_path / "run"), "--out", "ev.json"]) == 0
+    ev = json.loads((elsewhere / "ev.json").read_text())
+    assert ev["dtype"] == "bf16" and ev["accuracy"] == rec["test"]["accuracy"]
+    assert ev["loss"] == pytest.approx(rec["test"]["loss"], rel=1e-5)  # (its own batches)
+
+
+def test_report_does_not_choose_among_runs_validated_on_test():
+    # Text validates on its test split: the best of several runs "by validation" was the best on test
+    from transnormer.cli_lra import results_table
+
+    def rec(task, acc, on_test):
+        return {"task": task, "preset": "t2-lra-x", "data_provenance": "stand-in", "dataset_id": task,
+                "val": {"accuracy": acc, **({"eval_split": "test"} if on_test else {})}, "test": {"accuracy": acc}}
+
+    table = results_table([rec("listops", 0.4, False), rec("text", 0.60, True), rec("text", 0.64, True)])
+    assert table.strip().endswith(f"{100 * (0.4 + 0.60) / 2:.2f}")  # the first Text run, not the best on test
+
+
 def test_a_generated_listops_file_changed_after_generation_is_refused(listops_root, tmp_path):
     import shutil
 

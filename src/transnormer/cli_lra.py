@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -124,6 +125,8 @@ def results_table(records: list[dict], split: str = "test") -> str:
     never averaged with another's. A task's run in it is the one on the most official data
     (official, regenerated, stand-in, synthetic-fixture), then the best by validation: accuracies
     on different data (FMNIST against CIFAR, a short fixture against the full set) do not compete.
+    A run validated on its test split (Text's official setting) is not chosen by that accuracy: the
+    first of such runs given stands.
     Path-X is reported beside the five, not in their mean (lra.md §1). The mean is called "LRA
     average" only if the five tasks are all present and all official; otherwise it is "avg over
     <task (provenance)> + ..." (lra.md §6.3), and with one task none is given.
@@ -144,7 +147,12 @@ def results_table(records: list[dict], split: str = "test") -> str:
 
     def rank(rec):  # lower is better: more official data first, at the task's full length, then validation
         prov = PROVENANCES.index(rec["data_provenance"]) if rec["data_provenance"] in PROVENANCES else len(PROVENANCES)
-        val = (rec.get("val") or {}).get("accuracy") if split == "test" else None
+        val_rec = rec.get("val") or {}
+        if split == "test" and val_rec.get("eval_split") == "test":
+            # validated on the test split (Text's official setting): choosing the best of several runs
+            # by it would choose on test; the first run given stands
+            return prov, len(_caveats(rec)), 0.0
+        val = val_rec.get("accuracy") if split == "test" else None
         return prov, len(_caveats(rec)), -(val if val is not None else rec[split]["accuracy"])
 
     for rec in records:
@@ -264,9 +272,10 @@ def run_train(args) -> dict:
     from .models.lra_presets import LRA_MODELS
     from .train.distributed import cleanup, main_first, setup_distributed
     from .train.loop import TrainConfig, train
-    from .train.lra_tasks import comparable_to_published, load_split
+    from .train.lra_tasks import comparable_to_published, default_root, load_split
 
     task = _canonical(args.task)
+    args.dtype = args.dtype or "fp32"
     info_t = task_info(task)
     defaults = training_defaults(task)
     preset = args.preset or preset_for(task)
@@ -304,8 +313,11 @@ def run_train(args) -> dict:
         from .presets import get_config
 
         sync_bn = get_config(preset, **overrides).norm_type == "batch"
+    # the data folder as an absolute path: `lra eval` of the run from another folder had read that
+    # folder's data/ (or failed, naming a root it was never given)
+    root = args.root if args.root is not None else default_root(task)
     cfg = TrainConfig(
-        task="cls", preset=preset, overrides=overrides, data=_spec(task, args.root),
+        task="cls", preset=preset, overrides=overrides, data=_spec(task, str(Path(root).resolve()) if root else None),
         cls_read_kwargs=opts, seq_len=seq_len, batch_size=rank_batch, grad_accum=args.grad_accum,
         max_steps=max_steps, budget=budget, lr=lr, min_lr_ratio=defaults["min_lr_ratio"], warmup=warmup,
         schedule=defaults["schedule"], weight_decay=defaults["weight_decay"], betas=tuple(defaults["betas"]),
@@ -342,10 +354,13 @@ def run_train(args) -> dict:
         "training": {"batch_size": batch, "lr": lr, "warmup": warmup, "schedule": cfg.schedule,
                      "min_lr_ratio": cfg.min_lr_ratio, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
                      "betas": list(cfg.betas), "seed": seed, "max_steps": max_steps, "budget": budget,
-                     "sync_batch_norm": sync_bn,
+                     "sync_batch_norm": sync_bn, "dtype": cfg.dtype,
                      "authors_settings": defaults, "model_row": LRA_MODELS[base].__dict__ if base in LRA_MODELS
                      else None},
         "overrides": cfg.overrides,
+        # the training split's own record (its files' SHA-256, size, cut sequences): only the test
+        # split's had been written
+        "train_data": summary.get("train_data"),
         "val": val, "test": test, "final_train_loss": summary["final_train_loss"],
         "comparable_to_published": comparable_to_published(test),
     }
@@ -384,7 +399,8 @@ def run_settings(model_path: Path) -> dict:
     found = saved_train_configs(model_path)
     for cfg, where in found:
         if str(cfg.get("data", "")).startswith("lra:"):
-            return {"seq_len": cfg.get("seq_len"), "options": dict(cfg.get("cls_read_kwargs") or {}),
+            return {"seq_len": cfg.get("seq_len"), "dtype": cfg.get("dtype"),
+                    "options": dict(cfg.get("cls_read_kwargs") or {}),
                     "data": cfg["data"], "from": where}
     return {}
 
@@ -440,20 +456,29 @@ def cmd_eval(args) -> int:
     seq_len = args.seq_len or run.get("seq_len")
     opts = {**run.get("options", {}), **_load_options(args)}
     root = args.root if args.root is not None else run_root  # the folder the run read, unless told otherwise
+    if args.root is None and run_root is not None and not Path(run_root).exists():  # (had read "root: not found")
+        raise ValueError(f"the run's data folder {run_root!r} (its train_config.json) is not there from here: "
+                         "pass --root")
+    dtype = args.dtype or run.get("dtype") or "fp32"  # the run's precision, as its own evaluation used
     # under torchrun each rank scores its share of the split; rank 0 reports
     info = setup_distributed(args.device)
     res, prov = evaluate_model(task, model, root=root, split=args.split, seq_len=seq_len,
-                               batch_size=args.batch_size, max_batches=args.max_batches, dtype=args.dtype,
+                               batch_size=args.batch_size, max_batches=args.max_batches, dtype=dtype,
                                load_options=opts, info=info)
     cleanup(info)
     if not info.is_main:
         return 0
     trained_on = _trained_labels(Path(path))
+    uncut = re.compile(r", cut to \d+")
     if trained_on and trained_on.get("data_provenance") and trained_on["data_provenance"] != res["data_provenance"]:
         print(f"lra eval: the model was trained on {trained_on['data_provenance']} data "
               f"({trained_on.get('dataset_id')}) and is evaluated on {res['data_provenance']} data "
               f"({res['dataset_id']})", file=sys.stderr)
-    rec = {"kind": "lra-eval", "task": task, "model": str(path), "split": args.split, "seq_len": seq_len,
+    elif trained_on and trained_on.get("dataset_id") and (  # (another folder of the same kind had passed unsaid)
+            uncut.sub("", trained_on["dataset_id"]) != uncut.sub("", res["dataset_id"])):
+        print(f"lra eval: the model was trained on {trained_on['dataset_id']} and is evaluated on "
+              f"{res['dataset_id']}", file=sys.stderr)
+    rec = {"kind": "lra-eval", "task": task, "model": str(path), "split": args.split, "seq_len": seq_len, "dtype": dtype,
            "run_settings": run or None, "trained_on": trained_on or None,
            "data_provenance": res["data_provenance"], "dataset_id": res["dataset_id"], **res, "data": prov,
            "comparable_to_published": comparable_to_published(res)}
@@ -548,7 +573,7 @@ def register(sub) -> None:
         q.add_argument("--seq-len", type=positive_int,
                        help="truncate sequences (default: the task length; eval: the run's own setting)")
         q.add_argument("--device")
-        q.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+        q.add_argument("--dtype", choices=["fp32", "bf16"], help="default: fp32 (eval: the run's own)")
 
     q = lsub.add_parser("train", help="train a preset on an LRA task (defaults: the authors' settings, lra.md §3)")
     q.add_argument("task")

@@ -1001,6 +1001,8 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     }
     if data.extra.get("truncated"):  # cls: examples cut to seq_len, per split
         summary["truncated"] = data.extra["truncated"]
+    if data.extra.get("train_record"):  # LRA: the training split's provenance, size and cut sequences
+        summary["train_data"] = data.extra["train_record"]
     if recorder is not None and info.is_main:
         recorder.flush()
         recorder.save_summary(out / "grad_rsd.json")

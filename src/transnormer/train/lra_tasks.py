@@ -324,6 +324,9 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         "max_len": max_len,
         "task_length": info_t.length,
         "truncated_train": n_trunc,
+        # what the run's summary records of its training data (summary.json "train_data")
+        "train_record": {**prov, "n_train": len(train_ds), "truncated": n_trunc,
+                         "label_counts": [int(c) for c in counts]},
         "n_train": len(train_ds),
         "train_label_counts": [int(c) for c in counts],
         "majority_class": majority,
