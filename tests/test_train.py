@@ -1001,6 +1001,21 @@ def test_resume_allows_what_does_not_change_the_training():
     assert config_changes(saved, TrainConfig(max_steps=5, lr=1.0)) == ["lr: 0.001 -> 1.0"]
 
 
+def test_an_lra_runs_data_folder_saved_as_given_resumes_saved_resolved(tmp_path, monkeypatch):
+    # lra train now saves its --root resolved: a run saved with it relative (or left out) resumes
+    from transnormer.train.loop import config_changes
+
+    (tmp_path / "lo").mkdir()
+    (tmp_path / "data" / "lra").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for before, now in (("lra:listops:lo", f"lra:listops:{tmp_path / 'lo'}"),
+                        ("lra:listops", f"lra:listops:{tmp_path / 'data' / 'lra'}")):
+        saved = json.loads(json.dumps(asdict(TrainConfig(task="cls", data=before, max_steps=5)), default=str))
+        assert config_changes(saved, TrainConfig(task="cls", data=now, max_steps=5)) == []
+        other = TrainConfig(task="cls", data=now.replace("listops", "text"), max_steps=5)
+        assert config_changes(saved, other)[0].startswith("data:")
+
+
 def test_compare_refuses_a_repeated_preset(tmp_path):
     from transnormer.train.compare import compare
 

@@ -318,6 +318,13 @@ _PATH_FIELDS = ("data", "tokenizer", "init_from", "config_file")
 
 
 def _same_path(a, b) -> bool:
+    if isinstance(a, str) and isinstance(b, str) and a.startswith("lra:") and b.startswith("lra:"):
+        # lra:TASK[:ROOT], its folder saved as given (or left out: the default) before it was saved
+        # resolved: the same task and folder
+        from .lra_tasks import default_root
+
+        (ta, _, ra), (tb, _, rb) = a[4:].partition(":"), b[4:].partition(":")
+        return ta == tb and _same_path(ra or default_root(ta) or "", rb or default_root(tb) or "")
     try:
         return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
     except (OSError, ValueError):  # a name that is not a path here (stdlib, hf:…), or gone
