@@ -602,6 +602,7 @@ def test_lra_eval_defaults_to_the_runs_data_settings(listops_root, tmp_path, cap
     assert again["data_provenance"] == "stand-in"
 
 
+@pytest.mark.filterwarnings("ignore:dtype bf16 on a CPU without")  # (a tiny model: slow bf16 products do not matter)
 def test_lra_eval_finds_a_relative_root_from_elsewhere_and_keeps_the_runs_precision(listops_root, tmp_path,
                                                                                     capsys, monkeypatch):
     """The run saved its --root as given: `lra eval` from another folder failed ("root: directory not
