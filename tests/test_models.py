@@ -708,6 +708,8 @@ def test_layer_options_given_are_merged_into_the_presets():
     assert lra.layer_options["flash"]["qk_dim"] == 64  # derived from the width as without layer_options
     assert get_config("flash-lra-listops", hidden_size=64,
                       layer_options={"flash": {"qk_dim": 32}}).layer_options["flash"]["qk_dim"] == 32
+    with pytest.raises(TypeError, match="layer_options must map layer types to dicts"):  # not "int is not iterable"
+        get_config("flash-lra-listops", hidden_size=64, layer_options={"flash": 3}).check()
 
 
 def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():

@@ -644,6 +644,9 @@ def test_a_config_file_is_checked_for_misspelt_keys_and_keeps_its_positions(corp
         TrainConfig(preset=None, config_file=str(typo), max_steps=1, out_dir=str(tmp_path / "r")).check()
     cfg = TrainConfig(preset=None, config_file=str(good), max_steps=1, seq_len=128, out_dir=str(tmp_path / "r"))
     cfg.check()  # a saved config.json (model_type, mixer_types, ...) is accepted
+    old = tmp_path / "old.json"  # and transformers 4's torch_dtype
+    old.write_text(json.dumps({**json.loads(good.read_text()), "torch_dtype": "float32"}))
+    replace(cfg, config_file=str(old)).check()
     assert model_config_for(cfg, 300, None, {}).max_position_embeddings == 2048
     assert model_config_for(replace(cfg, seq_len=4096), 300, None, {}).max_position_embeddings == 4096
     preset = TrainConfig(preset="t2-lm-tiny", max_steps=1, seq_len=128, out_dir=str(tmp_path / "r"))
@@ -999,6 +1002,37 @@ def test_resume_allows_what_does_not_change_the_training():
     # recomputation gives the same numbers: a run that ran out of memory may resume with it on
     assert config_changes(saved, TrainConfig(max_steps=5, gradient_checkpointing=True, compile=True)) == []
     assert config_changes(saved, TrainConfig(max_steps=5, lr=1.0)) == ["lr: 0.001 -> 1.0"]
+
+
+def test_runs_saved_under_the_earlier_model_rules_resume_as_they_were(corpus_dir, tmp_path, monkeypatch):
+    """layer_options given are merged into the preset's now, and a --config file keeps its
+    max_position_embeddings: a run saved before (the options replaced, the positions max(seq_len,
+    512)) was refused on resume, whatever flags were given. It resumes under its own rules."""
+    from transnormer.presets import get_config
+    from transnormer.train import loop
+
+    lo = {"flash": {"chunk_size": 16}}
+    file = tmp_path / "cfg.json"
+    get_config("t2-lm-tiny", max_position_embeddings=1024, hidden_size=32, num_attention_heads=2,
+               num_hidden_layers=2).to_json_file(file)
+    runs = [replace(cfg_for(corpus_dir, tmp_path, preset="flash-lm-tiny", max_steps=3, save_every=2,
+                            out_dir=str(tmp_path / "lo")), overrides={"layer_options": lo}),
+            replace(cfg_for(corpus_dir, tmp_path, preset=None, config_file=str(file), max_steps=3, save_every=2,
+                            out_dir=str(tmp_path / "file")), overrides={})]
+    for c in runs:
+        with monkeypatch.context() as m:
+            m.setattr(loop, "MODEL_RULES", 1)  # as a checkpoint without "model_rules" reads
+            assert train(replace(c, stop_after=2)) == {"stopped_at": 2}
+        assert train(replace(c, resume=True))["steps"] == 3
+        config = json.loads((Path(c.out_dir) / "checkpoints" / "step-00000003" / "config.json").read_text())
+        if c.config_file:
+            assert config["max_position_embeddings"] == 512
+        else:
+            assert config["layer_options"] == lo  # as it was built: the preset's other options replaced
+    fresh = replace(runs[0], out_dir=str(tmp_path / "new"))
+    train(fresh)
+    config = json.loads((Path(fresh.out_dir) / "checkpoints" / "step-00000003" / "config.json").read_text())
+    assert config["layer_options"]["flash"]["chunk_size"] == 16 and "qk_dim" in config["layer_options"]["flash"]
 
 
 def test_an_lra_runs_data_folder_saved_as_given_resumes_saved_resolved(tmp_path, monkeypatch):

@@ -603,7 +603,7 @@ def load_corpus(
     """Load the corpus named by a ``--data`` spec (see the module docstring).
 
     Args:
-        spec: ``"stdlib"``, ``"hf:NAME[:CONFIG]"`` or a file/directory path.
+        spec: ``"stdlib"``, ``"hf:NAME[:CONFIG][#COLUMN]"`` or a file/directory path.
         cache_dir: where the stdlib corpus is cached; default ``$TRANSNORMER_CACHE`` or
             ``~/.cache/transnormer``.
         seed: seed of the document-level split (only used for splits that are carved out).
@@ -620,7 +620,7 @@ def load_corpus(
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str or path, got {type(spec).__name__}")
     if not spec.strip():
-        raise ValueError("spec must not be empty (use 'stdlib', 'hf:NAME[:CONFIG]' or a path)")
+        raise ValueError("spec must not be empty (use 'stdlib', 'hf:NAME[:CONFIG][#COLUMN]' or a path)")
     kind = "stdlib" if spec == "stdlib" else "hf" if spec.startswith("hf:") else "path"
     vf = _DEFAULT_FRACTIONS[kind] if valid_fraction is None else valid_fraction
     tf = _DEFAULT_FRACTIONS[kind] if test_fraction is None else test_fraction

@@ -194,9 +194,15 @@ def _lra_widths(task: str):
         d = kwargs["hidden_size"]
         if "ffn_hidden_size" not in overrides and kwargs.get("ffn_hidden_size") is not None:
             kwargs["ffn_hidden_size"] = int(round(LRA_MODELS[task].ffn_ratio * d))
+        from .presets import current_model_rules
+
         flash = (kwargs.get("layer_options") or {}).get("flash")
-        given = (overrides.get("layer_options") or {}).get("flash") or {}
-        if flash is not None and "qk_dim" not in given:
+        given = (overrides.get("layer_options") or {}).get("flash") if isinstance(overrides.get("layer_options"),
+                                                                                dict) else None
+        # (model rules 1: any layer_options given replaced the preset's, and nothing was derived)
+        derive_qk = "layer_options" not in overrides if current_model_rules() < 2 else (
+            not isinstance(given, dict) or "qk_dim" not in given)
+        if isinstance(flash, dict) and derive_qk:
             kwargs["layer_options"] = {**kwargs["layer_options"], "flash": {**flash, "qk_dim": min(128, d)}}
 
     return derive

@@ -9,6 +9,8 @@ Other layer types register their presets with :func:`register_preset`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 
 import torch
@@ -17,6 +19,28 @@ from .configuration import TransNormerConfig, check_overrides
 
 WIKITEXT103_VOCAB = 267_735
 ROBERTA_VOCAB = 50_265
+
+# How a run's model config is made from its settings. 1 (runs saved before 2026-12): layer_options
+# given replaced the preset's options of that type, and a --config file's max_position_embeddings
+# became max(seq_len, 512) in a causal LM run. 2: layer_options are merged, a file keeps its own
+# (raised to seq_len). A run resumes under the rules its checkpoint was made with (train/loop.py).
+MODEL_RULES = 2
+_rules = contextvars.ContextVar("transnormer_model_rules", default=MODEL_RULES)
+
+
+@contextlib.contextmanager
+def model_rules(version: int):
+    """Build model configs under the rules of ``version`` (see :data:`MODEL_RULES`) inside the block."""
+    token = _rules.set(version)
+    try:
+        yield
+    finally:
+        _rules.reset(token)
+
+
+def current_model_rules() -> int:
+    return _rules.get()
+
 
 # name -> (task, factory returning config kwargs)
 PRESETS: dict[str, tuple[str, Callable[[], dict]]] = {}
@@ -105,7 +129,7 @@ def get_config(name: str, **overrides) -> TransNormerConfig:
     given = overrides.get("layer_options")
     merged = {t: dict(o) for t, o in (kwargs.get("layer_options") or {}).items()}
     kwargs.update(overrides)
-    if isinstance(given, dict) and merged:
+    if isinstance(given, dict) and merged and current_model_rules() >= 2:
         for t, o in given.items():
             merged[t] = {**merged.get(t, {}), **o} if isinstance(o, dict) else o  # (not a dict: check() says)
         kwargs["layer_options"] = merged

@@ -29,6 +29,7 @@ import torch
 
 from .._files import atomic_write_text, check_output, held_alone, to_jsonable
 from ..models.configuration import check_overrides
+from ..models.presets import MODEL_RULES, model_rules
 from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb, reset_peak_rss
 from .checkpoint import (
     STATE,
@@ -220,9 +221,10 @@ class TrainConfig:
                 raise ValueError(f"config_file (--config) {self.config_file!r} is not a readable JSON config: "
                                  f"{e}") from None
             # a misspelt key ("hiden_size") had been kept as a loose attribute, and the model built without it
-            from ..models.configuration import SAVED_LAYER_TYPES
+            from ..models.configuration import _SAVED_BY_HF, SAVED_LAYER_TYPES
 
-            raw.pop(SAVED_LAYER_TYPES, None)
+            for key in (SAVED_LAYER_TYPES, "torch_dtype", *_SAVED_BY_HF):  # (transformers 4 saved torch_dtype)
+                raw.pop(key, None)
             check_overrides(raw, types=False, where=f"config_file (--config) {self.config_file!r}")
             for k, v in self.overrides.items():
                 setattr(config, k, v)
@@ -378,6 +380,7 @@ def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, 
     """The TransNormerConfig of a run: preset or config file, with the run's overrides, vocabulary
     and the tokenizer's special ids (:func:`special_token_ids`)."""
     from ..models import TransNormerConfig
+    from ..models.presets import current_model_rules
     from ..presets import get_config
 
     extra = {"num_labels": num_labels} if num_labels else {}
@@ -392,8 +395,10 @@ def model_config_for(cfg: TrainConfig, vocab_size: int, num_labels: int | None, 
     if cfg.config_file:
         config = TransNormerConfig.from_json_file(cfg.config_file)
         if cfg.task == "clm":  # the file's own limit, raised only to the run's length (it had been
-            # overwritten with max(seq_len, 512): learned positions of 2048 trained and saved as 512)
-            overrides.setdefault("max_position_embeddings", max(config.max_position_embeddings, cfg.seq_len))
+            # overwritten with max(seq_len, 512): learned positions of 2048 trained and saved as 512;
+            # a run saved under those rules resumes under them)
+            overrides.setdefault("max_position_embeddings", max(config.max_position_embeddings, cfg.seq_len)
+                                 if current_model_rules() >= 2 else max(cfg.seq_len, 512))
         for k, v in {**overrides, **extra}.items():
             setattr(config, k, v)
     else:
@@ -666,7 +671,12 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     data = build_task_data(build_cfg, info, autocast)
     data.train.state_dict()  # the training batches are made at first use: a split too small fails here
     factory = data.extra.get("model_factory", build_model_for)  # e.g. the two-tower model of LRA Retrieval
-    model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
+    # a checkpoint made before the model-config rules changed (models/presets.py MODEL_RULES) holds a
+    # model those rules built: it resumes under them (its layer_options, its --config positions)
+    saved_state = None if ckpt is None else load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint verified it
+    rules = MODEL_RULES if saved_state is None else (saved_state.get("model_rules") or 1)
+    with model_rules(rules):
+        model = factory(build_cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
     if ckpt is not None and data.extra.get("label_set") is not None:  # a preset's model names no classes:
         # the checkpoint's do, and the data must have them in the same order
         saved = json.loads((ckpt / "config.json").read_text()).get("id2label") or {}
@@ -705,7 +715,7 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     # thing on resume (the resumed run starts after that step and had never made it up)
     eval_pending = False
     if ckpt is not None:
-        state = load_trainer_state(ckpt, verify=False)  # latest_valid_checkpoint just verified it
+        state, saved_state = saved_state, None
         changed = config_changes(state.get("config", {}), cfg)
         if changed:
             raise ValueError(f"resume: this run's settings differ from those of {ckpt} ({'; '.join(changed)}); "
@@ -805,7 +815,7 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
                  "optimizer": optimizer_state,
                  "scheduler": scheduler.state_dict(), "sched": dict(sched), "data": data.train.state_dict(),
                  "rng": rng_state(info.device), "total_steps": total_steps, "config": asdict(cfg),
-                 "eval_pending": eval_pending, "peak_mem_mb": peak_mb()}
+                 "eval_pending": eval_pending, "peak_mem_mb": peak_mb(), "model_rules": rules}
         # each rank's own generators: ranks draw different amounts (dropout on batches padded to
         # their own longest example), so rank 0's state is not the others'
         state["rng_per_rank"] = gather_objects(state["rng"], info)
