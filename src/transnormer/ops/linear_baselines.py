@@ -324,7 +324,7 @@ def cosformer_attn(
     if isinstance(max_len, torch.Tensor) and max_len.dim() == 1 and max_len.numel():
         # a row with tokens needs M >= 1, as a number does; a row of padding alone may say 0
         real = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device) if mask is None else mask
-        bad = (real.any(1) & ~(max_len.to(torch.float64) >= 1)).nonzero()
+        bad = (real.any(1) & ~(max_len.to(device=q.device, dtype=torch.float64) >= 1)).nonzero()
         if len(bad):
             r = int(bad[0, 0])
             raise ValueError(f"max_len must be >= 1 in every row with tokens, got {float(max_len[r]):g} in row {r}")
