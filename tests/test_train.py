@@ -601,7 +601,8 @@ def test_a_refitted_schedule_continues_its_decay():
                 refit(params, new_total, 50)
                 assert lr_multiplier(50, **params) == pytest.approx(before)  # continuous
         assert all(b <= a + 1e-12 for a, b in zip(lrs[10:], lrs[11:])), new_total
-        assert lrs[new_total - 1] == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.1)
+        # the last update (new_total) reads the decay one update back: above the floor, which follows
+        assert lrs[new_total - 1] > 0.1 and lrs[new_total] == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.1)
         assert lrs[60] > 0.1 if new_total == 400 else True
 
 
@@ -611,7 +612,12 @@ def test_schedules_and_budgets():
 
     kw = dict(warmup=10, total_steps=110)
     assert lr_multiplier(4, kind="cosine", **kw) == pytest.approx(0.5)
-    assert lr_multiplier(109, kind="cosine", min_lr_ratio=0.1, **kw) == pytest.approx(0.1)
+    # cosine, as polynomial: update k reads the decay at k - 1 (at min_lr_ratio 0, the LRA default, the
+    # last update had run at lr 0, and a one-step run never moved); a run saved before keeps its lag 0
+    assert lr_multiplier(10, kind="cosine", **kw) == pytest.approx(1.0)
+    assert lr_multiplier(109, kind="cosine", min_lr_ratio=0.1, **kw) > 0.1
+    assert lr_multiplier(109, kind="cosine", min_lr_ratio=0.1, cosine_lag=0, **kw) == pytest.approx(0.1)
+    assert lr_multiplier(0, kind="cosine", warmup=0, total_steps=1, min_lr_ratio=0.0) == 1.0
     assert lr_multiplier(39, kind="inverse_sqrt", **kw) == pytest.approx((10 / 40) ** 0.5)
     assert lr_multiplier(0, kind="inverse_sqrt", warmup=8000, total_steps=1, warmup_init_ratio=1e-7 / 5e-4) > 2e-4
     # polynomial, as fairseq: update k reads the decay at k - 1 (the last update had run at lr 0)
@@ -625,6 +631,42 @@ def test_schedules_and_budgets():
         parse_budget("2m")
     with pytest.raises(ValueError, match="schedule"):
         lr_multiplier(0, kind="linear", warmup=1, total_steps=2)
+
+
+def test_a_cosine_run_saved_before_the_lag_resumes_on_its_own_rates(corpus_dir, tmp_path):
+    """The cosine now reads the decay one update back; a run saved before (no cosine_lag in its
+    schedule) continues on the rates it started with."""
+    import torch as _torch
+
+    from transnormer.train.checkpoint import STATE
+
+    c = cfg_for(corpus_dir, tmp_path, max_steps=6, warmup=1, save_every=3, schedule="cosine", min_lr_ratio=0.0)
+    train(replace(c, stop_after=3))
+    ckpt = Path(c.out_dir) / "checkpoints" / "step-00000003"
+    state = _torch.load(ckpt / STATE, weights_only=False)
+    del state["sched"]["cosine_lag"]  # as saved before
+    _torch.save(state, ckpt / STATE)
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # (the manifest's hash of the edited file)
+    import hashlib
+
+    manifest["files"][STATE] = {"size": (ckpt / STATE).stat().st_size,
+                                "sha256": hashlib.sha256((ckpt / STATE).read_bytes()).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    train(replace(c, resume=True))
+    lrs = [r["lr"] for r in read_metrics(Path(c.out_dir) / "metrics.jsonl") if r["kind"] == "train"]
+    assert lrs[-1] == 0.0  # lag 0: the last update at the floor, as the run had started
+    fresh = replace(c, out_dir=str(tmp_path / "fresh"))
+    train(fresh)
+    assert [r["lr"] for r in read_metrics(Path(fresh.out_dir) / "metrics.jsonl") if r["kind"] == "train"][-1] > 0.0
+
+
+def test_schedule_options_that_would_change_nothing_are_refused(tmp_path):
+    # warmup_init_lr with warmup 1: the first update runs at the peak; min_lr_ratio with another schedule
+    with pytest.raises(ValueError, match=r"warmup_init_lr=1e-07 needs warmup >= 2: .* with warmup 1 it changes nothing"):
+        TrainConfig(max_steps=2, warmup=1, warmup_init_lr=1e-7, schedule="inverse_sqrt").check()
+    with pytest.raises(ValueError, match="min_lr_ratio=0.0 applies to schedule 'cosine' only, not 'polynomial'"):
+        TrainConfig(max_steps=2, min_lr_ratio=0.0, schedule="polynomial").check()
+    TrainConfig(max_steps=2, warmup=2, warmup_init_lr=1e-7, schedule="inverse_sqrt").check()
 
 
 def test_a_config_file_is_checked_for_misspelt_keys_and_keeps_its_positions(corpus_dir, tmp_path):
@@ -1598,7 +1640,7 @@ def test_resume_takes_the_same_data_path_spelled_another_way(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("warmup_init_lr", 1e-4, "warmup_init_lr=0.0001 needs warmup >= 1"),
+    ("warmup_init_lr", 1e-4, "warmup_init_lr=0.0001 needs warmup >= 2"),
     ("overrides", {"num_labels": 7}, "num_labels applies to task 'cls' only"),
 ])
 def test_settings_that_would_change_nothing_are_refused(tmp_path, field, value, match):

@@ -118,7 +118,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
                    "stops at whichever comes first (a token budget's schedule follows the smaller of the two, a "
                    "time budget's follows --max-steps)")
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help=f"cosine only: the final lr as a fraction of --lr (default {d.min_lr_ratio})")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--warmup-init-lr", type=float, default=d.warmup_init_lr)
     p.add_argument("--schedule", default=d.schedule, choices=["cosine", "inverse_sqrt", "polynomial", "constant"])

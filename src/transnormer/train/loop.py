@@ -160,8 +160,13 @@ class TrainConfig:
                                  + (" (0 turns clipping off)" if name == "clip" else ""))
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be > 0 and finite, got {self.lr}")
-        if self.warmup_init_lr and not self.warmup:  # a rate to warm up from, and no warm-up
-            raise ValueError(f"warmup_init_lr={self.warmup_init_lr} needs warmup >= 1 (it is the warm-up's first rate)")
+        if self.warmup_init_lr and self.warmup < 2:  # a rate to warm up from, and no warm-up to use it
+            raise ValueError(f"warmup_init_lr={self.warmup_init_lr} needs warmup >= 2: warm-up update k runs at "
+                             "warmup_init_lr + (lr - warmup_init_lr) * k / warmup, so with warmup "
+                             f"{self.warmup} it changes nothing")
+        if self.min_lr_ratio != TrainConfig.min_lr_ratio and self.schedule != "cosine":  # (read by nothing)
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} applies to schedule 'cosine' only, not "
+                             f"{self.schedule!r}")
         if "num_labels" in self.overrides and self.task != "cls":  # a classifier's label count, for an LM
             raise ValueError(f"overrides (--set): num_labels applies to task 'cls' only, not {self.task!r}")
         if self.warmup_init_lr > self.lr:  # the warm-up would start above the peak and fall to it
@@ -698,7 +703,7 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
     if budget_kind == "tokens":
         total_steps = min(total_steps or math.inf, max(1, math.ceil(budget / tokens_per_step)))
     sched = {"kind": cfg.schedule, "warmup": cfg.warmup, "total_steps": total_steps or _UNFITTED,
-             "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr}
+             "min_lr_ratio": cfg.min_lr_ratio, "warmup_init_ratio": cfg.warmup_init_lr / cfg.lr, "cosine_lag": 1}
     if ckpt is None and total_steps is not None and total_steps <= cfg.warmup:  # (a time budget: once fitted)
         log(f"the run has {total_steps} steps, no more than warmup={cfg.warmup}: the learning rate will not "
             "finish warming up (give a smaller --warmup)")
@@ -734,7 +739,7 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
             raise ValueError(f"resume: the model differs from the one saved in {ckpt} ({'; '.join(changed)}); "
                              "resume with the original --config / --set, or start a new run (--init-from)")
         load_model_weights(model, ckpt)  # every rank the whole model: FSDP shards it in wrap_model
-        sched.update(state["sched"])
+        sched.update({"cosine_lag": 0, **state["sched"]})  # (a run saved before the cosine read one update back)
         per_rank = state.get("rng_per_rank")
         # the same world size: each rank its own state; otherwise (or an older checkpoint) rank 0's,
         # and the other ranks a stream of their own from it, as at the start (the same state on every

@@ -1,8 +1,15 @@
 """Learning-rate schedules as multipliers of the peak lr (for ``LambdaLR``).
 
-- ``cosine``: linear warmup from 0, cosine decay to ``min_lr_ratio`` at ``total_steps``.
-- ``inverse_sqrt`` (fairseq, the paper's LM setting): linear warmup from ``warmup_init_lr``,
-  then peak · √warmup / √step.
+Update k (1-based) of a warm-up of W updates runs at ``init + (peak − init) · k / W`` (``init`` =
+``warmup_init_lr``, default 0): the first update is not at ``init`` (a rate of 0 would waste it), so
+fairseq's inverse_sqrt, whose update k runs at ``init + (peak − init) · (k − 1) / W``, is followed one
+update earlier.
+
+- ``cosine``: warmup, then cosine decay to ``min_lr_ratio`` (the only schedule that reads it) at
+  ``total_steps``; update k reads the decay at k − 1, as ``polynomial``, so the last update is not at
+  ``min_lr_ratio`` (at 0, the LRA default, it had changed nothing: a one-step run stayed untrained).
+  Runs saved before resume with their own convention (``cosine_lag`` 0).
+- ``inverse_sqrt`` (fairseq, the paper's LM setting): warmup, then peak · √warmup / √step.
 - ``polynomial`` (RoBERTa MLM): linear warmup, then linear decay towards 0 at ``total_steps``;
   as fairseq's, update k reads the decay at k − 1, so the last update has a non-zero rate (it
   had run at 0, a wasted step).
@@ -31,8 +38,11 @@ def decay_progress(s: int, *, warmup: int, total_steps: int, refit_step: int = 0
 def refit(params: dict, total_steps: int, next_step: int) -> None:
     """Set a new ``total_steps`` in a schedule's ``params`` (as :func:`make_scheduler` reads them)
     from optimizer step ``next_step`` on (0-based; the scheduler has already set that step's lr,
-    which is where the decay continues from)."""
-    s = next_step + 1
+    which is where the decay continues from: the position that step reads, one update back for the
+    polynomial and the cosine, so the rate does not jump)."""
+    kind = params.get("kind")
+    lag = 1 if kind == "polynomial" else params.get("cosine_lag", 1) if kind == "cosine" else 0
+    s = next_step + 1 - lag
     params["refit_progress"] = decay_progress(s, warmup=params["warmup"], total_steps=params["total_steps"],
                                               refit_step=params.get("refit_step", 0),
                                               refit_progress=params.get("refit_progress", 0.0))
@@ -41,9 +51,11 @@ def refit(params: dict, total_steps: int, next_step: int) -> None:
 
 
 def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr_ratio: float = 0.1,
-                  warmup_init_ratio: float = 0.0, refit_step: int = 0, refit_progress: float = 0.0) -> float:
+                  warmup_init_ratio: float = 0.0, refit_step: int = 0, refit_progress: float = 0.0,
+                  cosine_lag: int = 1) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (0-based, before the update);
-    ``refit_step`` / ``refit_progress``: see :func:`decay_progress`."""
+    ``refit_step`` / ``refit_progress``: see :func:`decay_progress`; ``cosine_lag``: update k reads the
+    cosine decay at k − ``cosine_lag`` (0: as runs saved before the lag was introduced)."""
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
     s = step + 1
@@ -59,7 +71,7 @@ def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr
         # the decay starts from it, so the peak runs two updates (in fairseq the first warmup value does).
         return 1.0 - decay_progress(s - 1, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
                                     refit_progress=refit_progress)
-    progress = decay_progress(s, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
+    progress = decay_progress(s - cosine_lag, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
                               refit_progress=refit_progress)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
