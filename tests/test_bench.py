@@ -173,6 +173,14 @@ def test_flop_model_is_only_used_where_it_exists(monkeypatch, tmp_path):
     assert suite.preset_flops_per_token("flash-lm", 1000, 512) is None
     assert suite.preset_flops_per_token("peer:flash-pytorch", 1000, 512) is None
     assert suite.preset_flops_per_token("t2-lm", 1000, 512) > 0
+    # a bidirectional config had been counted as causal (vanilla at 16k: 37% under)
+    with pytest.raises(ValueError, match="counts causal LMs only"):
+        model_flops_per_token(get_config("vanilla-lm", causal=False), 512)
+    # a chunk given per layer type (layer_options) is the one the layers run: it had been ignored
+    base = model_flops_per_token(get_config("t2-lm"), 512)
+    wider = model_flops_per_token(get_config("t2-lm", layer_options={"norm": {"chunk_size": 256}}), 512)
+    n_norm = get_config("t2-lm").layer_types.count("norm")
+    assert wider - base == pytest.approx(n_norm * 3 * 2 * (256 - 64) * 512)  # the intra-chunk term, 3x
 
     def fake(preset, T, **kw):
         return {"preset": preset, "seq_len": T, "batch": 1, "step_s": 1.0, "tokens_per_s": float(T),

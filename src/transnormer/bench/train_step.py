@@ -285,6 +285,12 @@ def model_flops_per_token(config, seq_len: int, *, recompute: bool = False) -> f
     """
     d, L = config.hidden_size, config.num_hidden_layers
     e = d // config.num_attention_heads
+    # (a bidirectional config had been counted as causal: 37% under for vanilla at 16k)
+    if not config.causal or any(not config.options_for(t).get("causal", True) for t in set(config.layer_types)):
+        raise ValueError("model_flops_per_token counts causal LMs only (the config is bidirectional)")
+    # each layer type's own chunk and block (layer_options), as the layer builders read them
+    chunk = config.options_for("norm").get("chunk_size", config.chunk_size)
+    block = config.options_for("diag").get("block_size", config.block_size)
     if config.ffn_type not in ("glu", "ffn"):
         raise ValueError(f"model_flops_per_token has no FLOP model for ffn_type {config.ffn_type!r}")
     ffn_hidden = config.ffn_hidden_size or (int(8 * d / 3) if config.ffn_type == "glu" else 4 * d)
@@ -295,9 +301,9 @@ def model_flops_per_token(config, seq_len: int, *, recompute: bool = False) -> f
         if t == "softmax":
             mixer += (1 + softmax_bwd) * 2 * seq_len * d
         elif t == "norm":
-            mixer += (1 + states_bwd) * 4 * d * e + (1 + tiles_bwd) * 2 * config.chunk_size * d
+            mixer += (1 + states_bwd) * 4 * d * e + (1 + tiles_bwd) * 2 * chunk * d
         elif t == "diag":
-            mixer += (1 + softmax_bwd) * 2 * config.block_size * d
+            mixer += (1 + softmax_bwd) * 2 * block * d
         else:  # FLASH, GAU, the linear baselines: their dense parts differ too (use counted_step_flops)
             raise ValueError(f"model_flops_per_token has no FLOP model for layer type {t!r}")
     head = 2 * d * config.vocab_size
