@@ -432,7 +432,7 @@ def test_the_ideal_counts_the_kernels_recompute_in_the_mixers_only():
 
     d, h, T, c, w, V = 64, 4, 256, 16, 32, 100
     base = dict(hidden_size=d, num_attention_heads=h, num_hidden_layers=1, ffn_type="glu", ffn_hidden_size=96,
-                chunk_size=c, block_size=w, vocab_size=V)
+                chunk_size=c, block_size=w, vocab_size=V, causal=True, options_for=lambda t: {})
     dense = 3 * (2 * (4 * d * d + 3 * d * 96) + 2 * d * V)
     e = d // h
     fwd = {"softmax": 2 * T * d, "diag": 2 * w * d, "norm": (4 * d * e, 2 * c * d)}
