@@ -232,6 +232,40 @@ def test_eval_refuses_flags_that_would_change_nothing(run_dir, capsys, flags, ma
     assert match in capsys.readouterr().err
 
 
+def test_outputs_that_would_destroy_inputs_or_land_in_the_cwd_are_refused(run_dir, tmp_path, capsys):
+    """eval --out had overwritten its --data file and a checkpoint's config.json (the model then
+    unloadable); --out "" (an unset shell variable) wrote a run into the working folder; compare
+    --preset X had been read as --presets X (abbreviation), running other models, rc 0; lra report
+    --out had replaced a run's lra_result.json with the table."""
+    import shutil
+
+    from transnormer.cli import resolve_model_dir
+
+    root, out = run_dir
+    data = tmp_path / "corpus"
+    shutil.copytree(root, data, ignore=shutil.ignore_patterns("cache"))
+    before = (data / "valid.txt").read_text()
+    model = resolve_model_dir(out)
+    common = ["eval", "--model", str(out), "--data", str(data), "--seq-len", "32", "--max-batches", "1",
+              "--cache-dir", str(root / "cache")]
+    for target, what in ((data / "valid.txt", "in --data"), (model / "config.json", "in --model")):
+        assert _exit_code([*common, "--out", str(target)]) == 2
+        assert f"is {what}" in capsys.readouterr().err
+    assert (data / "valid.txt").read_text() == before and resolve_model_dir(out) == model
+    assert _exit_code(["train", "--max-steps", "1", "--out", ""]) == 2
+    assert "--out: expected a path, got ''" in capsys.readouterr().err
+    assert _exit_code(["compare", "--presets", "t2-lm-tiny", "--preset", "vanilla-lm-tiny", "--out", str(tmp_path / "c")]) == 2
+    assert "unrecognized arguments: --preset" in capsys.readouterr().err
+    result = tmp_path / "lra_result.json"
+    result.write_text(json.dumps({"kind": "lra-result", "task": "listops", "preset": "t2-lra-listops-tiny",
+                                  "data_provenance": "synthetic-fixture", "dataset_id": "x"}))
+    text = result.read_text()
+    for target in (result, result.with_suffix(".md")):
+        assert _exit_code(["lra", "report", str(tmp_path), "--out", str(target)]) == 2
+        assert "is one of the results read" in capsys.readouterr().err
+    assert result.read_text() == text
+
+
 def test_skip_bad_rows_and_pooling_of_a_fine_tune(tmp_path, capsys):
     # the error told CLI users to pass skip_bad_rows=True, which no flag reached; and --init-from refused
     # --set classifier_pooling, which the pretrained weights do not fix (the new head reads it)

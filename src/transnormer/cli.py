@@ -344,6 +344,13 @@ def cmd_eval(args) -> int:
     read = _cls_read_kwargs(args)
     model_dir = resolve_model_dir(args.model)
     _check_head_for(args.task, model_dir)
+    if args.out:  # (it had overwritten the corpus, or a checkpoint's config.json: the model unloadable)
+        out = Path(args.out).resolve()
+        for what, path in (("--data", Path(args.data)), ("--model", Path(args.model)), ("--model", model_dir)):
+            path = path.resolve()
+            if out == path or (path.is_dir() and path in out.parents):
+                raise ValueError(f"--out {args.out} is {'in ' if out != path else ''}{what} {path}: write the "
+                                 "result elsewhere")
     run = _run_config_for(model_dir, args.data)
     data_seed = int(run.get("data_seed") or 0)
     if args.task == "cls" and run.get("task") == "cls":  # the flags given override the run's
@@ -446,6 +453,10 @@ def _check_outputs(args) -> None:
     only after minutes of data, training or measuring, naming a temporary file."""
     from ._files import check_output
 
+    for dest, flag in (("out", "--out"), ("out_dir", "--out"), ("cache_dir", "--cache-dir")):
+        value = getattr(args, dest, None)  # an unset shell variable: the run had gone into "."
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(f"{flag}: expected a path, got {value!r}")
     out = getattr(args, "out", None) or getattr(args, "out_dir", None)
     if out:
         sub = getattr(args, "lra_command", None)
@@ -456,8 +467,20 @@ def _check_outputs(args) -> None:
         check_output(cache, "--cache-dir", directory=True)
 
 
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """No option may be abbreviated: compare --preset X had been taken as --presets X, replacing the
+    presets given (train's flag, meant for another command, ran other models with rc 0)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _no_abbreviations(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _no_abbreviations(parser)
+    args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -538,6 +538,11 @@ def cmd_report(args) -> int:
             raise ValueError(f"report: {f} is not an {RESULT_JSON} of `lra train` (kind {kind!r}"
                              + (f", no {', '.join(missing)}" if missing else "") + ")")
         records.append(rec)
+    # a result read, or the table beside it, is not where the report goes (it had replaced the run's
+    # lra_result.json with the table: that run could not be reported again)
+    if args.out and any(Path(args.out).resolve() in (f, f.with_suffix(".md")) for f in seen):
+        raise ValueError(f"--out {args.out} is one of the results read (or the .md beside it): write the table "
+                         "elsewhere")
     text = results_table(records, args.split)
     print(text)
     if args.out:
