@@ -565,6 +565,7 @@ def test_bench_measures_bf16_by_default_only_where_the_cpu_multiplies_it(monkeyp
     for name in ("ops", "train", "memory", "long", "peers"):
         monkeypatch.setattr(suite, f"bench_{name}", part(name))
     monkeypatch.setattr(cli_bench, "_print", lambda res: None)
+    monkeypatch.setattr(cli_bench, "_peer_for_bench_peers", lambda: None)  # (flash-pytorch is an optional extra)
     monkeypatch.setattr(timing, "cpu_has_bf16_products", lambda: bf16_products)
     assert main(["bench", "all", "--out", str(tmp_path / "a")]) == 0
     want = ["fp32", "bf16"] if bf16_products else ["fp32"]
