@@ -310,24 +310,17 @@ def _check_head_for(task: str, model_dir: Path, flag: str | None = None) -> None
                          + f"; {flag or f'--task {task} needs'} a *{_HEADS[task]} model")
 
 
-def _same_data(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    try:  # one path spelt two ways (relative, absolute, through a link)
-        return Path(a).exists() and Path(a).resolve() == Path(b).resolve()
-    except OSError:
-        return False
-
-
 def _run_config_for(model_dir: Path, data: str) -> dict:
     """The training config the model's run recorded, when it trained on ``data``; else {}. eval reads
     ``data`` as the run did from it: the seed that carved valid/test out of train (eval had split
     with seed 0, scoring a ``data_seed=3`` run on its training text) and a classifier's columns and
     reading options (a model trained on one column of a pair file had been scored on both)."""
     from .train.checkpoint import saved_train_configs
+    from .train.loop import _same_path
 
     for cfg, _ in saved_train_configs(model_dir)[:1]:
-        if _same_data(str(cfg.get("data", "")), data):
+        saved = str(cfg.get("data", ""))
+        if saved == data or _same_path(saved, data):  # (one path spelt two ways: resume's own rule)
             return cfg
     return {}
 
