@@ -35,14 +35,18 @@ def decay_progress(s: int, *, warmup: int, total_steps: int, refit_step: int = 0
     return min(1.0, refit_progress + (1 - refit_progress) * max(0, s - base) / max(1, total_steps - base))
 
 
+def _decay_lag(kind: str, cosine_lag: int) -> int:
+    """How many updates back update k reads its decay: one for the polynomial (as fairseq) and the
+    cosine (``cosine_lag``: 0 for runs saved before), none for the others (no decay progress)."""
+    return 1 if kind == "polynomial" else cosine_lag if kind == "cosine" else 0
+
+
 def refit(params: dict, total_steps: int, next_step: int) -> None:
     """Set a new ``total_steps`` in a schedule's ``params`` (as :func:`make_scheduler` reads them)
     from optimizer step ``next_step`` on (0-based; the scheduler has already set that step's lr,
     which is where the decay continues from: the position that step reads, one update back for the
     polynomial and the cosine, so the rate does not jump)."""
-    kind = params.get("kind")
-    lag = 1 if kind == "polynomial" else params.get("cosine_lag", 1) if kind == "cosine" else 0
-    s = next_step + 1 - lag
+    s = next_step + 1 - _decay_lag(params.get("kind"), params.get("cosine_lag", 1))
     params["refit_progress"] = decay_progress(s, warmup=params["warmup"], total_steps=params["total_steps"],
                                               refit_step=params.get("refit_step", 0),
                                               refit_progress=params.get("refit_progress", 0.0))
@@ -65,14 +69,14 @@ def lr_multiplier(step: int, *, kind: str, warmup: int, total_steps: int, min_lr
         return 1.0
     if kind == "inverse_sqrt":
         return math.sqrt(max(warmup, 1)) / math.sqrt(s)
+    # The polynomial as fairseq's: fairseq sets the lr after each update from the updates done, so
+    # update s decays from s - 1 (the last update is not at lr 0). The warmup here reaches the peak at
+    # update `warmup` and the decay starts from it, so the peak runs two updates (in fairseq the first
+    # warmup value does). The cosine the same way (``cosine_lag``).
+    progress = decay_progress(s - _decay_lag(kind, cosine_lag), warmup=warmup, total_steps=total_steps,
+                              refit_step=refit_step, refit_progress=refit_progress)
     if kind == "polynomial":
-        # fairseq sets the lr after each update from the updates done, so update s decays from s - 1
-        # (the last update is not at lr 0). The warmup here reaches the peak at update `warmup` and
-        # the decay starts from it, so the peak runs two updates (in fairseq the first warmup value does).
-        return 1.0 - decay_progress(s - 1, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
-                                    refit_progress=refit_progress)
-    progress = decay_progress(s - cosine_lag, warmup=warmup, total_steps=total_steps, refit_step=refit_step,
-                              refit_progress=refit_progress)
+        return 1.0 - progress
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
