@@ -293,7 +293,8 @@ def _has_type(value, hint) -> bool:
 
 
 # PretrainedConfig's keys that saving writes (not settings of a run), and the types of those it reads
-_SAVED_BY_HF = frozenset({"_name_or_path", "architectures", "dtype", "model_type", "transformers_version"})
+_SAVED_BY_HF = frozenset({"_name_or_path", "architectures", "dtype", "torch_dtype", "model_type",
+                          "transformers_version"})  # (torch_dtype: transformers 4's name for dtype)
 _HF_FIELD_TYPES = {"num_labels": int, "id2label": dict, "label2id": dict}
 
 
@@ -312,7 +313,7 @@ def check_overrides(overrides: dict, *, types: bool = True, where: str = "overri
     for key, value in overrides.items():
         if types and key in _SAVED_BY_HF:  # (dtype=foo had been a traceback; model_type=foo lost on saving)
             raise ValueError(f"{where}: {key!r} is written by Hugging Face when a model is saved, not a setting"
-                             + (" (the run's precision is --dtype)" if key == "dtype" else ""))
+                             + (" (the run's precision is --dtype)" if key in ("dtype", "torch_dtype") else ""))
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ValueError(f"{where}: {key!r} is not a TransNormerConfig field"

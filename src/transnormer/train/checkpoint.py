@@ -251,14 +251,15 @@ def verify_checkpoint(path: str | os.PathLike, *, hashes: bool = True) -> dict:
     return manifest
 
 
-def load_trainer_state(path: str | os.PathLike, *, verify: bool = True) -> dict:
+def load_trainer_state(path: str | os.PathLike, *, verify: bool = True, mmap: bool = False) -> dict:
     """Verify checkpoint ``path`` (unless ``verify=False``: a caller that has just verified it) and
-    return its trainer state (model weights are loaded separately)."""
+    return its trainer state (model weights are loaded separately). ``mmap``: its tensors (the
+    optimizer's moments) are mapped, not read, for a caller that reads settings only."""
     path = Path(path)
     if verify:
         verify_checkpoint(path)
     try:
-        return torch.load(path / STATE, map_location="cpu", weights_only=False)
+        return torch.load(path / STATE, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named
         raise CheckpointError(f"checkpoint file {path / STATE} cannot be read: {e}") from e
 
@@ -273,7 +274,7 @@ def saved_train_configs(model_path: str | os.PathLike) -> list[tuple[dict, str]]
     model_path = Path(model_path)
     found = []
     try:
-        found.append((load_trainer_state(model_path, verify=False).get("config") or {}, str(model_path)))
+        found.append((load_trainer_state(model_path, verify=False, mmap=True).get("config") or {}, str(model_path)))
     except (CheckpointError, OSError, ValueError):  # a bare model directory: no trainer state
         pass
     for d in (model_path, *list(model_path.parents)[:3]):

@@ -228,7 +228,7 @@ class TrainConfig:
             # a misspelt key ("hiden_size") had been kept as a loose attribute, and the model built without it
             from ..models.configuration import _SAVED_BY_HF, SAVED_LAYER_TYPES
 
-            for key in (SAVED_LAYER_TYPES, "torch_dtype", *_SAVED_BY_HF):  # (transformers 4 saved torch_dtype)
+            for key in (SAVED_LAYER_TYPES, *_SAVED_BY_HF):
                 raw.pop(key, None)
             check_overrides(raw, types=False, where=f"config_file (--config) {self.config_file!r}")
             for k, v in self.overrides.items():
