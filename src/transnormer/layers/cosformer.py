@@ -37,8 +37,8 @@ class CosFormerAttention(KernelLinearAttention):
     def feature_map(self, q, k, positions, mask):
         if self.max_len is None:
             B, T = q.shape[:2]
+            # (a row of padding alone, length 0, gets M = 1 in cosformer_angles)
             M = torch.full((B,), T, device=q.device) if mask is None else mask.sum(-1)
-            M = M.clamp_min(1)
         else:
             M = self.max_len
             check_cosformer_positions(positions, M, mask, q.shape[0], q.shape[1], from_zero=True,

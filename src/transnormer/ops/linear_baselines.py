@@ -278,6 +278,11 @@ def check_cosformer_positions(positions, max_len, mask: torch.Tensor | None, bat
     if M.dim() > 1 or M.dim() == 1 and M.shape[0] != batch:
         raise ValueError(f"max_len must be a number or a [B] = [{batch}] tensor, got shape {tuple(M.shape)}")
     M = M.expand(batch)
+    # a row with tokens needs M >= 1, as a number does; a row of padding alone (lo = inf) may say 0
+    bad = (torch.isfinite(lo) & ~(M >= 1)).nonzero()
+    if len(bad):
+        r = int(bad[0, 0])
+        raise ValueError(f"max_len must be >= 1 in every row with tokens, got {float(M[r]):g} in row {r}")
     bad = (span >= M).nonzero()
     if len(bad):
         r = int(bad[0, 0])
@@ -321,13 +326,6 @@ def cosformer_attn(
     if not isinstance(max_len, torch.Tensor) and not max_len >= 1:  # M = 0 made every weight NaN
         raise ValueError(f"max_len must be >= 1 (or a [B] tensor of row lengths), got {max_len!r}")
     check_cosformer_positions(positions, max_len, mask, q.shape[0], q.shape[1])
-    if isinstance(max_len, torch.Tensor) and max_len.dim() == 1 and max_len.numel():
-        # a row with tokens needs M >= 1, as a number does; a row of padding alone may say 0
-        real = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device) if mask is None else mask
-        bad = (real.any(1) & ~(max_len.to(device=q.device, dtype=torch.float64) >= 1)).nonzero()
-        if len(bad):
-            r = int(bad[0, 0])
-            raise ValueError(f"max_len must be >= 1 in every row with tokens, got {float(max_len[r]):g} in row {r}")
     qf = cosformer_features(q, positions, max_len)
     kf = cosformer_features(k, positions, max_len)
     o, _ = kernel_linear_attn(qf, kf, v, causal=causal, eps=eps, chunk_size=chunk_size,
