@@ -242,9 +242,12 @@ class GradientRecorder:
                                per_layer=self.layer_values if self.per_layer else None)
 
 
+GRAD_NORM_LABEL = "‖∇θ L‖₂"
+
+
 def plot_grad_norms(steps: Sequence[int], values: Sequence[float], path, *, title: str = "",
                     per_layer: dict[str, Sequence[float]] | None = None,
-                    window: tuple[int, int] | None = None, ylabel: str = "‖∇θ L‖₂") -> Path:
+                    window: tuple[int, int] | None = None, ylabel: str = GRAD_NORM_LABEL) -> Path:
     """``window``: the (first, last) step an RSD in the title covers, shaded; ``ylabel``: what
     ``values`` are (another key than the gradient norm names itself)."""
     fig, axes = new_figure(size=(6.0, 4.0))
@@ -252,7 +255,7 @@ def plot_grad_norms(steps: Sequence[int], values: Sequence[float], path, *, titl
     if window is not None:
         ax.axvspan(*window, color="C0", alpha=0.1, label="RSD window")
     clean = [float("nan") if v is None else v for v in values]
-    ax.plot(steps, clean, lw=1.2, color="k", label="total" if ylabel == "‖∇θ L‖₂" else ylabel)
+    ax.plot(steps, clean, lw=1.2, color="k", label="total" if ylabel == GRAD_NORM_LABEL else ylabel)
     for g, vals in (per_layer or {}).items():
         ax.plot(steps, vals, lw=0.8, label=g)
     ax.set_yscale("log")
