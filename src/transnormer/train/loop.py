@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .._files import atomic_write_text, check_output, held_alone, to_jsonable
-from ..models.configuration import check_overrides
+from ..models.configuration import _SAVED_BY_HF, SAVED_LAYER_TYPES, check_overrides
 from ..models.presets import MODEL_RULES, model_rules
 from ..runtime import build_cpu_kernels, cpu_has_bf16_products, peak_rss_mb, reset_peak_rss
 from .checkpoint import (
@@ -220,14 +220,12 @@ class TrainConfig:
             from ..models import TransNormerConfig
 
             try:
-                config = TransNormerConfig.from_json_file(self.config_file)
                 raw = json.loads(Path(self.config_file).read_text())
+                config = TransNormerConfig.from_dict(dict(raw))  # (as from_json_file: the file read once)
             except (OSError, ValueError) as e:
                 raise ValueError(f"config_file (--config) {self.config_file!r} is not a readable JSON config: "
                                  f"{e}") from None
             # a misspelt key ("hiden_size") had been kept as a loose attribute, and the model built without it
-            from ..models.configuration import _SAVED_BY_HF, SAVED_LAYER_TYPES
-
             for key in (SAVED_LAYER_TYPES, *_SAVED_BY_HF):
                 raw.pop(key, None)
             check_overrides(raw, types=False, where=f"config_file (--config) {self.config_file!r}")
@@ -305,8 +303,7 @@ def config_changes(saved: dict, cfg: TrainConfig) -> list[str]:
 
 # Model config entries that are not the model: where it was saved from and by what, the label names
 # (set from the data after the model is built) and problem_type (set by the first loss).
-_NOT_THE_MODEL = ("transformers_version", "architectures", "_name_or_path", "id2label", "label2id", "dtype",
-                  "torch_dtype", "problem_type")
+_NOT_THE_MODEL = (*(_SAVED_BY_HF - {"model_type"}), "id2label", "label2id", "problem_type")
 
 
 def model_config_changes(model, ckpt: Path) -> list[str]:
