@@ -631,3 +631,24 @@ def test_a_run_or_checkpoint_folder_gives_its_tokenizer(run_dir, tmp_path):
     AutoModelForCausalLM.from_pretrained(step).save_pretrained(tmp_path / "bare")
     with pytest.raises(ValueError, match=r"--tokenizer '.*bare' is a model folder .* saved without a tokenizer"):
         tokenizer_from_arg(str(tmp_path / "bare"))
+
+
+def test_train_saves_a_local_data_path_resolved(tmp_path, monkeypatch):
+    """A run saves --data resolved, so that eval run from another folder finds the run that trained on
+    it (its data seed, a classifier's columns and reading options): saved as given, a relative path
+    resolved against eval's folder named another file, and eval read the data with defaults."""
+    from transnormer.cli import _run_config_for, _train_config, build_parser
+
+    (tmp_path / "a" / "corpus").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    parse = build_parser().parse_args
+    cfg = _train_config(parse(["train", "--preset", "t2-lm-tiny", "--data", "corpus"]))
+    assert cfg.data == str((tmp_path / "a" / "corpus").resolve())
+    for kept in ("stdlib", "hf:wikitext:wikitext-2-raw-v1", "missing_here"):  # names, or a path that fails later
+        assert _train_config(parse(["train", "--preset", "t2-lm-tiny", "--data", kept])).data == kept
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "train_config.json").write_text(json.dumps({"data": cfg.data, "data_seed": 3}))
+    monkeypatch.chdir(tmp_path / "b")
+    assert _run_config_for(model, "../a/corpus")["data_seed"] == 3

@@ -166,6 +166,16 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def saved_data_spec(data):
+    """``--data`` as a run saves it: a local file or folder resolved, so that ``eval`` run from another
+    folder finds the run that trained on it (the data seed and a classifier's reading options); the
+    embedded ``stdlib``, ``hf:`` and ``lra:`` names (LRA resolves its own folder) as given."""
+    if not isinstance(data, str) or data == "stdlib" or data.startswith(("hf:", "lra:")) or not data.strip():
+        return data
+    path = Path(data).expanduser()
+    return str(path.resolve()) if path.exists() else data
+
+
 def _train_config(args) -> object:
     from .train.loop import TrainConfig
 
@@ -182,6 +192,8 @@ def _train_config(args) -> object:
     if model_from:
         kw["preset"] = None  # (train_config.json had recorded the default preset as the run's)
     kw["betas"] = tuple(args.betas)
+    if "data" in kw:
+        kw["data"] = saved_data_spec(kw["data"])
     return TrainConfig(overrides=overrides, cls_read_kwargs=read, **kw)
 
 
