@@ -264,6 +264,15 @@ def test_directory_skips_empty_shards(tmp_path):
 # ---------------------------------------------------------------------------------------------- errors
 
 
+def test_a_pipe_is_not_called_a_directory(tmp_path):
+    import os
+
+    fifo = tmp_path / "text.fifo"
+    os.mkfifo(fifo)  # what <(zcat corpus.txt.gz) hands over: it had been "directory ... contains no text files"
+    with pytest.raises(ValueError, match="neither a regular file nor a directory"):
+        load_corpus(fifo)
+
+
 def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         load_corpus(tmp_path / "nope.txt")

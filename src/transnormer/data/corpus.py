@@ -437,6 +437,9 @@ def _warn_shared_documents(path: Path, splits: dict[str, list[str]]) -> None:
 def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fraction: float) -> Corpus:
     if not path.exists():
         raise FileNotFoundError(f"--data path {str(path)!r} does not exist (nor is it 'stdlib' or 'hf:NAME')")
+    if not path.is_file() and not path.is_dir():  # (a pipe such as <(zcat x) had been called a directory)
+        raise ValueError(f"--data path {str(path)!r} is neither a regular file nor a directory (a pipe or a "
+                         "device?): write the text to a file and give its path")
     by_split, unnamed = _files_by_split(path)
     if by_split:
         if "train" not in by_split:
