@@ -262,3 +262,15 @@ def test_a_full_disk_names_the_token_cache(corpus, tok, tmp_path, monkeypatch):
                                       r"of split 'train' \(give another --cache-dir\)") as err:
         build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
     assert err.value.filename == str(token_cache_dir(corpus, tok, tmp_path))
+
+
+def test_a_cache_that_is_a_file_is_named_by_where_it_came_from(tmp_path, monkeypatch):
+    from transnormer.data._util import resolve_cache_dir
+
+    f = tmp_path / "cache"
+    f.write_text("")
+    with pytest.raises(ValueError, match="--cache-dir .*is a file"):
+        resolve_cache_dir(f)
+    monkeypatch.setenv("TRANSNORMER_CACHE", str(f))
+    with pytest.raises(ValueError, match=r"\$TRANSNORMER_CACHE .*is a file"):
+        resolve_cache_dir(None)
