@@ -511,7 +511,7 @@ def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return load() is not None and not bf16_ready()
 
 
-BIDIR_CHUNK = 64  # rows per step of the bidirectional kernels' walk (kBidirChunk in both .cpp files)
+BIDIR_CHUNK = 64  # rows per step of the bidirectional kernels' walk (kBidirChunk in both .cpp files; 32 on AMX)
 
 
 def bidir_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
