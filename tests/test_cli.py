@@ -1,6 +1,7 @@
 """The command line end to end on a tiny fixture corpus: train → generate / eval, analyze, errors."""
 
 import json
+import os
 import random
 
 import pytest
@@ -647,6 +648,14 @@ def test_train_saves_a_local_data_path_resolved(tmp_path, monkeypatch):
     assert cfg.data == str((tmp_path / "a" / "corpus").resolve())
     for kept in ("stdlib", "hf:wikitext:wikitext-2-raw-v1", "missing_here"):  # names, or a path that fails later
         assert _train_config(parse(["train", "--preset", "t2-lm-tiny", "--data", kept])).data == kept
+    # a link keeps its own name (the reader takes split and compression from it: a Hugging Face
+    # snapshot's wiki.train.txt.gz links to a blob named by hash), and a pipe stays as given
+    (tmp_path / "blob").write_text("x")
+    (tmp_path / "a" / "wiki.train.txt").symlink_to(tmp_path / "blob")
+    linked = _train_config(parse(["train", "--preset", "t2-lm-tiny", "--data", "wiki.train.txt"])).data
+    assert linked == str(tmp_path / "a" / "wiki.train.txt")
+    os.mkfifo(tmp_path / "a" / "pipe")
+    assert _train_config(parse(["train", "--preset", "t2-lm-tiny", "--data", "pipe"])).data == "pipe"
     model = tmp_path / "model"
     model.mkdir()
     (model / "train_config.json").write_text(json.dumps({"data": cfg.data, "data_seed": 3}))

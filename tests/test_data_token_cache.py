@@ -269,8 +269,8 @@ def test_a_cache_that_is_a_file_is_named_by_where_it_came_from(tmp_path, monkeyp
 
     f = tmp_path / "cache"
     f.write_text("")
-    with pytest.raises(ValueError, match="--cache-dir .*is a file"):
+    with pytest.raises(ValueError, match=r"cache_dir \(--cache-dir\) .*is not a directory"):
         resolve_cache_dir(f)
     monkeypatch.setenv("TRANSNORMER_CACHE", str(f))
-    with pytest.raises(ValueError, match=r"\$TRANSNORMER_CACHE .*is a file"):
+    with pytest.raises(ValueError, match=r"\$TRANSNORMER_CACHE .*is not a directory"):
         resolve_cache_dir(None)

@@ -173,7 +173,9 @@ def saved_data_spec(data):
     if not isinstance(data, str) or data == "stdlib" or data.startswith(("hf:", "lra:")) or not data.strip():
         return data
     path = Path(data).expanduser()
-    return str(path.resolve()) if path.exists() else data
+    # absolute, links not followed: the corpus reader takes split, suffix and compression from the
+    # names (a Hugging Face snapshot's files link to blobs named by hash); a pipe stays as given
+    return os.path.abspath(path) if path.is_file() or path.is_dir() else data
 
 
 def _train_config(args) -> object:

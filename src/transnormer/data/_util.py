@@ -30,8 +30,9 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
         raise TypeError(f"cache_dir must be a path or None, got {type(cache_dir).__name__}")
     path = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
     if path.exists() and not path.is_dir():  # (mkdir's FileExistsError named neither the flag nor the variable)
-        given = "--cache-dir" if cache_dir is not None else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV) else "the default cache"
-        raise ValueError(f"{given} {str(path)!r} is a file, not a directory: give a directory for the caches")
+        given = ("cache_dir (--cache-dir)" if cache_dir is not None else f"${CACHE_ENV}" if os.environ.get(CACHE_ENV)
+                 else "the default cache")
+        raise ValueError(f"{given} {str(path)!r} is not a directory: give a directory for the caches")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

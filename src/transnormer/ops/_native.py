@@ -490,7 +490,8 @@ def softmax_f32_ready() -> bool:
 
 def bf16_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> bool:
     """Whether ``norm_linear_attn`` runs on the bf16 kernel: CPU bf16 q, k, v with D, E and the chunk
-    multiples of 32, under the current backend mode (the bidirectional form walks chunks of 64)."""
+    multiples of 32, under the current backend mode (the bidirectional form walks chunks of 32 rows
+    on AMX, 64 on AVX512-BF16: BIDIR_CHUNK stands for either in this check)."""
     if _mode == "torch" or torch.compiler.is_compiling():
         return False
     if not all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v)):
@@ -511,7 +512,7 @@ def upcast_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return load() is not None and not bf16_ready()
 
 
-BIDIR_CHUNK = 64  # rows per step of the bidirectional kernels' walk (kBidirChunk in both .cpp files; 32 on AMX)
+BIDIR_CHUNK = 64  # a chunk the bidirectional kernels accept (their walk: kBidirChunk, 64; 32 on AMX)
 
 
 def bidir_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
