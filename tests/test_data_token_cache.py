@@ -119,9 +119,24 @@ def test_failed_build_leaves_no_partial_files(corpus, tok, tmp_path, monkeypatch
     assert sorted(p.name for p in directory.iterdir()) == ["train.bin", "train.json", "train.lock"]
 
 
+def test_a_killed_builds_partial_file_is_removed_by_the_next_build(corpus, tok, tmp_path):
+    # a build killed by SIGKILL / the OOM killer never runs atomic_path's cleanup: its partial .bin
+    # stayed in the cache for good (one more for every killed retry)
+    directory = token_cache_dir(corpus, tok, tmp_path)
+    directory.mkdir(parents=True)
+    orphan = directory / ".train.bin.abc123.tmp"
+    orphan.write_bytes(b"\0" * 4096)
+    other = directory / ".valid.bin.abc123.tmp"  # another split's: its own builder's to remove
+    other.write_bytes(b"")
+    build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"], batch_docs=16)
+    assert not orphan.exists() and other.exists()
+
+
 def test_argument_errors(corpus, tok, tmp_path):
     with pytest.raises(ValueError, match="splits"):
         build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["dev"])
+    with pytest.raises(TypeError, match=r"list of split names, got the str 'train'"):
+        build_token_cache(corpus, tok, cache_dir=tmp_path, splits="train")
     with pytest.raises(TypeError, match="corpus"):
         build_token_cache(["text"], tok, cache_dir=tmp_path)
     with pytest.raises(TypeError, match="tokenizer"):

@@ -859,6 +859,13 @@ def test_sampler_refuses_bad_arguments(kw, err, match):
         StepBatchSampler(10, **{"batch_size": 2, **kw})
 
 
+def test_sampler_refuses_a_negative_step():
+    from transnormer.data.sampler import StepBatchSampler
+
+    with pytest.raises(ValueError, match="step must be >= 0"):  # had been a TypeError indexing None
+        StepBatchSampler(10, 2).indices_at(-1)
+
+
 def test_sampler_refuses_a_state_from_other_data():
     from transnormer.data.sampler import StepBatchSampler
 

@@ -34,7 +34,8 @@ class StepBatchSampler:
         self._perm_epoch, self._perm = -1, None
 
     def indices_at(self, step: int) -> np.ndarray:
-        epoch, k = divmod(step, self.steps_per_epoch)
+        # (step -1 had been epoch -1, the "no permutation yet" mark: a TypeError indexing None)
+        epoch, k = divmod(_check_pos_int("step", step, 0), self.steps_per_epoch)
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
             self._perm_epoch = epoch

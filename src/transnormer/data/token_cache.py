@@ -170,6 +170,8 @@ def build_token_cache(
         raise ValueError("tokenizer has no EOS token; the token cache separates documents with EOS")
     if isinstance(batch_docs, bool) or not isinstance(batch_docs, int) or batch_docs < 1:
         raise ValueError(f"batch_docs must be a positive int, got {batch_docs!r}")
+    if isinstance(splits, str):  # (list("train") had been five one-letter splits, 't' "not a split")
+        raise TypeError(f"splits must be a list of split names, got the str {splits!r} (use [{splits!r}])")
     wanted = list(corpus.splits) if splits is None else list(splits)
     for s in wanted:
         if s not in corpus.splits:
@@ -208,6 +210,11 @@ def _open_or_build(corpus, tokenizer, directory: Path, split: str, expect: dict,
         # .bin that is about to be replaced.
         with contextlib.suppress(FileNotFoundError):
             (directory / f"{split}.json").unlink()
+        # A build killed before its cleanup ran (SIGKILL, the OOM killer, a job's time limit) left its
+        # partial .bin as a temporary file of atomic_path's name; only the lock holder (us) writes those.
+        for orphan in directory.glob(f".{split}.bin.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                orphan.unlink()
         progress = None
         if show_progress:
             from tqdm.auto import tqdm
