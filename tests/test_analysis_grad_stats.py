@@ -99,8 +99,17 @@ def test_ablation_configs_differ_only_in_mixers():
              for d in dicts.values()]
     assert all(s == strip[0] for s in strip)
     assert cfgs["norm"].lrpe == "none"  # linear_elu has no positional encoding inside: only the norm differs
-    assert dicts["linear_elu_no_denom"]["layer_options"]["linear_elu"] == {"denominator": False}
+    assert dicts["linear_elu_no_denom"]["layer_options"]["linear_elu"] == {"kernel": "1+elu", "denominator": False}
+    assert dicts["linear_elu"]["layer_options"]["linear_elu"] == {"kernel": "1+elu", "denominator": True}
     assert set(cfgs["norm"].layer_types) == {"norm"}
+
+
+def test_ablation_arms_keep_their_denominators_whatever_the_base():
+    # a linear-elu-noscale base's own denominator=False had made both linear arms one model
+    for base in ("linear-elu-noscale-lm-tiny", "t2-lm-tiny"):
+        mixers = {name: build_model(c).model.layers[0].mixer for name, c in ablation_configs(base).items()
+                  if name != "norm"}
+        assert mixers["linear_elu"].denominator and not mixers["linear_elu_no_denom"].denominator, base
 
 
 def test_ablation_norm_arm_takes_the_linear_arms_kernel():

@@ -43,9 +43,13 @@ def ablation_configs(base: str = "t2-lm-tiny", **overrides) -> dict:
 
     ref = get_config(base, **overrides)
     L, opts = ref.num_hidden_layers, dict(ref.layer_options)
-    no_denom = {**opts, "linear_elu": {**opts.get("linear_elu", {}), "denominator": False}}
+    # both linear arms pinned: a linear-elu-noscale base's own denominator=False had made the "with
+    # denominator" arm the same model as the other, and the NormAttention arm runs 1+elu
+    elu = {**opts.get("linear_elu", {}), "kernel": "1+elu"}
+    with_denom = {**opts, "linear_elu": {**elu, "denominator": True}}
+    no_denom = {**opts, "linear_elu": {**elu, "denominator": False}}
     return {
-        "linear_elu": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=opts),
+        "linear_elu": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=with_denom),
         "linear_elu_no_denom": get_config(base, **overrides, layer_types=["linear_elu"] * L, layer_options=no_denom),
         "norm": get_config(base, **{**overrides, "lrpe": "none", "norm_kernel": "1+elu"}, layer_types=["norm"] * L,
                            layer_options=opts),
