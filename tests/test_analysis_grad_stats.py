@@ -220,6 +220,16 @@ def test_resumed_per_layer_lists_stay_aligned(tmp_path):
     rec.save_jsonl(tmp_path / "copy.jsonl")
 
 
+def test_a_gap_in_the_recorded_steps_is_counted(tmp_path):
+    # steps 4-6 trained without --grad-stats between two resumes: step_range [1, 9] had claimed them
+    p = tmp_path / "grad_norms.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "grad_norm": 1.0 + s}) + "\n" for s in (1, 2, 3, 7, 8, 9)))
+    rec = GradientRecorder("mixer", jsonl_path=p, resume=True)
+    s = rec.summary()
+    assert s["step_range"] == [1, 9] and s["num_steps"] == 6 and s["missing_steps"] == 3
+    assert rec.summary(start=7)["missing_steps"] == 0
+
+
 def test_rsd_from_a_training_metrics_file_reads_train_records_only(tmp_path):
     # eval records carry "loss" at train steps: "steps must increase" had stopped --key loss
     p = tmp_path / "metrics.jsonl"

@@ -1142,6 +1142,7 @@ def test_grad_stats_record_the_raw_gradient_and_survive_a_resume(corpus_dir, tmp
     assert norms(resumed.out_dir)[0] == list(range(1, 7))
     assert norms(resumed.out_dir)[1] == pytest.approx(norms(clip.out_dir)[1], rel=1e-6)
     assert s2["grad_stats"]["num_steps"] == 6 and s2["grad_stats"]["rsd"] == pytest.approx(s["grad_stats"]["rsd"])
+    assert s2["grad_stats"]["missing_steps"] == 0
     rsd = json.loads((Path(resumed.out_dir) / "grad_rsd.json").read_text())
     assert rsd["step_range"] == [1, 6]
     fresh = cfg_for(corpus_dir, tmp_path / "b", out_dir=str(tmp_path / "part"), max_steps=2)  # no --grad-stats

@@ -216,6 +216,10 @@ class GradientRecorder:
         self.flush()
         out = summarize(self.values, self.steps, param_set=self.param_set, start=start, end=end)
         out["skipped_steps"] = len(self.skipped_steps)
+        # steps inside the range with no record: a run resumed with --grad-stats after steps trained
+        # without it (the step range alone had claimed them)
+        inside = sorted({s for s in self.steps if (start is None or s >= start) and (end is None or s <= end)})
+        out["missing_steps"] = inside[-1] - inside[0] + 1 - len(inside) if inside else 0
         if self.per_layer:
             out["per_layer"] = {g: summarize(v, self.steps, param_set=f"{self.param_set}@{g}", start=start, end=end)
                                 for g, v in self.layer_values.items()}

@@ -777,6 +777,9 @@ def _train(cfg: TrainConfig) -> dict:  # (cfg checked by train)
         # ‖∇‖ over attention-module parameters, every step, into grad_norms.jsonl (continued on resume)
         recorder = GradientRecorder("mixer", jsonl_path=out / "grad_norms.jsonl" if info.is_main else None,
                                     resume=resumed)
+        if resumed and recorder.steps and recorder.steps[-1] < step:
+            log(f"warning: grad_norms.jsonl ends at step {recorder.steps[-1]}; steps {recorder.steps[-1] + 1}-{step} "
+                "trained without --grad-stats, so the RSD's step range has a gap (summary: missing_steps)")
     if cfg.compile:
         model = torch.compile(model)
     wrapped = wrap_model(model, info, cfg.strategy, sync_batch_norm=cfg.sync_batch_norm)
