@@ -174,7 +174,12 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     (["analyze", "dilution", "--models", " , "], "no model given"),
     (["analyze", "dilution", "--models", "t2-lm-tiny", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["analyze", "dilution", "--models", "t2-lm-tiny", "--samples", "-1"], "--samples must be >= 1"),
-    (["analyze", "grad-stats", "--metrics", "{tmp}"], "Is a directory"),
+    (["analyze", "grad-stats", "--metrics", "{tmp}"], "is a folder; give a file in it"),  # had been Errno 21
+    (["analyze", "grad-stats", "--metrics", "{tmp}/nope.jsonl"], "no such file"),
+    (["analyze", "dilution", "--models", "{tmp},{tmp}/"], "each model once"),  # one folder spelt two ways
+    # read by nothing beside a tokenizer: had been accepted silently
+    (["analyze", "dilution", "--models", "t2-lm-tiny", "--tokenizer", "{tmp}/tok", "--vocab-size", "300"],
+     "leave --vocab-size out"),
     (["analyze", "grad-stats", "--metrics", "{tmp}/empty.jsonl"], "no record has both"),
     # each of these had been found after the corpus and tokenizer, or not at all
     (["analyze", "dilution", "--models", "t2-lm-tiny,t2-lm-tiny"], "each model once"),

@@ -55,7 +55,8 @@ def cmd_dilution(args) -> int:
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     if not names:
         raise ValueError("--models: no model given (comma-separated presets or model/run directories)")
-    if len(set(names)) != len(names):  # a repeat had been analysed once, silently
+    # (a repeat had been analysed once, silently; a folder spelt two ways, run and run/, twice)
+    if len({str(Path(n).resolve()) if Path(n).exists() else n for n in names}) != len(names):
         raise ValueError(f"--models: each model once, got {names}")
     for flag, value in (("--seq-len", args.seq_len), ("--samples", args.samples)):
         if value < 1:
@@ -65,7 +66,12 @@ def cmd_dilution(args) -> int:
             get_config(name)
         elif _is_preset(name):  # (the folder had been analysed, under the preset's name)
             raise ValueError(f"--models: {name!r} is both a preset and a folder here; write ./{name} for the folder")
-    if not args.tokenizer and not all(Path(n).exists() for n in names) and args.vocab_size < MIN_VOCAB:
+    trains_bpe = not args.tokenizer and not all(Path(n).exists() for n in names)
+    if args.vocab_size is not None and not trains_bpe:  # (it had been read by nothing, silently)
+        raise ValueError("--vocab-size sizes the BPE trained on --data for presets given by name; with --tokenizer, "
+                         "or model folders (their own tokenizer), leave --vocab-size out")
+    args.vocab_size = 8192 if args.vocab_size is None else args.vocab_size
+    if trains_bpe and args.vocab_size < MIN_VOCAB:
         raise ValueError(f"--vocab-size must be >= {MIN_VOCAB} (5 specials and 256 bytes), got {args.vocab_size}")
     models, toks = {}, {}
     for name in names:
@@ -109,6 +115,14 @@ def cmd_dilution(args) -> int:
 
 def cmd_grad_stats(args) -> int:
     from .analysis import run_grad_stats
+
+    metrics = Path(args.metrics)
+    if metrics.is_dir():  # (it had been "[Errno 21] Is a directory")
+        hint = metrics / "grad_norms.jsonl"
+        raise ValueError(f"--metrics {args.metrics} is a folder; give a file in it, e.g. {hint}"
+                         + ("" if hint.is_file() else " (written by train --grad-stats)"))
+    if not metrics.is_file():
+        raise ValueError(f"--metrics {args.metrics}: no such file (grad_norms.jsonl or metrics.jsonl of a run)")
 
     res = run_grad_stats(args.metrics, args.out, key=args.key, start=args.start, end=args.end,
                          param_set=args.param_set)
@@ -182,7 +196,7 @@ def register(sub) -> None:
     q.add_argument("--models", required=True, help="comma-separated presets (random init) or model/run dirs")
     q.add_argument("--data", default="stdlib")
     q.add_argument("--tokenizer")
-    q.add_argument("--vocab-size", type=int, default=8192)
+    q.add_argument("--vocab-size", type=int, help="of the BPE trained on --data for presets (default 8192)")
     q.add_argument("--cache-dir")
     q.add_argument("--seq-len", type=int, default=512)
     q.add_argument("--samples", type=int, default=2)
