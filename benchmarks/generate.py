@@ -17,6 +17,7 @@ import time
 import torch
 
 from transnormer.bench import rss_mb
+from transnormer.bench.train_step import require_causal
 from transnormer.cli import positive_int
 from transnormer.presets import build_model
 from transnormer.runtime import tune_allocator
@@ -64,6 +65,11 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=positive_int, help="override the preset vocabulary (default: the preset's)")
     args = ap.parse_args()
     args.contexts = sorted(set(args.contexts))  # the shortest is the baseline of the ratios
+    for name in args.presets:  # decoding needs a causal LM: said before any sweep, not after one
+        try:
+            require_causal(name)
+        except ValueError as e:  # (an unknown name: get_config's message)
+            ap.error(str(e).replace("bench train/infer measure causal LM steps", "generation decodes a causal LM"))
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, batch 1")
     print(f"| preset | context | per-token latency (ms) | vs {args.contexts[0]} | cache (MB) | "

@@ -1,4 +1,5 @@
-"""Mixer-level side-by-side timing against the peers, as peers.md §2 rule 4 asks.
+"""Mixer-level side-by-side timing against the peers (peers.md §2), at B = 1 without a padding mask;
+a fixed token budget per step, models against T, is `transnormer bench train` (peers as peer:NAME).
 
     python benchmarks/peers_mixers.py [--lengths 256 512 1024 2048 4096 8192] [--dim 512] [--heads 8]
                                       [--bidirectional] [--out runs/bench/peers_mixers]   (default: causal)
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils.benchmark import Timer
 
-from transnormer._files import atomic_write_text, check_output
+from transnormer._files import atomic_write_text, check_output, to_jsonable
 from transnormer.bench.peers import _import_peer, peer_versions
 from transnormer.cli import positive_float, positive_int
 from transnormer.layers import FLASH, NormAttention, SoftmaxAttention
@@ -141,8 +142,8 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "peers_mixers.json", json.dumps({"environment": env, "rows": rows, "crossover": cross},
-                                                            indent=1))
+    atomic_write_text(out / "peers_mixers.json", json.dumps(to_jsonable({"environment": env, "rows": rows,
+                                                                        "crossover": cross}), indent=1))
     atomic_write_text(out / "peers_mixers.md", table + "\n")
     print("wrote", out / "peers_mixers.json", out / "peers_mixers.md")
 

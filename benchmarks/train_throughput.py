@@ -15,9 +15,9 @@ import json
 
 import torch
 
-from transnormer._files import atomic_write_text, check_output
+from transnormer._files import atomic_write_text, check_output, to_jsonable
 from transnormer.bench.suite import preset_flops_per_token
-from transnormer.bench.train_step import train_step_throughput
+from transnormer.bench.train_step import require_causal, train_step_throughput
 from transnormer.cli import positive_int
 from transnormer.runtime import tune_allocator
 
@@ -38,6 +38,9 @@ def main() -> None:
     try:  # before minutes of measuring, not after
         if args.json:
             check_output(args.json, "--json")
+        for p in args.presets:  # a typo or a bidirectional preset had been a child's traceback, presets later
+            if not p.startswith("peer:"):
+                require_causal(p)
     except ValueError as e:
         ap.error(str(e))
     tune_allocator()  # as the CLI does: no page faults per step (transnormer/runtime.py)
@@ -64,7 +67,7 @@ def main() -> None:
             print(f"| {dtype} | {T} | {cells} | {row[a]['tokens_per_s'] / row[b]['tokens_per_s']:.2f}x | "
                   f"{ideal[0]} | {ideal[1]} |", flush=True)
     if args.json:
-        atomic_write_text(args.json, json.dumps(results, indent=1))
+        atomic_write_text(args.json, json.dumps(to_jsonable(results), indent=1))
 
 
 if __name__ == "__main__":

@@ -494,7 +494,25 @@ def test_train_and_peer_limits_are_the_faster_of_two_probes(monkeypatch, tmp_pat
     assert "of 250 GFLOP/s GEMM" in mfu
     # both probes reported: far apart, the machine's speed changed under the sweep
     assert "probed 100 before the sweep, 250 after" in mfu
-    assert json.loads((tmp_path / "train.json").read_text())["gemm_probes_gflops"] == {"fp32": [100.0, 250.0]}
+    saved = json.loads((tmp_path / "train.json").read_text())
+    assert saved["gemm_probes_gflops"] == {"fp32": [100.0, 250.0]}
+    # what the step times depend on, recorded (the LM head's vocabulary had been in no report)
+    assert saved["settings"] == {"vocab_size": 32768, "tokens_per_step": 16384, "steps": 2, "rounds": 1}
+
+
+def test_a_non_finite_long_step_is_strict_json(monkeypatch, tmp_path):
+    from transnormer.bench import suite
+
+    nan = float("nan")
+    monkeypatch.setattr(suite, "train_step_throughput", lambda *a, **k: {
+        "seq_len": 65536, "dtype": "bf16", "loss": nan, "step_s": 1.0, "peak_mem_mb": 1.0, "warmup_steps": 2,
+        "finite": False, "loss_finite": False, "grads_finite": True, "params_finite": True})
+    res = suite.bench_long(tmp_path)
+    assert res["verdicts"][0].startswith("FAIL")
+    text = (tmp_path / "long.json").read_text()
+    assert "NaN" not in text  # a bare NaN, which strict JSON parsers refuse, where bench long is needed most
+    saved = json.loads(text)
+    assert saved["results"][0]["loss"] is None and saved["settings"]["vocab_size"] == 8192
 
 
 def test_peer_verdicts_report_both_gemm_probes(monkeypatch, tmp_path):

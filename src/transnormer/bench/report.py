@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .._files import atomic_write_text
+from .._files import atomic_write_text, to_jsonable
 from ..ops import _native
 
 
@@ -48,7 +48,8 @@ def write_report(rows: list[dict], out_dir, name: str, columns: list[str], *, x:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"environment": environment(), "results": rows, **(extra or {})}
-    atomic_write_text(out / f"{name}.json", json.dumps(payload, indent=1, default=str))
+    # strict JSON: a non-finite loss (what bench long is there to catch) becomes null, not a bare NaN
+    atomic_write_text(out / f"{name}.json", json.dumps(to_jsonable(payload), indent=1, default=str))
     table = markdown_table(rows, columns)
     atomic_write_text(out / f"{name}.md", table + "\n")
     files = [str(out / f"{name}.json"), str(out / f"{name}.md")]

@@ -243,7 +243,10 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     rep = write_report(rows, out_dir, mode, columns, series="label", plots=("step_s", "tokens_per_s", "peak_mem_mb"),
                        extra={"verdicts": verdicts, "peak_gflops": {d: max(p) for d, p in probes.items()},
                               "gemm_probes_gflops": probes,
-                              "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb}})
+                              "limits": {"max_step_s": max_step_s, "max_mem_gb": max_mem_gb},
+                              # what every step time, MFU and ideal ratio depends on (the LM head)
+                              "settings": {"vocab_size": vocab_size, "tokens_per_step": tokens_per_step,
+                                           "steps": steps, "rounds": rounds}})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
 
@@ -297,7 +300,7 @@ def bench_memory(out_dir, *, preset: str = "t2-lm", lengths=(4096, 16384), vocab
             f"(linear: {allowed_growth / 1.1:.2f}x; target <= {allowed_growth:.2f}x)"))
         rows += [base, *got]
     rep = write_report(rows, out_dir, "memory", ["label", "seq_len", "peak_mem_mb", "step_s"], series="label",
-                       plots=("peak_mem_mb",), extra={"verdicts": verdicts})
+                       plots=("peak_mem_mb",), extra={"verdicts": verdicts, "settings": {"vocab_size": vocab_size}})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
 
@@ -318,7 +321,8 @@ def bench_long(out_dir, *, preset: str = "t2-lm", seq_len: int = 65536, vocab_si
                         f"loss {r['loss']:.3f} ({checks}), {r['step_s']:.1f} s a step after "
                         f"{r['warmup_steps']} warm-up steps, peak {r['peak_mem_mb']:.0f} MB")]
     rep = write_report([r], out_dir, "long", ["label", "seq_len", "dtype", "loss", "step_s", "peak_mem_mb"],
-                       series="label", plots=(), extra={"verdicts": verdicts})
+                       series="label", plots=(), extra={"verdicts": verdicts, "settings": {
+                           "vocab_size": vocab_size, "gradient_checkpointing": checkpointing}})
     return {"rows": [r], "verdicts": verdicts, **rep}
 
 
@@ -377,7 +381,9 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
                                                 "gflop_step", "gflops", "frac_gemm", "equal_rate_ratio",
                                                 "peak_mem_mb"],
                        series="label", plots=(), extra={"verdicts": verdicts, "versions": peer_versions(),
-                                                             "gemm_probes_gflops": probes})
+                                                             "gemm_probes_gflops": probes,
+                                                             "settings": {"vocab_size": vocab_size, "steps": steps,
+                                                                          "rounds": rounds}})
     return {"rows": rows, "verdicts": verdicts, **rep}
 
 
