@@ -3,6 +3,7 @@
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -543,6 +544,36 @@ def test_compare_marks_a_diverged_run_and_exits_non_zero(run_dir, tmp_path, caps
     table = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| vanilla-lm-tiny | 1.00M | 6 |" in table and "diverged at step 6" in table
     assert "| 5.0000 | 148.40 |" in table
+    # --sample skips a diverged first run (it saves no weights: "--model: no model", rc 2, had hidden
+    # the divergence) and samples the first that finished
+    import transnormer.cli as cli_mod
+
+    sampled = []
+    monkeypatch.setattr(cli_mod, "generate_text", lambda model, prompt, **kw: sampled.append((Path(model).name, prompt)))
+    monkeypatch.setattr(cli_mod, "resolve_model_dir", lambda p: p)
+    swapped = ["compare", "--presets", "vanilla-lm-tiny,t2-lm-tiny", *argv[3:], "--sample"]
+    assert main(swapped) == 1
+    assert sampled == [("t2-lm-tiny", "Return the")] and "vanilla-lm-tiny at step 6" in capsys.readouterr().err
+    assert main(["compare", "--presets", "vanilla-lm-tiny", *argv[3:], "--sample"]) == 1
+    assert "no sample: every run diverged" in capsys.readouterr().out and len(sampled) == 1
+    assert main([*argv, "--sample-prompt", "def"]) == 2  # read by nothing without --sample: had been silent
+    assert "--sample-prompt is the prompt of --sample" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_length_past_the_models_positions():
+    """A prompt + --max-new-tokens past learned positions (or a causal cosFormer's M) had failed after
+    streaming part of the text, naming a config field."""
+    from transnormer.cli import _check_decodable_length
+    from transnormer.presets import build_model
+
+    learned = build_model("t2-lm-tiny", abs_pos="learned", max_position_embeddings=64)
+    _check_decodable_length(learned, 8, 57)  # positions 0 .. 63
+    with pytest.raises(ValueError, match=r"--max-new-tokens 58 needs 65 positions, but the model has 64 .*learned"):
+        _check_decodable_length(learned, 8, 58)
+    cos = build_model("cosformer-lm-tiny", layer_options={"cosformer": {"max_len": 32}})
+    with pytest.raises(ValueError, match=r"has 32 \(its cosFormer re-weighting length M"):
+        _check_decodable_length(cos, 20, 20)
+    _check_decodable_length(build_model("t2-lm-tiny"), 10_000, 10_000)  # sinusoids: no limit
 
 
 @pytest.mark.parametrize("flags,match", [

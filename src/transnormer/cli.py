@@ -228,6 +228,8 @@ def cmd_compare(args) -> int:
         raise ValueError(f"--presets: give one or more comma-separated preset names, got {args.presets!r}")
     if args.sample and args.task != "clm":  # generation needs a causal LM: said before the runs, not after
         raise ValueError(f"--sample generates text and needs --task clm, not --task {args.task}")
+    if args.sample_prompt is not None and not args.sample:  # (it had been read by nothing, silently)
+        raise ValueError("--sample-prompt is the prompt of --sample: give --sample too")
     args.preset = presets[0]
     cfg = _train_config(args)
     result = compare(presets, cfg)
@@ -236,9 +238,15 @@ def cmd_compare(args) -> int:
     if result["plot"] is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 1 if diverged else 0
     if args.sample:
-        first = Path(cfg.out_dir) / presets[0]
-        print(f"\nsample from {presets[0]} (greedy, checkpoint {resolve_model_dir(first)}):")
-        generate_text(first, args.sample_prompt, max_new_tokens=40, temperature=0.0, top_p=1.0, stream=True)
+        # from the first preset that finished (a diverged run saves no weights: it had ended the command
+        # with "--model: no model", before the divergence was reported)
+        done = [p for s, p in zip(result["summaries"], presets, strict=True) if s.get("diverged_at") is None]
+        if done:
+            first = Path(cfg.out_dir) / done[0]
+            print(f"\nsample from {done[0]} (greedy, checkpoint {resolve_model_dir(first)}):")
+            generate_text(first, "Return the" if args.sample_prompt is None else args.sample_prompt, max_new_tokens=40, temperature=0.0, top_p=1.0, stream=True)
+        else:
+            print("\nno sample: every run diverged")
     print(f"\nwrote {Path(cfg.out_dir) / 'comparison.md'} and {result['plot']}")
     if diverged:  # the table says so too; scripts must not take the comparison for a finished one
         print(f"transnormer compare: error: run(s) diverged (non-finite loss or gradient): {', '.join(diverged)}",
@@ -277,6 +285,7 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
     ids = ([tok.eos_id] if tok.eos_id is not None else []) + tok.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty and the tokenizer has no EOS to start from: give a prompt")
+    _check_decodable_length(model, len(ids), max_new_tokens)
     input_ids = torch.tensor([ids])
     hf_tok = tok.to_hf()
     streamer = TextStreamer(hf_tok, skip_prompt=False, skip_special_tokens=True) if stream else None
@@ -298,6 +307,27 @@ def generate_text(model_path, prompt: str, *, max_new_tokens: int = 50, temperat
                          top_k=top_k if sample else None, streamer=streamer, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id,
                          attention_mask=torch.ones_like(input_ids), suppress_tokens=beyond)
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
+
+
+def _check_decodable_length(model, n_prompt: int, max_new_tokens: int) -> None:
+    """Refuse, before generating, a prompt + --max-new-tokens past a position the model has no encoding
+    for (learned positions, a causal cosFormer's M): it had failed after streaming part of the text
+    (all of it lost with --no-stream), naming a config field."""
+    from .layers.cosformer import CosFormerAttention
+    from .modules.positional import LearnedPositions
+
+    limits = [(m.max_positions, "its learned positions (max_position_embeddings)") for m in model.modules()
+              if isinstance(m, LearnedPositions)]
+    limits += [(m.max_len, "its cosFormer re-weighting length M (max_len)") for m in model.modules()
+               if isinstance(m, CosFormerAttention) and m.max_len is not None]
+    if not limits:
+        return
+    limit, what = min(limits)
+    needed = n_prompt + max_new_tokens - 1  # positions 0 .. needed - 1 are read (the last token is not fed back)
+    if needed > limit:
+        raise ValueError(f"--prompt ({n_prompt} tokens, with the EOS that starts it) + --max-new-tokens "
+                         f"{max_new_tokens} needs {needed} positions, but the model has {limit} ({what}): "
+                         f"give at most --max-new-tokens {max(0, limit - n_prompt + 1)} or a shorter prompt")
 
 
 def cmd_generate(args) -> int:
@@ -405,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presets", required=True, help="comma-separated preset names")
     _add_train_args(p, preset_required=True)
     p.add_argument("--sample", action="store_true", help="print a generated sample from the first preset")
-    p.add_argument("--sample-prompt", default="Return the")
+    p.add_argument("--sample-prompt", help="the prompt of --sample (default \"Return the\")")
     p.set_defaults(func=cmd_compare, config_file=None, init_from=None)
 
     p = sub.add_parser("eval", help="perplexity (clm, mlm) or accuracy/F1/MCC (cls) of a trained model")
