@@ -167,7 +167,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def saved_data_spec(data):
-    """``--data`` as a run saves it: a local file or folder resolved, so that ``eval`` run from another
+    """``--data`` as a run saves it: a local file or folder made absolute, so that ``eval`` run from another
     folder finds the run that trained on it (the data seed and a classifier's reading options); the
     embedded ``stdlib``, ``hf:`` and ``lra:`` names (LRA resolves its own folder) as given."""
     if not isinstance(data, str) or data == "stdlib" or data.startswith(("hf:", "lra:")) or not data.strip():
@@ -244,7 +244,8 @@ def cmd_compare(args) -> int:
         if done:
             first = Path(cfg.out_dir) / done[0]
             print(f"\nsample from {done[0]} (greedy, checkpoint {resolve_model_dir(first)}):")
-            generate_text(first, "Return the" if args.sample_prompt is None else args.sample_prompt, max_new_tokens=40, temperature=0.0, top_p=1.0, stream=True)
+            prompt = "Return the" if args.sample_prompt is None else args.sample_prompt
+            generate_text(first, prompt, max_new_tokens=40, temperature=0.0, top_p=1.0, stream=True)
         else:
             print("\nno sample: every run diverged")
     print(f"\nwrote {Path(cfg.out_dir) / 'comparison.md'} and {result['plot']}")

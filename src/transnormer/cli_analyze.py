@@ -142,10 +142,10 @@ def cmd_ablation(args) -> int:
     task = "clm" if get_config(args.base).causal else "mlm"
     # the runs' settings, checked once, before any run writes a config or trains (each had been found
     # by the first run, after its model_config.json was written); each run takes its own config file
-    base = TrainConfig(task=task, preset=args.base, data=saved_data_spec(args.data), budget=args.budget, seq_len=args.seq_len,
-                       batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, clip=0.0, out_dir=str(out),
-                       seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir, eval_batches=10,
-                       progress=False)
+    base = TrainConfig(task=task, preset=args.base, data=saved_data_spec(args.data), budget=args.budget,
+                       seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, clip=0.0,
+                       out_dir=str(out), seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir,
+                       eval_batches=10, progress=False)
     base.check()
     # under torchrun: one process group for the three runs (as compare), rank 0 writes
     info = setup_distributed()
