@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import shutil
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 __all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_savefig", "cache_write_text",
            "can_create_in", "check_output", "file_lock", "no_space_error", "out_of_space", "read_jsonl",
-           "to_jsonable"]
+           "remove_atomic_leftovers", "to_jsonable"]
 
 
 def check_output(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
@@ -165,6 +166,16 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+
+
+def remove_atomic_leftovers(final: str | os.PathLike) -> None:
+    """Remove the temporary files :func:`atomic_path` left beside ``final`` in processes killed before
+    their cleanup ran (SIGKILL, the OOM killer, a job's time limit). Only for a caller that alone
+    writes ``final`` (under its lock): another writer's file in progress has the same name."""
+    final = Path(final)
+    for leftover in final.parent.glob(f".{glob.escape(final.name)}.*.tmp"):  # atomic_path's mkstemp names
+        with contextlib.suppress(FileNotFoundError):
+            leftover.unlink()
 
 
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .._files import atomic_path, atomic_write_text, can_create_in, file_lock, no_space_error, out_of_space
+from .._files import (
+    atomic_path,
+    atomic_write_text,
+    can_create_in,
+    file_lock,
+    no_space_error,
+    out_of_space,
+    remove_atomic_leftovers,
+)
 from ._util import resolve_cache_dir
 
 __all__ = ["build_token_cache", "token_cache_dir", "token_dtype", "open_token_split"]
@@ -210,11 +218,8 @@ def _open_or_build(corpus, tokenizer, directory: Path, split: str, expect: dict,
         # .bin that is about to be replaced.
         with contextlib.suppress(FileNotFoundError):
             (directory / f"{split}.json").unlink()
-        # A build killed before its cleanup ran (SIGKILL, the OOM killer, a job's time limit) left its
-        # partial .bin as a temporary file of atomic_path's name; only the lock holder (us) writes those.
-        for orphan in directory.glob(f".{split}.bin.*.tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                orphan.unlink()
+        # a build killed before its cleanup ran left its partial .bin; only the lock holder (us) writes it
+        remove_atomic_leftovers(directory / f"{split}.bin")
         progress = None
         if show_progress:
             from tqdm.auto import tqdm
