@@ -16,6 +16,7 @@ from transnormer.analysis import (
     run_scaling_ablation,
 )
 from transnormer.analysis.ablation import linear_elu_registered
+from transnormer.analysis.grad_stats import summarize
 from transnormer.models.presets import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -228,6 +229,9 @@ def test_a_gap_in_the_recorded_steps_is_counted(tmp_path):
     s = rec.summary()
     assert s["step_range"] == [1, 9] and s["num_steps"] == 6 and s["missing_steps"] == 3
     assert rec.summary(start=7)["missing_steps"] == 0
+    # the file read alone (analyze grad-stats) says the gap too; the loss, logged every few steps, has none
+    assert summarize([1.0] * 6, [1, 2, 3, 7, 8, 9], param_set="mixer")["missing_steps"] == 3
+    assert "missing_steps" not in summarize([1.0] * 2, [10, 20], param_set="mixer", key="loss")
 
 
 def test_rsd_from_a_training_metrics_file_reads_train_records_only(tmp_path):

@@ -61,6 +61,9 @@ def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, 
     out = {"mode": MODE if key == "grad_norm" else f"rsd_over_steps({key})", "param_set": param_set, "key": key, "std": "population (ddof=0)",
            "step_range": [finite[0][0], finite[-1][0]] if finite else None,
            "requested_range": [start, end], "num_steps": len(finite), "num_nonfinite": len(pairs) - len(finite)}
+    if key == "grad_norm":  # recorded at every step: steps in the range with no record (a run resumed with
+        # --grad-stats after steps trained without it) are said, where the range alone had claimed them
+        out["missing_steps"] = pairs[-1][0] - pairs[0][0] + 1 - len(pairs) if pairs else 0
     if not finite:
         return {**out, "mean": None, "stdev": None, "rsd": None}
     if len(finite) < 2:  # the spread of one value is 0 by definition: it would read as perfectly stable
@@ -216,10 +219,6 @@ class GradientRecorder:
         self.flush()
         out = summarize(self.values, self.steps, param_set=self.param_set, start=start, end=end)
         out["skipped_steps"] = len(self.skipped_steps)
-        # steps inside the range with no record: a run resumed with --grad-stats after steps trained
-        # without it (the step range alone had claimed them)
-        inside = sorted({s for s in self.steps if (start is None or s >= start) and (end is None or s <= end)})
-        out["missing_steps"] = inside[-1] - inside[0] + 1 - len(inside) if inside else 0
         if self.per_layer:
             out["per_layer"] = {g: summarize(v, self.steps, param_set=f"{self.param_set}@{g}", start=start, end=end)
                                 for g, v in self.layer_values.items()}
