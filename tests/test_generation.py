@@ -462,6 +462,30 @@ def test_a_cache_of_another_model_is_refused_and_none_is_cropped():
     t2(ids[:, :1], cache=cache)  # its own model goes on
 
 
+def test_a_cache_of_the_same_layer_types_at_other_widths_is_refused():
+    # the same layer types at another width had failed inside a layer with a shape error
+    from transnormer.presets import build_model
+
+    torch.manual_seed(0)
+    t2 = build_model("t2-lm-tiny", vocab_size=64).eval()
+    wide = build_model("t2-lm-tiny", vocab_size=64, hidden_size=2 * t2.config.hidden_size).eval()
+    more_heads = build_model("t2-lm-tiny", vocab_size=64, num_attention_heads=2 * t2.config.num_attention_heads).eval()
+    ids = torch.randint(3, 64, (1, 6))
+    cache = t2(ids, use_cache=True).cache
+    with pytest.raises(ValueError, match=r"other settings: hidden_size"):
+        wide(ids[:, :1], cache=cache)
+    with pytest.raises(ValueError, match=r"num_attention_heads"):
+        more_heads(ids[:, :1], cache=cache)
+    # a model of the same widths but another vocabulary (or dropout) takes it; and generate()'s own
+    # cache, the same kind, goes on in its model
+    other_vocab = build_model("t2-lm-tiny", vocab_size=80).eval()
+    other_vocab.load_state_dict({k: v for k, v in t2.state_dict().items() if "embed" not in k and "lm_head" not in k},
+                                strict=False)
+    other_vocab(ids[:, :1], cache=cache)
+    out = t2.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 8)
+
+
 @pytest.mark.parametrize("preset", ["flash-lm-tiny", "flash-quad-lm-tiny", "t2-lm-tiny"])
 def test_an_empty_chunk_leaves_the_cache_as_it_was(preset):
     # FLASH had failed on a [B, 0] input (amax over an empty dim), fresh or continuing a cache

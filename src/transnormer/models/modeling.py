@@ -9,6 +9,7 @@ Positions count real tokens, so padded and unpadded inputs give the same outputs
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from dataclasses import dataclass
@@ -39,6 +40,17 @@ from .configuration import TransNormerConfig
 logger = logging.get_logger(__name__)
 
 
+# The config fields that size what a layer keeps while decoding (a state's heads and widths, a
+# block of keys): a cache made under other values fails deep in a layer with a shape error.
+_STATE_FIELDS = ("hidden_size", "num_attention_heads", "diag_num_attention_heads", "block_size", "variant",
+                 "norm_kernel", "diag_kernel", "lrpe", "layer_options")
+
+
+def state_settings(config: TransNormerConfig) -> tuple:
+    """((field, value), ...) of ``_STATE_FIELDS``, comparable across configs."""
+    return tuple((f, json.dumps(getattr(config, f, None), sort_keys=True, default=str)) for f in _STATE_FIELDS)
+
+
 @dataclass
 class TransNormerCache:
     """Decoding state: one dict per layer plus the count of real tokens seen per row.
@@ -51,6 +63,7 @@ class TransNormerCache:
     seen: torch.Tensor | None = None  # [B] real tokens so far
     length: int = 0  # tokens (real or padding) consumed so far
     layer_types: tuple | None = None  # the model's, to refuse a cache made by another model
+    settings: tuple | None = None  # the model's state_settings: the same types at other widths are refused too
 
     # What transformers' generate() reads on a cache passed in (a continuation, a cached prefix):
     # not a static cache to compile for, and, for its input slicing, a cache that counts tokens
@@ -67,6 +80,12 @@ class TransNormerCache:
     @classmethod
     def empty(cls, num_layers: int, layer_types=None) -> TransNormerCache:
         return cls(layers=[None] * num_layers, layer_types=None if layer_types is None else tuple(layer_types))
+
+    @classmethod
+    def for_config(cls, config: TransNormerConfig) -> TransNormerCache:
+        """An empty cache that only a model of this config's layer types and widths will take."""
+        return cls(layers=[None] * config.num_hidden_layers, layer_types=tuple(config.layer_types),
+                   settings=state_settings(config))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -336,13 +355,19 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if cache is not None and not isinstance(cache, TransNormerCache):
             raise TypeError(f"cache must be a TransNormerCache, got {type(cache).__name__}")
         if use_cache and cache is None:
-            cache = TransNormerCache.empty(len(self.layers), self.config.layer_types)
+            cache = TransNormerCache.for_config(self.config)
         if cache is not None and (len(cache.layers) != len(self.layers) or cache.layer_types not in (
                 None, tuple(self.config.layer_types))):
             # (another model's cache had run on: a FLASH layer took a NormAttention state for none)
             raise ValueError(f"cache: made by another model ({len(cache.layers)} layers, types "
                              f"{list(cache.layer_types or [])}); this one has {len(self.layers)}: "
                              f"{list(self.config.layer_types)}")
+        if cache is not None and cache.settings is not None and cache.settings != state_settings(self.config):
+            # (the same layer types at other widths had failed inside a layer with a shape error)
+            ours = dict(state_settings(self.config))
+            differ = [f"{f} {v} (this model: {ours.get(f)})" for f, v in cache.settings if ours.get(f) != v]
+            raise ValueError(f"cache: made by another model with the same layer types but other settings: "
+                             f"{'; '.join(differ)}")
         decoding = cache is not None and cache.seen is not None
         if decoding and cache.seen.shape[0] != B:
             raise ValueError(f"the cache holds {cache.seen.shape[0]} rows but the input has B = {B}")
@@ -351,7 +376,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         step_layers = use_cache or decoding
         if decoding and not use_cache:
             cache = TransNormerCache(layers=list(cache.layers), seen=cache.seen, length=cache.length,
-                                     layer_types=cache.layer_types)
+                                     layer_types=cache.layer_types, settings=cache.settings)
 
         mask = None
         if attention_mask is not None:
@@ -551,7 +576,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
                 and model_kwargs.get("past_key_values") is None):
-            model_kwargs["cache"] = TransNormerCache.empty(self.config.num_hidden_layers, self.config.layer_types)
+            model_kwargs["cache"] = TransNormerCache.for_config(self.config)
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
                                       **model_kwargs):
@@ -570,7 +595,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         """Feed only the tokens the cache has not seen; create the cache on the first call."""
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
-            cache = TransNormerCache.empty(self.config.num_hidden_layers, self.config.layer_types)
+            cache = TransNormerCache.for_config(self.config)
         inputs = {"attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
         # As transformers' own default: generate() says how many trailing positions the cache has not
         # seen (next_sequence_length); None means all of them (the first call, new ids passed alone
