@@ -41,6 +41,21 @@ def test_generate_streams(run_dir, capsys):
     assert capsys.readouterr().out.startswith("def return")
 
 
+def test_generate_into_a_reader_that_stops_early_ends_quietly(run_dir):
+    # `transnormer generate ... | head` had printed "error: [Errno 32] Broken pipe" and returned 2
+    import subprocess
+    import sys
+
+    _, out = run_dir
+    proc = subprocess.Popen([sys.executable, "-m", "transnormer.cli", "generate", "--model", str(out), "--prompt",
+                             "def", "--max-new-tokens", "50", "--seed", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TRANSNORMER_THREADS": "1"})
+    proc.stdout.close()  # the reader goes away before the first word (as head would after its lines)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 @pytest.mark.parametrize("argv", [["generate", "--model", "m", "--prompt", "x"], ["analyze", "gradient-bound"],
                                   ["lra", "prepare", "listops"]])
 def test_seed_out_of_range_is_refused_by_name(argv, capsys):

@@ -532,6 +532,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C (training saves and stops at the first): no traceback
         print(f"transnormer {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`transnormer generate ... | head`): stop quietly with the
+        # status of a process SIGPIPE ended, as Unix tools do (it had printed "error: [Errno 32]
+        # Broken pipe" and returned 2). stdout is pointed at /dev/null so that the interpreter's
+        # last flush at exit does not fail on the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE (13)
     except (ValueError, TypeError, OSError, ImportError) as e:  # bad input, a path, a missing extra: one line
         if "TRANSNORMER_DEBUG" in __import__("os").environ:
             raise
