@@ -221,6 +221,21 @@ def test_resumed_per_layer_lists_stay_aligned(tmp_path):
     rec.save_jsonl(tmp_path / "copy.jsonl")
 
 
+def test_resumed_per_layer_groups_keep_the_files_layer_order(tmp_path):
+    # they had come back in the hash order of a set (layers.7 before layers.0 ...), and so in the
+    # summary, the plot's legend and the file written back
+    p = tmp_path / "grad_norms.jsonl"
+    groups = [f"layers.{i}" for i in range(12)] + ["other"]
+    p.write_text("".join(json.dumps({"step": s, "grad_norm": 1.0, "per_layer": {g: 1.0 + i for i, g in
+                                                                             enumerate(groups)}}) + "\n"
+                         for s in (1, 2)))
+    rec = GradientRecorder("all", per_layer=True, jsonl_path=p, resume=True)
+    assert list(rec.layer_values) == groups
+    assert list(rec.summary()["per_layer"]) == groups
+    rec.save_jsonl(tmp_path / "copy.jsonl")
+    assert list(json.loads((tmp_path / "copy.jsonl").read_text().splitlines()[0])["per_layer"]) == groups
+
+
 def test_a_gap_in_the_recorded_steps_is_counted(tmp_path):
     # steps 4-6 trained without --grad-stats between two resumes: step_range [1, 9] had claimed them
     p = tmp_path / "grad_norms.jsonl"

@@ -119,8 +119,9 @@ class GradientRecorder:
         self._values.append(value)
         if not self.per_layer:
             return
-        for g in per_layer.keys() - self._layer_values.keys():
-            self._layer_values[g] = [float("nan")] * (len(self._steps) - 1)
+        for g in per_layer:  # in the record's order (a set difference had put the layers in hash order)
+            if g not in self._layer_values:
+                self._layer_values[g] = [float("nan")] * (len(self._steps) - 1)
         for g, vals in self._layer_values.items():
             vals.append(per_layer.get(g, float("nan")))
 
