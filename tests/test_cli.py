@@ -56,6 +56,16 @@ def test_generate_into_a_reader_that_stops_early_ends_quietly(run_dir):
     assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
 
 
+@pytest.mark.parametrize("command", [["train", "--preset", "t2-lm-tiny"], ["compare", "--presets", "t2-lm-tiny"]])
+def test_a_bpe_too_small_for_its_bytes_is_refused_by_the_flag(command, capsys):
+    # it had been refused after start-up by the tokenizer, naming the field: "vocab_size must be >= 261"
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--vocab-size", "100"])
+    assert e.value.code == 2
+    assert "argument --vocab-size: expected an integer >= 261 (the BPE's special tokens and 256 byte symbols), " \
+           "got 100" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["generate", "--model", "m", "--prompt", "x"], ["analyze", "gradient-bound"],
                                   ["lra", "prepare", "listops"]])
 def test_seed_out_of_range_is_refused_by_name(argv, capsys):

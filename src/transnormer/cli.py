@@ -23,6 +23,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def bpe_vocab_size(text: str) -> int:
+    """argparse type: the size of a byte-level BPE, at least its special tokens and 256 bytes (the
+    tokenizer's own check had named ``vocab_size``, not the flag)."""
+    from .data.tokenizer import MIN_VOCAB
+
+    value = positive_int(text)
+    if value < MIN_VOCAB:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {MIN_VOCAB} (the BPE's special tokens and 256 "
+                                         f"byte symbols), got {value}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """argparse type: a seed, an integer in [0, 2**32) (numpy's range; torch's is wider)."""
     try:
@@ -103,7 +115,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, preset_required: bool = False
                         "into the preset's per layer type, e.g. --set 'layer_options={\"flash\": {\"normalizer\": \"chunk\"}}'")
     p.add_argument("--data", default=d.data, help="'stdlib' (default, offline), a path, or hf:NAME[:CONFIG][#COLUMN]")
     p.add_argument("--tokenizer", help="saved tokenizer or HF name; default: train a BPE on the data")
-    p.add_argument("--vocab-size", type=positive_int,
+    p.add_argument("--vocab-size", type=bpe_vocab_size,
                    help=f"of the BPE trained on the data (default: {d.vocab_size}); not with --tokenizer"
                         + ("" if preset_required else " or --init-from"))  # (compare has no --init-from)
     p.add_argument("--cache-dir")
