@@ -205,11 +205,13 @@ struct Worker {
     // On AVX512-BF16, A = X^T goes in pairs (PairsA): one pass over X instead of two. The
     // bidirectional fwd+bwd at 16k, 8 heads of 64, medians of 21 interleaved in one process:
     // 14.2 -> 13.9 and 14.0 -> 13.7 ms in two runs (the same sums); at 4k within noise.
+    // On AMX, X^T is made in one pass (transpose_rows): benchmarks/ab_kernels.py --dtype bf16 --mode
+    // bidir, both orders, 0.975-0.988 of the time at 4k and 0.970-0.973 at 16k, the same sums. (In
+    // the causal walk, which needs VNNI(X^T) as well, storing both from the registers read 1.015-1.025.)
     void add_outer(const Rows& X, const Rows& Y, float* S, tn::RowPrefetch* pf = nullptr) {
         vnni(c, E, Y.p, Y.ld, v1.data());  // VNNI(Y) [c/2 x E]
 #if defined(TN_AMX)
-        vnni_of_transpose(c, D, X.p, X.ld, t1.data());
-        unpair(D / 2, c, t1.data(), ta.data());  // X^T [D x c], the A tiles
+        transpose_rows(c, D, X.p, X.ld, ta.data());  // X^T [D x c], the A tiles
         gemm(D, E, {c, ta.data(), c, v1.data(), E, kDense}, nullptr, S, E, true, kAll, pf);
 #else
         vnni(c, D, X.p, X.ld, v2.data());  // VNNI(X) [c/2 x D]: X^T in pairs

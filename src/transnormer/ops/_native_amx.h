@@ -283,6 +283,26 @@ inline void vnni(idx R, idx C, const bf* x, idx ldx, w32* dst) {
         }
 }
 
+// X^T [C x R] bf16 row-major from X [R x C] bf16 (row stride ldx), as vnni_of_transpose then
+// unpair give it, in one pass: the 32-bit transpose, each of its word rows split into two bf16
+// rows as it leaves the registers (a byte shuffle gathers each 128-bit lane's low and high
+// halves, a qword permute the lanes'). A 32 x 64 block in L1: 93 ns, against 125-130 for the
+// two passes. (A 16-bit butterfly on two-source word permutes took 220 ns.)
+inline void transpose_rows(idx R, idx C, const bf* x, idx ldx, bf* dst) {
+    const __m512i halves = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m512i lanes = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    const float* s = reinterpret_cast<const float*>(x);
+    for (idx r0 = 0; r0 < R; r0 += 16)
+        for (idx c0 = 0; c0 < C / 2; c0 += 16)
+            tn::transpose16_with(s + r0 * (ldx / 2) + c0, ldx / 2, [&](int j, __m512 pairs) {
+                // pairs: X[r0 + i][2 (c0 + j)], X[r0 + i][2 (c0 + j) + 1] for i = 0..15
+                const __m512i v = _mm512_permutexvar_epi64(lanes, _mm512_shuffle_epi8(_mm512_castps_si512(pairs), halves));
+                bf* row = dst + 2 * (c0 + j) * R + r0;
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_castsi512_si256(v));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + R), _mm512_extracti64x4_epi64(v, 1));
+            });
+}
+
 // X^T [C x R] bf16 row-major from VNNI(X^T) [C/2 x R] words: each word row splits into two rows.
 inline void unpair(idx C2, idx R, const w32* v, bf* dst) {
     for (idx i = 0; i < C2; ++i)

@@ -177,7 +177,9 @@ namespace tn {
 // 16 x 16 blocks of 32-bit elements (fp32, or bf16 pairs) transposed in registers (unpack 32-bit, unpack 64-bit, then two rounds of
 // 128-bit lane shuffles); a scalar loop takes the ragged edges. (A scalar 64 x 64 transpose of
 // a hot tile took ~1 us, 40% of a 64^3 product.)
-inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
+// store(j, row j of the transposed block) takes the rows as they leave the registers.
+template <typename Store>
+inline void transpose16_with(const float* src, idx ld_s, Store store) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_s);
     for (int i = 0; i < 8; ++i) {
@@ -199,9 +201,13 @@ inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
         t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
     }
     for (int j = 0; j < 8; ++j) {
-        _mm512_storeu_ps(dst + j * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
-        _mm512_storeu_ps(dst + (j + 8) * ld_d, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+        store(j, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+        store(j + 8, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
     }
+}
+
+inline void transpose16(const float* src, idx ld_s, float* dst, idx ld_d) {
+    transpose16_with(src, ld_s, [&](int j, __m512 row) { _mm512_storeu_ps(dst + j * ld_d, row); });
 }
 
 }  // namespace tn
