@@ -432,8 +432,32 @@ def test_column_indices_of_a_headerless_cls_file(tmp_path, capsys):
     assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(other), "--split", "train",
                  "--seq-len", "16", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
                  "--label-column", "1"]) == 2
-    assert "the model's classes are ['0', '1'] (in index order) and the data's ['neg', 'pos']" in \
+    assert "line 1: label 'pos' is not in the label set ['0', '1'] (the model's classes, its config.id2label)" in \
         capsys.readouterr().err
+    # The data's labels are read against the model's classes, and only the split evaluated is read:
+    # a folder with a dev file alone, or a train file with one class of the two, had been refused
+    # (no train file; a label set built from the train split). The scores are the same.
+    def scores(folder):
+        capsys.readouterr()
+        assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(folder), "--seq-len", "16",
+                     "--batch-size", "30", "--cache-dir", str(tmp_path / "cache"), "--text-column", "0",
+                     "--label-column", "1"]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out
+        return json.loads(printed[printed.find("{"):])
+
+    full = scores(tmp_path)
+    dev_only, one_class = tmp_path / "dev_only", tmp_path / "one_class"
+    for folder in (dev_only, one_class):
+        folder.mkdir()
+        (folder / "dev.tsv").write_text((tmp_path / "dev.tsv").read_text())
+    (one_class / "train.tsv").write_text("".join(f"{w} words\t1\n" for w in WORDS[:5]))
+    for folder in (dev_only, one_class):
+        res = scores(folder)
+        assert res["n"] == 9 and res["accuracy"] == full["accuracy"] and res["eval_split"] == "valid"
+    capsys.readouterr()
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(dev_only), "--split", "test",
+                 "--seq-len", "16", "--cache-dir", str(tmp_path / "cache")]) == 2
+    assert "data: no test split in" in capsys.readouterr().err
 
 
 def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, capsys):

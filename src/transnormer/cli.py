@@ -382,6 +382,20 @@ def _run_config_for(model_dir: Path, data: str) -> dict:
     return {}
 
 
+def _classes_of(model_dir: Path, args) -> dict:
+    """For ``eval --task cls`` of a model that names its classes (every classifier this library
+    trains): build_task_data's ``classes`` and ``splits``, so that the data's labels are read
+    against the model's classes and only the evaluated split is read. A model with HF's default
+    names (LABEL_0, ...) takes its label set from the data's train split, as training does."""
+    if args.task != "cls" or str(args.data).startswith("lra:"):
+        return {}
+    names = json.loads((model_dir / "config.json").read_text()).get("id2label") or {}
+    classes = [names.get(str(i)) for i in range(len(names))]
+    if not classes or None in classes or classes == [f"LABEL_{i}" for i in range(len(classes))]:
+        return {}
+    return {"classes": classes, "splits": (args.split,)}
+
+
 def cmd_eval(args) -> int:
     from .train.distributed import cleanup, setup_distributed
     from .train.loop import TrainConfig, autocast_factory, build_model_for, name_classes, special_token_ids
@@ -418,7 +432,7 @@ def cmd_eval(args) -> int:
     # stdout carries the JSON result alone (`eval ... > res.json`): the data side's notes (e.g. how
     # many examples were truncated) go to stderr
     with contextlib.redirect_stdout(sys.stderr):
-        data = build_task_data(cfg, info, autocast)
+        data = build_task_data(cfg, info, autocast, **_classes_of(model_dir, args))
         factory = data.extra.get("model_factory", build_model_for)
         model = factory(cfg, data.tokenizer.vocab_size, data.num_labels, special_token_ids(data.tokenizer))
         name_classes(model, data.extra.get("label_set"))

@@ -104,7 +104,7 @@ class LabelSet:
     same training labels always give the same indices.
     """
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(self, names: Iterable[str], origin: str = "built from the training file") -> None:
         names = list(names)
         if not names:
             raise ValueError("names: a label set needs at least one label")
@@ -114,6 +114,7 @@ class LabelSet:
         if len(set(names)) != len(names):
             raise ValueError(f"names contains duplicates: {names}")
         self.names = names
+        self.origin = origin  # where the names came from, for the message on an unknown label
         self._index = {n: i for i, n in enumerate(names)}
 
     @classmethod
@@ -147,7 +148,7 @@ class LabelSet:
         except KeyError:
             where = f"{source!r}, line {line}: " if source else ""
             raise ValueError(
-                f"{where}label {label!r} is not in the label set {self.names} (built from the training file)"
+                f"{where}label {label!r} is not in the label set {self.names} ({self.origin})"
             ) from None
 
     def __len__(self) -> int:

@@ -237,7 +237,7 @@ def _filler(batches: list[dict]) -> dict:
     return {"input_ids": torch.zeros((1, 1), dtype=torch.long)}
 
 
-def _find_cls_files(spec: str) -> dict[str, Path]:
+def _find_cls_files(spec: str, require_train: bool = True) -> dict[str, Path]:
     root = Path(spec)
     if root.is_file():
         return {"train": root}
@@ -250,13 +250,21 @@ def _find_cls_files(spec: str) -> dict[str, Path]:
             if hits:
                 files[split] = hits[0]
                 break
-    if "train" not in files:
+    if require_train and "train" not in files:
         raise ValueError(f"data: no train.{{tsv,csv,jsonl}} in {root}")
+    if not files:
+        raise ValueError(f"data: no train, valid or test .{{tsv,csv,jsonl}} file in {root}")
     return files
 
 
-def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
-    """Everything the loop needs from the data side for ``cfg.task``."""
+def build_task_data(cfg, info: DistInfo, autocast, *, classes: list[str] | None = None,
+                    splits: tuple[str, ...] | None = None) -> TaskData:
+    """Everything the loop needs from the data side for ``cfg.task``.
+
+    For evaluating a classifier that names its classes (cls): ``classes``, its label names in index
+    order, and ``splits``, the splits to read. The data's labels are read against those classes,
+    and no other split is needed or tokenized (the label set had been built from the data's train
+    split, which had to be there and was read in full)."""
     if cfg.task == "cls" and str(cfg.data).startswith("lra:"):
         from .lra_tasks import build_lra_task_data  # Long Range Arena: "lra:TASK[:ROOT]"
 
@@ -313,9 +321,14 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                         extra={"corpus": corpus.name, "train_tokens": int(len(tokens["train"]))})
 
     if cfg.task == "cls":
-        from ..data.classification import ClassificationCollator, load_classification_splits
+        from ..data.classification import ClassificationCollator, LabelSet, load_classification_splits
 
-        files = _find_cls_files(cfg.data)
+        files = _find_cls_files(cfg.data, require_train=classes is None)
+        if splits is not None:
+            found, files = files, {k: v for k, v in files.items() if k in splits}
+            if not files:
+                raise ValueError(f"data: no {' or '.join(splits)} split in {cfg.data} (it has "
+                                 f"{', '.join(f'{k}: {v.name}' for k, v in found.items())})")
         if cfg.tokenizer or cfg.init_from:  # (the model's own, or --tokenizer checked against it)
             tok = get_tokenizer(cfg, None, info)
         else:
@@ -327,9 +340,11 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
         # training and validation rows need labels, whatever the file is called (a training file named
         # like sst_test.tsv had taken an empty label as "unlabelled", and failed steps later, unnamed)
-        datasets, labels = load_classification_splits({k: v for k, v in files.items() if k != "test"}, tok,
-                                                      **{"require_labels": True, **read})
-        if len(labels.names) < 2:  # one output would read as regression (HF's rule): MSE towards index 0
+        given = None if classes is None else LabelSet(classes, origin="the model's classes, its config.id2label")
+        labelled = {k: v for k, v in files.items() if k != "test"}
+        datasets, labels = (load_classification_splits(labelled, tok, label_set=given, **{"require_labels": True, **read})
+                            if labelled else ({}, given))
+        if classes is None and len(labels.names) < 2:  # one output would read as regression (HF's rule)
             raise ValueError(f"{files['train']}: every training example has the label {labels.names[0]!r}; a "
                              "classifier needs at least two classes")
         unusable = {}
@@ -343,7 +358,7 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
                 unusable["test"] = str(e)
         # padded positions are masked: a tokenizer without a pad token (GPT-2's) pads with its EOS
         collate = ClassificationCollator(tok.pad_id if tok.pad_id is not None else tok.eos_id)
-        eval_split = "valid" if "valid" in datasets else "train"
+        eval_split = "valid" if "valid" in datasets or "train" not in datasets else "train"
         truncated = {split: ds.num_truncated for split, ds in datasets.items() if ds.num_truncated}
         for split, n in truncated.items() if info.is_main else ():  # a cut example reads as another: say so
             print(f"cls: truncated {n} of {len(datasets[split])} {split} examples to seq_len={cfg.seq_len} "
@@ -357,7 +372,8 @@ def build_task_data(cfg, info: DistInfo, autocast) -> TaskData:
             # "eval_split": without a dev file the run scores its training split, which tables must say
             return {**res, "truncated": datasets[split].num_truncated, "eval_split": split}  # (of the whole split)
 
-        return TaskData(tok, ClsBatches(datasets["train"], collate, cfg.batch_size, info, cfg.seed), evaluate,
+        train = ClsBatches(datasets["train"], collate, cfg.batch_size, info, cfg.seed) if "train" in datasets else None
+        return TaskData(tok, train, evaluate,
                         cfg.batch_size * cfg.seq_len, num_labels=len(labels.names),
                         extra={"label_set": labels, "truncated": truncated}, eval_split=eval_split)
     raise ValueError(f"task must be 'clm', 'mlm' or 'cls', got {cfg.task!r}")
