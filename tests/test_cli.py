@@ -460,6 +460,42 @@ def test_column_indices_of_a_headerless_cls_file(tmp_path, capsys):
     assert "data: no test split in" in capsys.readouterr().err
 
 
+def test_a_regression_task_trains_evaluates_and_compares_by_correlation(tmp_path, capsys):
+    """STS-B (sentence pairs scored 0-5) trains a one-output head by MSE, and train, eval and compare
+    report Pearson and Spearman; eval reads the dev split alone, against the model's regression."""
+    from transnormer.train.compare import comparison_table
+    from transnormer.train.loop import TrainConfig
+
+    rng = random.Random(5)
+    head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    for split, n in (("train", 40), ("dev", 12)):
+        rows = [f"{i}\tmain\tf\t2012\t{i}\tnone\tnone\t{' '.join(rng.choice(WORDS) for _ in range(5))}\t"
+                f"{' '.join(rng.choice(WORDS) for _ in range(5))}\t{rng.randint(0, 25) / 5:.3f}" for i in range(n)]
+        (tmp_path / f"{split}.tsv").write_text(head + "\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    assert main(["train", "--task", "cls", "--preset", "t2-roberta-tiny", "--data", str(tmp_path), "--vocab-size",
+                 "300", "--seq-len", "24", "--batch-size", "4", "--max-steps", "2", "--out", str(out),
+                 "--no-progress", "--cache-dir", str(tmp_path / "cache")]) == 0
+    trained = json.loads((out / "summary.json").read_text())["eval"]
+    assert trained["n"] == 12 and {"pearson", "spearman", "mse"} <= set(trained)
+
+    dev_only = tmp_path / "dev_only"
+    dev_only.mkdir()
+    (dev_only / "dev.tsv").write_text((tmp_path / "dev.tsv").read_text())
+    capsys.readouterr()
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(dev_only), "--seq-len", "24",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    res = json.loads(printed[printed.find("{"):])
+    for key in ("pearson", "spearman", "mse", "loss", "n"):
+        assert res[key] == pytest.approx(trained[key], rel=1e-5), key
+
+    cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path), max_steps=2)
+    table = comparison_table([{"name": "t2-roberta-tiny", "params": 1e6, "steps": 2, "tokens": 192,
+                               "tokens_per_s": 1.0, "peak_mem_mb": 1.0, "eval": trained}], cfg)
+    assert "| valid loss (MSE) | Pearson | Spearman |" in table and f"{trained['pearson']:.4f}" in table
+
+
 def test_dilution_refuses_models_with_different_tokenizers(run_dir, tmp_path, capsys):
     """One text is tokenized once for all models: a model trained with another tokenizer would read
     wrong ids (or ids past its embedding)."""

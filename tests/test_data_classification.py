@@ -12,6 +12,8 @@ from transnormer.data import (
     ClassificationCollator,
     ClassificationDataset,
     LabelSet,
+    Scores,
+    labels_of,
     load_classification_splits,
     read_classification_file,
     train_bpe,
@@ -171,6 +173,43 @@ def test_label_set_order_save_load(tmp_path):
         LabelSet.load(_write(tmp_path / "bad.json", "[1, 2]"))
 
 
+def test_real_valued_scores_are_regression_targets(tmp_path, tok):
+    # STS-B: sentence pairs scored 0-5; they had been refused ("regression is not offered")
+    head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"  # GLUE's
+    pre = "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone"
+
+    def tsv(*rows):
+        return head + "".join(f"{pre}\t{a}\t{b}\t{y}\n" for a, b, y in rows)
+
+    rows = tsv(("the movie was great", "the plot was bad", "3.800"), ("a film", "what a film", "5"), ("bad", "great", "0.2"))
+    train = _write(tmp_path / "train.tsv", rows)
+    dev = _write(tmp_path / "dev.tsv", tsv(("the acting", "is terrible", "1.5"), ("not bad", "but", "x")))
+    exs = read_classification_file(train)
+    labels = labels_of(exs)
+    assert isinstance(labels, Scores) and len(labels) == 1 and labels.names == ["score"]
+    with pytest.raises(ValueError, match="real-valued scores \\(e.g. '0.2'\\): a regression task"):
+        LabelSet.from_examples(exs)  # (a label set of classes would treat the scores as unordered names)
+    assert isinstance(labels_of(read_classification_file(_write(tmp_path / "ints.tsv", "sentence\tlabel\na\t1\nb\t0\n"))),
+                      LabelSet)
+    ds = ClassificationDataset(exs, tok, label_set=labels, max_length=32)
+    assert ds.labels == [3.8, 5.0, 0.2]
+    batch = ClassificationCollator(tok.pad_id, scores=True)([ds[0], ds[1]])
+    assert batch["labels"].dtype == torch.float32 and batch["labels"].tolist() == pytest.approx([3.8, 5.0])
+    # the scores are part of the fingerprint that a resumed run checks (as class indices are)
+    other = ClassificationDataset(read_classification_file(_write(tmp_path / "t2.tsv", rows.replace("3.800", "3.9"))),
+                                  tok, label_set=labels, max_length=32)
+    assert other.fingerprint != ds.fingerprint
+    # the splits follow the train split's kind; a label that is no number is named by file and line
+    with pytest.raises(ValueError, match="dev.tsv', line 3: label 'x' is not a number"):
+        load_classification_splits({"train": train, "valid": dev}, tok, max_length=32)
+    dev.write_text(tsv(("the acting", "is terrible", "1.5")))
+    splits, got = load_classification_splits({"train": train, "valid": dev}, tok, max_length=32)
+    assert isinstance(got, Scores) and splits["valid"].labels == [1.5]
+    for bad in ("nan", "inf", "1e999"):
+        with pytest.raises(ValueError, match="is not a number"):
+            Scores().index(bad)
+
+
 def test_dataset_collate_and_splits(tmp_path, tok):
     train = _write(
         tmp_path / "train.tsv",
@@ -237,7 +276,7 @@ def test_errors(tmp_path, tok):
     with pytest.raises(ValueError, match=r"dev\.tsv', line 3: label 'neutral' is not in the label set"):
         ClassificationDataset(read_classification_file(dev), tok, label_set=labels, max_length=16)
 
-    no_label = _write(tmp_path / "train2.tsv", "sentence\tscore\ngood\t0.5\n")
+    no_label = _write(tmp_path / "train2.tsv", "sentence\trating\ngood\t0.5\n")
     with pytest.raises(ValueError, match=r"train2\.tsv.*no label column.*pass label_column= \(CLI: --label-column\)"):
         read_classification_file(no_label)
     odd = _write(tmp_path / "train3.tsv", "words\tlabel\ngood\t1\n")  # the hint names the CLI flag too

@@ -1271,6 +1271,31 @@ def test_classification_metrics_match_their_definitions():
     assert "f1_positive" not in classification_metrics(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
 
 
+def test_regression_metrics_match_their_definitions():
+    """Pearson against numpy's corrcoef; Spearman against ranks counted one by one (ties take the
+    mean of the places they share, as scipy's rankdata), on data with ties in both vectors."""
+    import numpy as np
+
+    from transnormer.train.evaluate import regression_metrics
+
+    def slow_ranks(x):
+        return np.array([sum(y < v for y in x) + (sum(y == v for y in x) - 1) / 2 for v in x], dtype=float)
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 64):
+        gold = rng.integers(0, 6, n).astype(float) / 1.25  # STS-B-like scores with ties
+        pred = np.round(gold + rng.normal(0, 1, n), 1)
+        m = regression_metrics(torch.tensor(pred, dtype=torch.float32), torch.tensor(gold))
+        assert m["n"] == n and m["mse"] == pytest.approx(float(np.mean((pred.astype(np.float32) - gold) ** 2)))
+        if n > 1 and gold.std() > 0 and pred.std() > 0:
+            p32 = pred.astype(np.float32).astype(float)
+            assert m["pearson"] == pytest.approx(np.corrcoef(p32, gold)[0, 1], abs=1e-12)
+            assert m["spearman"] == pytest.approx(np.corrcoef(slow_ranks(p32), slow_ranks(gold))[0, 1], abs=1e-12)
+        else:  # one item, or a constant: no correlation
+            assert np.isnan(m["pearson"]) and np.isnan(m["spearman"])
+    assert np.isnan(regression_metrics(torch.zeros(0), torch.zeros(0))["pearson"])
+
+
 def test_cls_evaluation_of_part_of_a_label_sorted_split_sees_every_class():
     """--task cls scored the split's first max_batches x batch rows: on a file sorted by label (negative
     reviews first), one class. It now takes a fixed random subset, as the LRA evaluation does."""
@@ -1347,9 +1372,10 @@ def test_cls_without_a_dev_file_evaluates_its_train_split(tmp_path):
     assert s["eval"]["eval_split"] == "train"
 
 
-def test_cls_refuses_one_class_and_real_valued_scores(tmp_path):
+def test_cls_refuses_one_class_and_regresses_on_real_valued_scores(tmp_path):
     # one class had trained a regression head (HF: one output) towards index 0, reporting accuracy 1.0;
-    # STS-B's scores had become unordered classes ("1.000" as "1", "0.200" as itself)
+    # STS-B's scores had become unordered classes ("1.000" as "1", "0.200" as itself), then were
+    # refused; they now train a regression head (one output, MSE) scored by Pearson and Spearman
     rng = random.Random(3)
 
     def write(labels):
@@ -1361,8 +1387,13 @@ def test_cls_refuses_one_class_and_real_valued_scores(tmp_path):
 
     with pytest.raises(ValueError, match="every training example has the label '1'; a classifier needs at least two"):
         train(write([1] * 16))
-    with pytest.raises(ValueError, match=r"real-valued scores \(e.g. '0.200'\): regression \(STS-B\) is not offered"):
-        train(write(["0.200", "1.000", "3.800", "5"] * 4))
+    summary = train(write(["0.200", "1.000", "3.800", "5"] * 4))
+    assert {"pearson", "spearman", "mse"} <= set(summary["eval"]) and "accuracy" not in summary["eval"]
+    assert summary["eval"]["loss"] == pytest.approx(summary["eval"]["mse"], rel=1e-6)
+    from transnormer.cli import resolve_model_dir
+
+    config = json.loads((resolve_model_dir(tmp_path / "run") / "config.json").read_text())
+    assert config["problem_type"] == "regression" and len(config["id2label"]) == 1  # one output
 
 
 def test_a_token_budget_and_max_steps_stop_at_whichever_comes_first(corpus_dir, tmp_path):

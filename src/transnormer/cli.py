@@ -383,17 +383,23 @@ def _run_config_for(model_dir: Path, data: str) -> dict:
 
 
 def _classes_of(model_dir: Path, args) -> dict:
-    """For ``eval --task cls`` of a model that names its classes (every classifier this library
-    trains): build_task_data's ``classes`` and ``splits``, so that the data's labels are read
-    against the model's classes and only the evaluated split is read. A model with HF's default
-    names (LABEL_0, ...) takes its label set from the data's train split, as training does."""
+    """For ``eval --task cls`` of a model whose classes are known (every classifier this library
+    trains): build_task_data's ``labels`` and ``splits``, so that the data's labels are read
+    against the model's classes (or as scores, for a regression model) and only the evaluated split
+    is read. A model with HF's default names (LABEL_0, ...) takes its label set from the data's
+    train split, as training does."""
+    from .data.classification import LabelSet, Scores
+
     if args.task != "cls" or str(args.data).startswith("lra:"):
         return {}
-    names = json.loads((model_dir / "config.json").read_text()).get("id2label") or {}
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("problem_type") == "regression":
+        return {"labels": Scores(), "splits": (args.split,)}
+    names = config.get("id2label") or {}
     classes = [names.get(str(i)) for i in range(len(names))]
     if not classes or None in classes or classes == [f"LABEL_{i}" for i in range(len(classes))]:
         return {}
-    return {"classes": classes, "splits": (args.split,)}
+    return {"labels": LabelSet(classes, origin="the model's classes, its config.id2label"), "splits": (args.split,)}
 
 
 def cmd_eval(args) -> int:
@@ -465,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-prompt", help="the prompt of --sample (default \"Return the\")")
     p.set_defaults(func=cmd_compare, config_file=None, init_from=None)
 
-    p = sub.add_parser("eval", help="perplexity (clm, mlm) or accuracy/F1/MCC (cls) of a trained model")
+    p = sub.add_parser("eval", help="perplexity (clm, mlm), or accuracy/F1/MCC (cls; Pearson/Spearman for real-valued scores) of a trained model")
     p.add_argument("--model", required=True)
     p.add_argument("--data", default="stdlib")
     p.add_argument("--task", default="clm", choices=["clm", "mlm", "cls"])

@@ -26,6 +26,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -56,8 +57,9 @@ _PAIR_COLUMNS = (
     ("text1", "text2"),
 )
 _SINGLE_COLUMNS = ("sentence", "text", "review", "content", "document", "text_a", "question")
-_LABEL_COLUMNS = ("gold_label", "label", "quality", "is_duplicate", "labels", "class", "category", "target")
-_OTHER_KNOWN = ("index", "idx", "id", "#1 id", "#2 id", "qid1", "qid2", "pairid", "promptid", "genre")
+_LABEL_COLUMNS = ("gold_label", "label", "quality", "is_duplicate", "labels", "class", "category", "target", "score")
+_OTHER_KNOWN = ("index", "idx", "id", "#1 id", "#2 id", "qid1", "qid2", "pairid", "promptid", "genre",
+                "filename", "year", "old_index", "source1", "source2")  # (the last five: STS-B's)
 _KNOWN_COLUMNS = frozenset(
     {c for pair in _PAIR_COLUMNS for c in pair} | set(_SINGLE_COLUMNS) | set(_LABEL_COLUMNS) | set(_OTHER_KNOWN)
 )
@@ -133,12 +135,10 @@ class LabelSet:
                              "spell them alike in the data")
         if all(re.fullmatch(r"-?\d+", x) for x in labels):
             return cls(sorted(labels, key=int))
-        scores = [x for x in sorted(labels) if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)([eE][-+]?\d+)?", x)]
-        if scores and all(re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", x) for x in labels):
-            # every label a number, some not whole: scores (STS-B), which classes would treat as unordered
-            # names and cross-entropy as unrelated classes
-            raise ValueError(f"examples: the labels are real-valued scores (e.g. {scores[0]!r}): regression "
-                             "(STS-B) is not offered; classification needs class labels")
+        if _are_scores(labels):  # (labels_of gives Scores for them)
+            example = next(x for x in sorted(labels) if not re.fullmatch(r"[-+]?\d+", x))
+            raise ValueError(f"examples: the labels are real-valued scores (e.g. {example!r}): a regression "
+                             "task, whose labels are Scores (labels_of), not a label set of classes")
         return cls(sorted(labels))
 
     def index(self, label: str, *, source: str = "", line: int | None = None) -> int:
@@ -181,6 +181,48 @@ class LabelSet:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{str(path)!r} is not a label-set file: {e}") from e
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _are_scores(labels: Iterable[str]) -> bool:
+    """Every label a number and some not whole (STS-B's 0-5 similarity): scores to regress on, which
+    classes would treat as unordered names and cross-entropy as unrelated classes."""
+    labels = list(labels)
+    return (bool(labels) and all(_NUMBER.fullmatch(x) for x in labels)
+            and any(not re.fullmatch(r"[-+]?\d+", x) for x in labels))
+
+
+class Scores:
+    """The labels of a regression task (STS-B): each a real number, the target of one output (HF's
+    ``num_labels=1``, ``problem_type="regression"``: MSE). It stands where a :class:`LabelSet` does:
+    ``names`` is one output's, and :meth:`index` gives the number itself."""
+
+    names = ["score"]
+
+    def index(self, label: str, *, source: str = "", line: int | None = None) -> float:
+        """``label`` as a float; ``ValueError`` naming the file, line and label when it is not a finite number."""
+        value = float(label) if _NUMBER.fullmatch(label.strip()) else math.nan
+        if not math.isfinite(value):
+            where = f"{source!r}, line {line}: " if source else ""
+            raise ValueError(f"{where}label {label!r} is not a number, and the labels are regression scores")
+        return value
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "Scores()"
+
+
+def labels_of(examples: Iterable[ClassificationExample]) -> LabelSet | Scores:
+    """The labels of a training split: :class:`Scores` when they are real-valued scores (every one a
+    number, some not whole), else their :class:`LabelSet`."""
+    examples = list(examples)
+    if _are_scores({ex.label for ex in examples if ex.label is not None}):
+        return Scores()
+    return LabelSet.from_examples(examples)
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -498,11 +540,13 @@ class ClassificationDataset(torch.utils.data.Dataset):
     Args:
         examples: from :func:`read_classification_file`.
         tokenizer: a :class:`~transnormer.data.tokenizer.TextTokenizer`.
-        label_set: maps labels to class indices; examples without a label get no ``labels`` entry.
+        label_set: maps labels to class indices (a :class:`LabelSet`), or reads them as numbers
+            (:class:`Scores`, regression); examples without a label get no ``labels`` entry.
         max_length: the model's maximum sequence length (special tokens included).
         truncate: truncate longest-first (default) or raise ``ValueError`` naming file and line.
 
-    Item ``i`` is ``{"input_ids": LongTensor[L_i], "labels": int}`` (``labels`` absent when unlabelled).
+    Item ``i`` is ``{"input_ids": LongTensor[L_i], "labels": int}`` (a float for :class:`Scores`;
+    ``labels`` absent when unlabelled).
     """
 
     def __init__(
@@ -510,14 +554,14 @@ class ClassificationDataset(torch.utils.data.Dataset):
         examples: Sequence[ClassificationExample],
         tokenizer,
         *,
-        label_set: LabelSet | None,
+        label_set: LabelSet | Scores | None,
         max_length: int,
         truncate: bool = True,
     ) -> None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
-        if label_set is not None and not isinstance(label_set, LabelSet):
-            raise TypeError(f"label_set must be a LabelSet, got {type(label_set).__name__}")
+        if label_set is not None and not isinstance(label_set, (LabelSet, Scores)):
+            raise TypeError(f"label_set must be a LabelSet or Scores, got {type(label_set).__name__}")
         examples = list(examples)
         if not examples:
             raise ValueError("examples must not be empty")
@@ -534,7 +578,7 @@ class ClassificationDataset(torch.utils.data.Dataset):
         first = tokenizer.encode_batch([ex.text for ex in examples])
         second = tokenizer.encode_batch([ex.text_pair or "" for ex in examples]) if has_pair else None
         self.input_ids: list[torch.Tensor] = []
-        self.labels: list[int | None] = []
+        self.labels: list[int | float | None] = []
         self.num_truncated = 0
         for k, ex in enumerate(examples):
             a = first[k]
@@ -574,7 +618,8 @@ class ClassificationDataset(torch.utils.data.Dataset):
             h = hashlib.sha256()
             h.update(torch.tensor([len(x) for x in self.input_ids], dtype=torch.int64).numpy().tobytes())
             h.update(torch.cat(self.input_ids).numpy().tobytes())
-            h.update(torch.tensor([-1 if y is None else y for y in self.labels], dtype=torch.int64).numpy().tobytes())
+            dtype = torch.float64 if isinstance(self.label_set, Scores) else torch.int64
+            h.update(torch.tensor([-1 if y is None else y for y in self.labels], dtype=dtype).numpy().tobytes())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -589,10 +634,11 @@ class ClassificationCollator:
     """Right-pad a list of dataset items.
 
     Returns ``{"input_ids": LongTensor[B, L], "attention_mask": LongTensor[B, L], "labels": LongTensor[B]}``
-    (``labels`` only when every item has one), ``L`` the longest item (or ``pad_to``).
+    (``labels`` only when every item has one; with ``scores``, a FloatTensor of regression targets
+    (:class:`Scores`), else class indices, floats refused), ``L`` the longest item (or ``pad_to``).
     """
 
-    def __init__(self, pad_id: int | None, *, pad_to: int | None = None) -> None:
+    def __init__(self, pad_id: int | None, *, pad_to: int | None = None, scores: bool = False) -> None:
         if pad_id is None:
             raise ValueError("pad_id: the tokenizer has no pad token; pass an explicit pad_id")
         if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
@@ -600,6 +646,7 @@ class ClassificationCollator:
         check_max_length("pad_to", pad_to)
         self.pad_id = pad_id
         self.pad_to = pad_to
+        self.scores = scores
 
     def __call__(self, items: Sequence[Mapping]) -> dict[str, torch.Tensor]:
         if len(items) == 0:
@@ -608,7 +655,11 @@ class ClassificationCollator:
         batch = {"input_ids": ids, "attention_mask": mask}
         has = ["labels" in it for it in items]
         if all(has):
-            batch["labels"] = as_ids("labels", [it["labels"] for it in items])  # (int() had made 1.7 class 1)
+            labels = [it["labels"] for it in items]
+            if self.scores:  # regression targets (Scores)
+                batch["labels"] = torch.tensor(labels, dtype=torch.float32)
+            else:
+                batch["labels"] = as_ids("labels", labels)  # (int() had made 1.7 class 1)
         elif any(has):
             raise ValueError("items: some items have labels and some do not")
         return batch
@@ -621,14 +672,15 @@ def load_classification_splits(
     max_length: int,
     truncate: bool = True,
     train_split: str = "train",
-    label_set: LabelSet | None = None,
+    label_set: LabelSet | Scores | None = None,
     label_set_path: str | os.PathLike | None = None,
     **read_kwargs,
-) -> tuple[dict[str, ClassificationDataset], LabelSet]:
+) -> tuple[dict[str, ClassificationDataset], LabelSet | Scores]:
     """Read and tokenize several files (``{"train": ..., "valid": ..., "test": ...}``).
 
-    The label set is ``label_set`` if given, else built from ``files[train_split]``; it is written to
-    ``label_set_path`` when given. ``read_kwargs`` go to :func:`read_classification_file`.
+    The label set is ``label_set`` if given, else built from ``files[train_split]`` (:func:`labels_of`:
+    :class:`Scores` for real-valued scores); a label set is written to ``label_set_path`` when given.
+    ``read_kwargs`` go to :func:`read_classification_file`.
 
     Returns:
         ``({split: dataset}, label_set)``.
@@ -639,8 +691,8 @@ def load_classification_splits(
     if label_set is None:
         if train_split not in examples:
             raise ValueError(f"train_split: {train_split!r} not in files ({sorted(files)}) and no label_set given")
-        label_set = LabelSet.from_examples(examples[train_split])
-    if label_set_path is not None:
+        label_set = labels_of(examples[train_split])
+    if label_set_path is not None and isinstance(label_set, LabelSet):
         label_set.save(label_set_path)
     datasets = {
         split: ClassificationDataset(exs, tokenizer, label_set=label_set, max_length=max_length, truncate=truncate)

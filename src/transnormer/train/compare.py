@@ -87,6 +87,7 @@ def _train_isolated(cfg: TrainConfig) -> dict:
 _EVAL_COLUMNS = {
     "cls": [("valid loss", "loss", ".4f"), ("accuracy", "accuracy", ".4f"), ("macro F1", "f1", ".4f"),
             ("MCC", "mcc", ".4f")],
+    "regression": [("valid loss (MSE)", "loss", ".4f"), ("Pearson", "pearson", ".4f"), ("Spearman", "spearman", ".4f")],
     "lm": [("valid loss", "loss", ".4f"), ("valid ppl", "ppl", ".2f")],
 }
 
@@ -97,7 +98,8 @@ def _scored_on_train(summaries: list[dict]) -> bool:
 
 
 def comparison_table(summaries: list[dict], base: TrainConfig, world_size: int = 1) -> str:
-    columns = _EVAL_COLUMNS["cls" if base.task == "cls" else "lm"]
+    regression = any("pearson" in (s.get("eval") or {}) for s in summaries)  # scores (STS-B), not classes
+    columns = _EVAL_COLUMNS["regression" if regression else "cls" if base.task == "cls" else "lm"]
     # the batch of an optimizer step: per process x accumulation x processes (the tokens column counts all)
     procs = f"x{world_size} processes" if world_size > 1 else ""
     on_train = _scored_on_train(summaries)

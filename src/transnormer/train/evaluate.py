@@ -1,4 +1,5 @@
-"""Evaluation metrics (accuracy, macro-F1, Matthews correlation) and a classifier evaluated over a split."""
+"""Evaluation metrics (accuracy, macro-F1, Matthews correlation; Pearson and Spearman for regression) and a
+classifier evaluated over a split."""
 
 from __future__ import annotations
 
@@ -43,6 +44,38 @@ def classification_metrics(pred: torch.Tensor, gold: torch.Tensor, num_classes: 
     return out
 
 
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks of x [N] (float64), ties given their mean rank (as scipy's rankdata)."""
+    order = torch.argsort(x, stable=True)
+    xs = x[order]
+    ranks = torch.empty_like(x, dtype=torch.float64)
+    ranks[order] = torch.arange(len(x), dtype=torch.float64)
+    # each run of equal values gets the mean of its positions
+    starts = torch.cat([torch.tensor([True]), xs[1:] != xs[:-1]])
+    run = torch.cumsum(starts.long(), 0) - 1
+    mean = torch.zeros(int(run[-1]) + 1, dtype=torch.float64).index_add_(0, run, ranks[order])
+    mean /= torch.bincount(run).double()
+    ranks[order] = mean[run]
+    return ranks
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    denom = math.sqrt(float((a * a).sum()) * float((b * b).sum()))
+    return float((a * b).sum()) / denom if denom > 0 else float("nan")  # a constant has no correlation
+
+
+def regression_metrics(pred: torch.Tensor, gold: torch.Tensor) -> dict:
+    """Pearson and Spearman correlation (GLUE's STS-B scores) and the mean squared error of real
+    predictions [N] against their targets."""
+    pred, gold = pred.double().flatten(), gold.double().flatten()
+    n = int(gold.numel())
+    if n == 0:
+        return {"pearson": float("nan"), "spearman": float("nan"), "mse": float("nan"), "n": 0}
+    return {"pearson": _pearson(pred, gold), "spearman": _pearson(_ranks(pred), _ranks(gold)),
+            "mse": float(((pred - gold) ** 2).mean()), "n": n}
+
+
 @torch.no_grad()
 def evaluate_classifier(model, ds, collate, info: DistInfo, batch_size: int, max_batches: int | None, autocast, *,
                         majority_class: int | None = None) -> dict:
@@ -54,11 +87,13 @@ def evaluate_classifier(model, ds, collate, info: DistInfo, batch_size: int, max
     same at every call), not the first ones: classification files are often sorted by label (IMDB's
     negative reviews come first), so a prefix would score one class (the GLUE-style ``--task cls``
     path had scored its split's first rows). The metrics count the model's ``config.num_labels``
-    classes where it has one (:func:`classification_metrics`)."""
+    classes where it has one (:func:`classification_metrics`). A regression model (one output,
+    ``problem_type="regression"``: STS-B) gets its MSE as the loss and :func:`regression_metrics`."""
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):
         raise ValueError(f"max_batches must be an int >= 1 or None (the whole split), got {max_batches!r}")
     num_classes = getattr(getattr(model, "config", None), "num_labels", None)
+    regression = num_classes == 1 or getattr(getattr(model, "config", None), "problem_type", None) == "regression"
     was_training = model.training
     model.eval()
     preds, golds, loss_sum = [], [], 0.0
@@ -81,13 +116,18 @@ def evaluate_classifier(model, ds, collate, info: DistInfo, batch_size: int, max
         labels = batch.pop("labels")
         with autocast():
             logits = model(**batch, return_dict=True).logits
-        preds.append(logits.argmax(-1).cpu())
+        if regression:
+            preds.append(logits.float()[:, 0].cpu())
+            loss_sum += float(torch.nn.functional.mse_loss(preds[-1], labels.float().cpu(), reduction="sum"))
+        else:
+            preds.append(logits.argmax(-1).cpu())
+            loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
         golds.append(labels.cpu())
-        loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
     if was_training:
         model.train()
-    p = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
-    y = torch.cat(golds) if golds else torch.zeros(0, dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.float32 if regression else torch.long)  # (a rank without examples)
+    p = torch.cat(preds) if preds else empty
+    y = torch.cat(golds) if golds else empty
     if info.enabled:
         import torch.distributed as dist
 
@@ -97,7 +137,7 @@ def evaluate_classifier(model, ds, collate, info: DistInfo, batch_size: int, max
         y = torch.cat([g[1] for g in gathered])
     (loss_sum,) = all_reduce_sum([loss_sum], info)
     out = {"loss": loss_sum / len(y) if len(y) else float("nan"),  # nothing scored: NaN
-           **classification_metrics(p, y, num_classes=num_classes)}
+           **(regression_metrics(p, y) if regression else classification_metrics(p, y, num_classes=num_classes))}
     if majority_class is not None:
         out["majority_accuracy"] = float((y == majority_class).float().mean()) if len(y) else float("nan")
     return out

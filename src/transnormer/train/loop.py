@@ -434,8 +434,17 @@ def name_classes(model, label_set) -> None:
     """The data's label names in the model's config (``id2label``, which checkpoints keep and
     pipelines print); for a model that names its classes already, a check that the data's are the
     same in the same order, since a class index means nothing else (a change in how labels are read
-    would otherwise swap a trained classifier's classes silently)."""
+    would otherwise swap a trained classifier's classes silently). Real-valued scores (``Scores``) make
+    the model a regressor (``problem_type="regression"``, which its checkpoints keep)."""
     if label_set is None:
+        return
+    from ..data.classification import Scores
+
+    if isinstance(label_set, Scores):  # a regression task (STS-B): one output, scored by MSE
+        if model.config.problem_type not in (None, "regression"):
+            raise ValueError(f"the data's labels are real-valued scores, and the model is a "
+                             f"{model.config.problem_type} classifier: evaluate or train it on data with class labels")
+        model.config.problem_type = "regression"
         return
     config, names = model.config, list(label_set.names)
     saved = [config.id2label.get(i) for i in range(len(config.id2label or {}))]

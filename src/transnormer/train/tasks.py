@@ -257,14 +257,14 @@ def _find_cls_files(spec: str, require_train: bool = True) -> dict[str, Path]:
     return files
 
 
-def build_task_data(cfg, info: DistInfo, autocast, *, classes: list[str] | None = None,
-                    splits: tuple[str, ...] | None = None) -> TaskData:
+def build_task_data(cfg, info: DistInfo, autocast, *, labels=None, splits: tuple[str, ...] | None = None) -> TaskData:
     """Everything the loop needs from the data side for ``cfg.task``.
 
-    For evaluating a classifier that names its classes (cls): ``classes``, its label names in index
-    order, and ``splits``, the splits to read. The data's labels are read against those classes,
-    and no other split is needed or tokenized (the label set had been built from the data's train
-    split, which had to be there and was read in full)."""
+    For evaluating a classifier (cls) whose classes are known: ``labels``, the model's (a
+    ``LabelSet`` of its class names in index order, or ``Scores`` for a regression model), and
+    ``splits``, the splits to read. The data's labels are read against them, and no other split is
+    needed or tokenized (the label set had been built from the data's train split, which had to be
+    there and was read in full)."""
     if cfg.task == "cls" and str(cfg.data).startswith("lra:"):
         from .lra_tasks import build_lra_task_data  # Long Range Arena: "lra:TASK[:ROOT]"
 
@@ -321,9 +321,10 @@ def build_task_data(cfg, info: DistInfo, autocast, *, classes: list[str] | None 
                         extra={"corpus": corpus.name, "train_tokens": int(len(tokens["train"]))})
 
     if cfg.task == "cls":
-        from ..data.classification import ClassificationCollator, LabelSet, load_classification_splits
+        from ..data.classification import ClassificationCollator, Scores, load_classification_splits
 
-        files = _find_cls_files(cfg.data, require_train=classes is None)
+        given = labels
+        files = _find_cls_files(cfg.data, require_train=given is None)
         if splits is not None:
             found, files = files, {k: v for k, v in files.items() if k in splits}
             if not files:
@@ -340,11 +341,10 @@ def build_task_data(cfg, info: DistInfo, autocast, *, classes: list[str] | None 
         read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
         # training and validation rows need labels, whatever the file is called (a training file named
         # like sst_test.tsv had taken an empty label as "unlabelled", and failed steps later, unnamed)
-        given = None if classes is None else LabelSet(classes, origin="the model's classes, its config.id2label")
         labelled = {k: v for k, v in files.items() if k != "test"}
         datasets, labels = (load_classification_splits(labelled, tok, label_set=given, **{"require_labels": True, **read})
                             if labelled else ({}, given))
-        if classes is None and len(labels.names) < 2:  # one output would read as regression (HF's rule)
+        if given is None and not isinstance(labels, Scores) and len(labels.names) < 2:  # (one output: regression)
             raise ValueError(f"{files['train']}: every training example has the label {labels.names[0]!r}; a "
                              "classifier needs at least two classes")
         unusable = {}
@@ -357,7 +357,8 @@ def build_task_data(cfg, info: DistInfo, autocast, *, classes: list[str] | None 
             except ValueError as e:
                 unusable["test"] = str(e)
         # padded positions are masked: a tokenizer without a pad token (GPT-2's) pads with its EOS
-        collate = ClassificationCollator(tok.pad_id if tok.pad_id is not None else tok.eos_id)
+        collate = ClassificationCollator(tok.pad_id if tok.pad_id is not None else tok.eos_id,
+                                         scores=isinstance(labels, Scores))
         eval_split = "valid" if "valid" in datasets or "train" not in datasets else "train"
         truncated = {split: ds.num_truncated for split, ds in datasets.items() if ds.num_truncated}
         for split, n in truncated.items() if info.is_main else ():  # a cut example reads as another: say so
