@@ -50,8 +50,8 @@ struct Pair {
 
 // The same with A given in pairs, AVX512-BF16 engine only: A as VNNI(A^T) [K/2 x M] words (row
 // stride lda words), the word (k/2, m) holding A[m][k], A[m][k+1]. For A = X^T of a chunk's
-// rows X [K x M] that is VNNI(X), one interleaving pass, where the row-major X^T takes two (the
-// 32-bit transpose, then splitting its words); dense A only.
+// rows X [K x M] that is VNNI(X), one interleaving pass, where the row-major X^T takes a
+// transpose (the 32-bit transpose with its words split: transpose_rows); dense A only.
 struct PairsA {
     idx K;
     const w32* A;
