@@ -457,7 +457,11 @@ def test_column_indices_of_a_headerless_cls_file(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(dev_only), "--split", "test",
                  "--seq-len", "16", "--cache-dir", str(tmp_path / "cache")]) == 2
-    assert "data: no test split in" in capsys.readouterr().err
+    assert "--split test: no such split in --data" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["eval", "--task", "cls", "--model", str(out), "--data", str(dev_only / "dev.tsv"), "--seq-len", "16",
+                 "--cache-dir", str(tmp_path / "cache")]) == 2
+    assert "(a single file is read as the train split: --split train)" in capsys.readouterr().err
 
 
 def test_a_regression_task_trains_evaluates_and_compares_by_correlation(tmp_path, capsys):
@@ -489,6 +493,21 @@ def test_a_regression_task_trains_evaluates_and_compares_by_correlation(tmp_path
     res = json.loads(printed[printed.find("{"):])
     for key in ("pearson", "spearman", "mse", "loss", "n"):
         assert res[key] == pytest.approx(trained[key], rel=1e-5), key
+    # a one-output model in HF's default form (no problem_type: regression by HF's rule) is read the same way
+    import shutil
+
+    from transnormer.cli import resolve_model_dir
+
+    hf_form = tmp_path / "hf_form"
+    shutil.copytree(resolve_model_dir(out), hf_form)
+    (hf_form / "manifest.json").unlink(missing_ok=True)
+    config = json.loads((hf_form / "config.json").read_text())
+    del config["problem_type"]
+    (hf_form / "config.json").write_text(json.dumps(config))
+    assert main(["eval", "--task", "cls", "--model", str(hf_form), "--data", str(dev_only), "--seq-len", "24",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.find("{"):])["pearson"] == pytest.approx(trained["pearson"], rel=1e-5)
 
     cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path), max_steps=2)
     table = comparison_table([{"name": "t2-roberta-tiny", "params": 1e6, "steps": 2, "tokens": 192,

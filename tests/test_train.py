@@ -1271,6 +1271,28 @@ def test_classification_metrics_match_their_definitions():
     assert "f1_positive" not in classification_metrics(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
 
 
+def test_cls_data_for_a_given_label_set_reads_only_its_splits(tmp_path):
+    """build_task_data(labels=, splits=): the splits asked for, read against the labels given; a BPE
+    trained on the data still reads the train file (it had been a KeyError once the files were
+    filtered to the splits asked for), and without one the error says what to give."""
+    from transnormer.data import LabelSet, Scores
+
+    rng = random.Random(6)
+    for split in ("train", "dev"):
+        rows = [f"{' '.join(rng.choice(WORDS) for _ in range(6))}\t{rng.randint(0, 20) / 4}" for _ in range(10)]
+        (tmp_path / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    cfg = TrainConfig(task="cls", preset="t2-roberta-tiny", data=str(tmp_path), vocab_size=300, seq_len=16,
+                      batch_size=4, max_steps=1, cache_dir=str(tmp_path / "cache"))
+    data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext(), labels=Scores(), splits=("valid",))
+    assert data.train is None and data.num_labels == 1 and data.eval_split == "valid"
+    with pytest.raises(ValueError, match="dev.tsv', line 2: label '[0-9.]*' is not in the label set \\['0', '1'\\] \\(the model's"):
+        build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext(),
+                        labels=LabelSet(["0", "1"], origin="the model's classes"), splits=("valid",))
+    (tmp_path / "train.tsv").unlink()
+    with pytest.raises(ValueError, match="no train file in .* to train a tokenizer on"):
+        build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext(), labels=Scores(), splits=("valid",))
+
+
 def test_regression_metrics_match_their_definitions():
     """Pearson against numpy's corrcoef; Spearman against ranks counted one by one (ties take the
     mean of the places they share, as scipy's rankdata), on data with ties in both vectors."""
@@ -1294,6 +1316,9 @@ def test_regression_metrics_match_their_definitions():
         else:  # one item, or a constant: no correlation
             assert np.isnan(m["pearson"]) and np.isnan(m["spearman"])
     assert np.isnan(regression_metrics(torch.zeros(0), torch.zeros(0))["pearson"])
+    # a model that predicts NaN has no correlation (its NaNs had been ranked: Spearman 1.0 here)
+    m = regression_metrics(torch.full((5,), float("nan")), torch.arange(5.0))
+    assert np.isnan(m["pearson"]) and np.isnan(m["spearman"]) and np.isnan(m["mse"])
 
 
 def test_cls_evaluation_of_part_of_a_label_sorted_split_sees_every_class():
@@ -1604,8 +1629,11 @@ def test_retrieval_init_from_applies_overrides_and_checks_the_vocabulary(tmp_pat
     assert (model.config.dropout, model.config.classifier_dropout) == (0.3, 0.5)  # both were dropped
     with pytest.raises(ValueError, match="below the tokenizer's 1000000 ids"):
         build_lra_model(cfg, 10**6, 2, {}, pair=True)
-    with pytest.raises(ValueError, match="is a classifier of 2 labels and the data has 3"):
+    with pytest.raises(ValueError, match="is a model of 2 classes and the data has 3 classes"):
         build_lra_model(cfg, 200, 3, {}, pair=True)
+    # one output is a regression (HF's rule), and the message says so, either way round
+    with pytest.raises(ValueError, match="is a model of 2 classes and the data has real-valued scores"):
+        build_lra_model(cfg, 200, 1, {}, pair=True)
 
 
 def test_mlm_samples_are_whole_sentences_after_bos(corpus_dir, tmp_path):

@@ -393,9 +393,9 @@ def _classes_of(model_dir: Path, args) -> dict:
     if args.task != "cls" or str(args.data).startswith("lra:"):
         return {}
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("problem_type") == "regression":
-        return {"labels": Scores(), "splits": (args.split,)}
     names = config.get("id2label") or {}
+    if config.get("problem_type") == "regression" or (config.get("problem_type") is None and len(names) == 1):
+        return {"labels": Scores(), "splits": (args.split,)}  # (one output: regression, HF's rule)
     classes = [names.get(str(i)) for i in range(len(names))]
     if not classes or None in classes or classes == [f"LABEL_{i}" for i in range(len(classes))]:
         return {}

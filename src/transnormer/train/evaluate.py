@@ -72,8 +72,11 @@ def regression_metrics(pred: torch.Tensor, gold: torch.Tensor) -> dict:
     n = int(gold.numel())
     if n == 0:
         return {"pearson": float("nan"), "spearman": float("nan"), "mse": float("nan"), "n": 0}
-    return {"pearson": _pearson(pred, gold), "spearman": _pearson(_ranks(pred), _ranks(gold)),
-            "mse": float(((pred - gold) ** 2).mean()), "n": n}
+    mse = float(((pred - gold) ** 2).mean())
+    if not (bool(torch.isfinite(pred).all()) and bool(torch.isfinite(gold).all())):
+        # (NaN predictions had been ranked in a fixed order: a broken model got a finite Spearman)
+        return {"pearson": float("nan"), "spearman": float("nan"), "mse": mse, "n": n}
+    return {"pearson": _pearson(pred, gold), "spearman": _pearson(_ranks(pred), _ranks(gold)), "mse": mse, "n": n}
 
 
 @torch.no_grad()

@@ -324,20 +324,24 @@ def build_task_data(cfg, info: DistInfo, autocast, *, labels=None, splits: tuple
         from ..data.classification import ClassificationCollator, Scores, load_classification_splits
 
         given = labels
-        files = _find_cls_files(cfg.data, require_train=given is None)
+        found = files = _find_cls_files(cfg.data, require_train=given is None)
         if splits is not None:
-            found, files = files, {k: v for k, v in files.items() if k in splits}
+            files = {k: v for k, v in files.items() if k in splits}
             if not files:
-                raise ValueError(f"data: no {' or '.join(splits)} split in {cfg.data} (it has "
-                                 f"{', '.join(f'{k}: {v.name}' for k, v in found.items())})")
+                lone = " (a single file is read as the train split: --split train)" if Path(cfg.data).is_file() else ""
+                raise ValueError(f"--split {' or '.join(splits)}: no such split in --data {cfg.data} (it has "
+                                 f"{', '.join(f'{k}: {v.name}' for k, v in found.items())}){lone}")
         if cfg.tokenizer or cfg.init_from:  # (the model's own, or --tokenizer checked against it)
             tok = get_tokenizer(cfg, None, info)
-        else:
+        else:  # a BPE trained on the training texts (of the data found, whichever splits are read)
             from ..data.classification import read_classification_file
 
+            if "train" not in found:
+                raise ValueError(f"data: no train file in {cfg.data} to train a tokenizer on; give the model's "
+                                 "tokenizer (tokenizer= / --tokenizer, or init_from= / --init-from)")
             texts = [" ".join(t for t in (ex.text, ex.text_pair) if t)
-                     for ex in read_classification_file(files["train"], **cfg.cls_read_kwargs)]
-            tok = get_tokenizer(cfg, Corpus(name=str(files["train"]), splits={"train": texts}), info)
+                     for ex in read_classification_file(found["train"], **cfg.cls_read_kwargs)]
+            tok = get_tokenizer(cfg, Corpus(name=str(found["train"]), splits={"train": texts}), info)
         read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
         # training and validation rows need labels, whatever the file is called (a training file named
         # like sst_test.tsv had taken an empty label as "unlabelled", and failed steps later, unnamed)
