@@ -41,29 +41,61 @@ def test_generate_streams(run_dir, capsys):
     assert capsys.readouterr().out.startswith("def return")
 
 
-def test_generate_into_a_reader_that_stops_early_ends_quietly(run_dir):
+def test_generate_into_a_reader_that_stops_early_ends_quietly(run_dir, tmp_path):
     # `transnormer generate ... | head` had printed "error: [Errno 32] Broken pipe" and returned 2
     import subprocess
     import sys
 
-    _, out = run_dir
-    proc = subprocess.Popen([sys.executable, "-m", "transnormer.cli", "generate", "--model", str(out), "--prompt",
-                             "def", "--max-new-tokens", "50", "--seed", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TRANSNORMER_THREADS": "1"})
-    proc.stdout.close()  # the reader goes away before the first word (as head would after its lines)
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141, err
-    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+    root, out = run_dir
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (a pipe's stdout buffered, as usual)
+    commands = [["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "50", "--seed", "0"],
+                ["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "5", "--no-stream"],
+                # a small result, buffered until exit, had ended in "Exception ignored ... BrokenPipeError"
+                # (status 120); its --out file, written after the print, had been lost
+                ["eval", "--model", str(out), "--data", str(root), "--seq-len", "32", "--max-batches", "1",
+                 "--cache-dir", str(root / "cache"), "--out", str(tmp_path / "piped_eval.json")]]
+    for argv in commands:
+        proc = subprocess.Popen([sys.executable, "-m", "transnormer.cli", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**env, "TRANSNORMER_THREADS": "1"})
+        proc.stdout.close()  # the reader goes away before the first word (as head would after its lines)
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141, (argv, err)
+        assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+    assert json.loads((tmp_path / "piped_eval.json").read_text())["ppl"] > 1
 
 
-@pytest.mark.parametrize("command", [["train", "--preset", "t2-lm-tiny"], ["compare", "--presets", "t2-lm-tiny"]])
-def test_a_bpe_too_small_for_its_bytes_is_refused_by_the_flag(command, capsys):
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    # only stdout's reader going away is a quiet 141; another pipe breaking is reported
+    import transnormer.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_eval", broken)
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), "eval", broken))
+    assert cli.main(["eval", "--model", "m"]) == 2
+    assert "transnormer eval: error: [Errno 32] Broken pipe" in capsys.readouterr().err
+
+
+def _with_func(parser, command, func):
+    for action in parser._subparsers._group_actions:
+        action.choices[command].set_defaults(func=func)
+    return parser
+
+
+@pytest.mark.parametrize("command", [["train", "--preset", "t2-lm-tiny"], ["compare", "--presets", "t2-lm-tiny"],
+                                     ["analyze", "ablation"]])
+@pytest.mark.parametrize("value", ["100", "-5", "abc"])
+def test_a_bpe_too_small_for_its_bytes_is_refused_by_the_flag(command, value, capsys):
     # it had been refused after start-up by the tokenizer, naming the field: "vocab_size must be >= 261"
+    # (analyze ablation after writing its first arm's config)
     with pytest.raises(SystemExit) as e:
-        main([*command, "--vocab-size", "100"])
+        main([*command, "--vocab-size", value])
     assert e.value.code == 2
+    shown = value if value != "abc" else "'abc'"
     assert "argument --vocab-size: expected an integer >= 261 (the BPE's special tokens and 256 byte symbols), " \
-           "got 100" in capsys.readouterr().err
+           f"got {shown}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["generate", "--model", "m", "--prompt", "x"], ["analyze", "gradient-bound"],

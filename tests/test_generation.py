@@ -463,7 +463,10 @@ def test_a_cache_of_another_model_is_refused_and_none_is_cropped():
 
 
 def test_a_cache_of_the_same_layer_types_at_other_widths_is_refused():
-    # the same layer types at another width had failed inside a layer with a shape error
+    # the same layer types at another width had failed inside a layer with a shape error; the error
+    # now names the settings that differ. Settings that leave the states as they are do not refuse
+    # a cache (a kernel spelt out as its default gives the same logits), and a model cast to another
+    # dtype after the cache was made is named too.
     from transnormer.presets import build_model
 
     torch.manual_seed(0)
@@ -484,6 +487,13 @@ def test_a_cache_of_the_same_layer_types_at_other_widths_is_refused():
     other_vocab(ids[:, :1], cache=cache)
     out = t2.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 8)
+    spelt_out = build_model("t2-lm-tiny", vocab_size=64, norm_kernel="1+elu", diag_kernel="softmax").eval()
+    spelt_out.load_state_dict(t2.state_dict())
+    cache = t2(ids, use_cache=True).cache
+    torch.testing.assert_close(spelt_out(ids[:, :1], cache=cache, use_cache=False).logits,
+                               t2(ids[:, :1], cache=cache, use_cache=False).logits)  # (read, not advanced)
+    with pytest.raises(ValueError, match="states in float32 where this model computes in bfloat16"):
+        t2.to(torch.bfloat16)(ids[:, :1], cache=cache)
 
 
 @pytest.mark.parametrize("preset", ["flash-lm-tiny", "flash-quad-lm-tiny", "t2-lm-tiny"])

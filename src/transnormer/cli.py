@@ -28,10 +28,13 @@ def bpe_vocab_size(text: str) -> int:
     tokenizer's own check had named ``vocab_size``, not the flag)."""
     from .data.tokenizer import MIN_VOCAB
 
-    value = positive_int(text)
+    want = f"expected an integer >= {MIN_VOCAB} (the BPE's special tokens and 256 byte symbols)"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{want}, got {text!r}") from None
     if value < MIN_VOCAB:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {MIN_VOCAB} (the BPE's special tokens and 256 "
-                                         f"byte symbols), got {value}")
+        raise argparse.ArgumentTypeError(f"{want}, got {value}")
     return value
 
 
@@ -216,20 +219,21 @@ def cmd_train(args) -> int:
 
     summary = train(_train_config(args))
     main = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 reports (the others lack its metrics)
+    # the status and its message first: a reader of stdout that goes away while the summary is
+    # printed ends the command with 141, and the run's own status must have been said by then
+    rc, message = 0, None
+    if summary.get("interrupted_at") is not None:  # Ctrl-C / SIGTERM: saved, to be resumed
+        rc, message = 130, (f"transnormer train: interrupted after step {summary['interrupted_at']}; the checkpoint "
+                            "is saved: run the same command with --resume to continue")
+    elif summary.get("diverged_at") is not None:  # a failed run: scripts must not take it for a model
+        rc, message = 1, (f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite "
+                          "loss or gradient); its weights were not saved, earlier checkpoints are kept (try a lower "
+                          "--lr or --clip)")
+    if main and message:
+        print(message, file=sys.stderr)
     if main:
         print(json.dumps(summary, indent=1, default=str))
-    if summary.get("interrupted_at") is not None:  # Ctrl-C / SIGTERM: saved, to be resumed
-        if main:
-            print(f"transnormer train: interrupted after step {summary['interrupted_at']}; the checkpoint is saved: "
-                  "run the same command with --resume to continue", file=sys.stderr)
-        return 130
-    if summary.get("diverged_at") is not None:  # a failed run: scripts must not take it for a model
-        if main:
-            print(f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite loss "
-                  "or gradient); its weights were not saved, earlier checkpoints are kept (try a lower --lr or "
-                  "--clip)", file=sys.stderr)
-        return 1
-    return 0
+    return rc
 
 
 def cmd_compare(args) -> int:
@@ -450,9 +454,9 @@ def cmd_eval(args) -> int:
            "seq_len": args.seq_len, "stride": args.stride, "max_batches": args.max_batches,
            "world_size": info.world_size, **res}
     if info.is_main:  # under torchrun every rank has the (all-reduced) result; one reports it
-        print(json.dumps(res, indent=1))
-        if args.out:
+        if args.out:  # (written before printing: a reader of stdout that goes away stops the command)
             atomic_write_text(args.out, json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
     return 0
 
 
@@ -560,22 +564,45 @@ def main(argv: list[str] | None = None) -> int:
         check_env()  # TRANSNORMER_THREADS (README) set for training, evaluation and the rest; the others checked
         tune_allocator()  # keep freed memory for reuse: no page faults per step (runtime.py)
         _check_outputs(args)
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # (a pipe's buffered output, written here, not at exit after main returned)
+        return rc
     except KeyboardInterrupt:  # a second Ctrl-C (training saves and stops at the first): no traceback
         print(f"transnormer {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError as e:
+        if not _stdout_gone():  # another pipe (stderr, a child's): an error like any other
+            return _report_error(args, e)
         # The reader of stdout went away (`transnormer generate ... | head`): stop quietly with the
         # status of a process SIGPIPE ended, as Unix tools do (it had printed "error: [Errno 32]
         # Broken pipe" and returned 2). stdout is pointed at /dev/null so that the interpreter's
         # last flush at exit does not fail on the closed pipe again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE (13)
     except (ValueError, TypeError, OSError, ImportError) as e:  # bad input, a path, a missing extra: one line
-        if "TRANSNORMER_DEBUG" in __import__("os").environ:
-            raise
+        return _report_error(args, e)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader has gone: its flush fails with a broken pipe (what is left in its
+    buffer is what could not be written)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _report_error(args, e: Exception) -> int:
+    """One line on stderr for bad input, a path, a missing extra (TRANSNORMER_DEBUG: the traceback)."""
+    if "TRANSNORMER_DEBUG" in os.environ:
+        raise e
+    with contextlib.suppress(OSError):  # (stderr may be the pipe that broke)
         print(f"transnormer {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return 2
 
 
 if __name__ == "__main__":

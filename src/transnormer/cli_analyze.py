@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .cli import saved_data_spec, seed_int
+from .cli import bpe_vocab_size, saved_data_spec, seed_int
 
 
 def _dump(obj) -> None:
@@ -224,7 +224,7 @@ def register(sub) -> None:
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--lr", type=float, default=1e-3)
     q.add_argument("--warmup", type=int, default=20)
-    q.add_argument("--vocab-size", type=int, default=8192)
+    q.add_argument("--vocab-size", type=bpe_vocab_size, default=8192)
     q.add_argument("--cache-dir")
     q.add_argument("--seed", type=seed_int, default=0)
     q.add_argument("--out", default="runs/analysis/ablation")

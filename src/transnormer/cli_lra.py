@@ -482,8 +482,7 @@ def cmd_eval(args) -> int:
            "run_settings": run or None, "trained_on": trained_on or None,
            "data_provenance": res["data_provenance"], "dataset_id": res["dataset_id"], **res, "data": prov,
            "comparable_to_published": comparable_to_published(res)}
-    print(json.dumps(rec, indent=1, default=str))
-    if args.out:
+    if args.out:  # (written before printing: a reader of stdout that goes away stops the command)
         atomic_write_text(args.out, json.dumps(rec, indent=1, default=str))
         split = _split_label(args.split, res)
         md = Path(args.out).with_suffix(".md")
@@ -494,6 +493,7 @@ def cmd_eval(args) -> int:
                       f"| {TASK_TITLES.get(task, task)} | {res['data_provenance']} | {res['dataset_id']} | {path} | "
                       f"{split} | {_fmt_acc(res['accuracy'])} | {_fmt_acc(res.get('majority_accuracy'))} | "
                       f"{res['n']} |\n")
+    print(json.dumps(rec, indent=1, default=str))
     return 0
 
 
@@ -544,9 +544,9 @@ def cmd_report(args) -> int:
         raise ValueError(f"--out {args.out} is one of the results read (or the .md beside it): write the table "
                          "elsewhere")
     text = results_table(records, args.split)
-    print(text)
-    if args.out:
+    if args.out:  # (written before printing: a reader of stdout that goes away stops the command)
         atomic_write_text(args.out, text)
+    print(text)
     return 0
 
 

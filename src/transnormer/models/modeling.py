@@ -41,9 +41,21 @@ logger = logging.get_logger(__name__)
 
 
 # The config fields that size what a layer keeps while decoding (a state's heads and widths, a
-# block of keys): a cache made under other values fails deep in a layer with a shape error.
+# block of keys): a cache made under other values fails deep in a layer with a shape error, which
+# the model then explains by the fields that differ (_explain_foreign_cache).
 _STATE_FIELDS = ("hidden_size", "num_attention_heads", "diag_num_attention_heads", "block_size", "variant",
                  "norm_kernel", "diag_kernel", "lrpe", "layer_options")
+
+
+def _tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors of a layer's cached state (a tensor, or dicts, lists and tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o)]
+    return []
 
 
 def state_settings(config: TransNormerConfig) -> tuple:
@@ -63,7 +75,7 @@ class TransNormerCache:
     seen: torch.Tensor | None = None  # [B] real tokens so far
     length: int = 0  # tokens (real or padding) consumed so far
     layer_types: tuple | None = None  # the model's, to refuse a cache made by another model
-    settings: tuple | None = None  # the model's state_settings: the same types at other widths are refused too
+    settings: tuple | None = None  # the model's state_settings, to explain a state that does not fit another model
 
     # What transformers' generate() reads on a cache passed in (a continuation, a cached prefix):
     # not a static cache to compile for, and, for its input slicing, a cache that counts tokens
@@ -83,7 +95,8 @@ class TransNormerCache:
 
     @classmethod
     def for_config(cls, config: TransNormerConfig) -> TransNormerCache:
-        """An empty cache that only a model of this config's layer types and widths will take."""
+        """An empty cache that a model of other layer types refuses; its settings explain a state
+        that does not fit another model of the same types (``_explain_foreign_cache``)."""
         return cls(layers=[None] * config.num_hidden_layers, layer_types=tuple(config.layer_types),
                    settings=state_settings(config))
 
@@ -362,12 +375,6 @@ class TransNormerModel(TransNormerPreTrainedModel):
             raise ValueError(f"cache: made by another model ({len(cache.layers)} layers, types "
                              f"{list(cache.layer_types or [])}); this one has {len(self.layers)}: "
                              f"{list(self.config.layer_types)}")
-        if cache is not None and cache.settings is not None and cache.settings != state_settings(self.config):
-            # (the same layer types at other widths had failed inside a layer with a shape error)
-            ours = dict(state_settings(self.config))
-            differ = [f"{f} {v} (this model: {ours.get(f)})" for f, v in cache.settings if ours.get(f) != v]
-            raise ValueError(f"cache: made by another model with the same layer types but other settings: "
-                             f"{'; '.join(differ)}")
         decoding = cache is not None and cache.seen is not None
         if decoding and cache.seen.shape[0] != B:
             raise ValueError(f"the cache holds {cache.seen.shape[0]} rows but the input has B = {B}")
@@ -427,8 +434,12 @@ class TransNormerModel(TransNormerPreTrainedModel):
                 # Keep only each block's input; recompute its activations in the backward.
                 x, new_layer_cache = self._checkpoint(layer, x, mask, positions)
             else:
-                x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
-                                           use_cache=step_layers)
+                try:
+                    x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
+                                               use_cache=step_layers)
+                except (RuntimeError, ValueError) as e:
+                    self._explain_foreign_cache(cache, layer_cache, x, i, e)
+                    raise
             if step_layers:
                 new_layers[i] = new_layer_cache
         if self.final_norm is not None:
@@ -450,6 +461,27 @@ class TransNormerModel(TransNormerPreTrainedModel):
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
 
+
+    def _explain_foreign_cache(self, cache, layer_cache, x: torch.Tensor, i: int, error: Exception) -> None:
+        """Raise a ValueError that says why layer ``i`` failed on ``cache`` when the cache is another
+        model's: the same layer types under other settings (a shape error deep in the layer), or
+        states of another dtype (a model cast after the cache was made). A cache whose states fit is
+        not refused for a setting that does not change them (a kernel spelt out as its default, the
+        heads of a layer that has none); nothing is raised here for any other error."""
+        if layer_cache is None:
+            return
+        reasons = []
+        if cache.settings is not None and cache.settings != state_settings(self.config):
+            ours = dict(state_settings(self.config))
+            reasons.append("the same layer types but other settings: " + "; ".join(
+                f"{f} {v} (this model: {ours.get(f)})" for f, v in cache.settings if ours.get(f) != v))
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in _tensors_in(layer_cache) if t.is_floating_point()})
+        if dtypes and str(x.dtype).removeprefix("torch.") not in dtypes:
+            reasons.append(f"states in {', '.join(dtypes)} where this model computes in "
+                           f"{str(x.dtype).removeprefix('torch.')} (a model cast after the cache was made)")
+        if reasons:
+            raise ValueError(f"cache: made by another model ({'; and '.join(reasons)}): its state does not fit "
+                             f"layer {i} ({type(error).__name__}: {error})") from error
 
     def _checkpoint(self, layer, x, mask, positions):
         from torch.utils.checkpoint import checkpoint
