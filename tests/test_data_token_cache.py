@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 
@@ -92,6 +93,24 @@ def test_reuse_and_rebuild(corpus, tok, tmp_path, monkeypatch):
     (directory / "test.bin").write_bytes(b"\x00\x00")
     fixed = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["test"])
     assert fixed["test"].tolist() == expected
+    # ... and so is one changed under the same size (it had been read as the cache): the sidecar
+    # records the sha256 of the .bin as written
+    assert json.loads((directory / "test.json").read_text())["sha256"] == hashlib.sha256(
+        (directory / "test.bin").read_bytes()).hexdigest()
+    del fixed
+    corrupt = bytearray((directory / "test.bin").read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0x01
+    (directory / "test.bin").unlink()
+    (directory / "test.bin").write_bytes(bytes(corrupt))
+    with pytest.warns(UserWarning, match="test.bin' does not match the sha256 its sidecar records"):
+        fixed = build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["test"])
+    assert fixed["test"].tolist() == expected
+    # a sidecar written before the digest was recorded is read as it was (no sha256: no check)
+    meta = json.loads((directory / "test.json").read_text())
+    del meta["sha256"]
+    (directory / "test.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(type(tok), "encode_batch", lambda *a, **k: pytest.fail("an old cache was rebuilt"))
+    assert build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["test"])["test"].tolist() == expected
 
 
 def test_failed_build_leaves_no_partial_files(corpus, tok, tmp_path, monkeypatch):
@@ -201,10 +220,10 @@ def test_long_documents_encoded_in_pieces_to_the_same_ids(tok, tmp_path):
     assert len(_pieces(doc, 500)) > 10 and "".join(_pieces(doc, 500)) == doc
     for piece_chars, batch_docs in ((500, 3), (37, 64), (len(doc), 1)):
         path = tmp_path / f"p{piece_chars}.bin"
-        n, docs = _write_split([doc, "short one", doc], tok, path, np.dtype(np.uint16), batch_docs, None,
-                               piece_chars=piece_chars)
+        n, docs, sha256 = _write_split([doc, "short one", doc], tok, path, np.dtype(np.uint16), batch_docs, None,
+                                       piece_chars=piece_chars)
         ids = np.fromfile(path, dtype=np.uint16).tolist()
-        assert docs == 3 and n == len(ids)
+        assert docs == 3 and n == len(ids) and sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
         assert ids == [*tok.encode(doc), tok.eos_id, *tok.encode("short one"), tok.eos_id, *tok.encode(doc), tok.eos_id]
 
 

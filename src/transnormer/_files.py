@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import hashlib
 import os
 import shutil
 import sys
@@ -81,6 +82,15 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 break
             raise ValueError(f"{path}: line {i} is not a JSON record ({e})") from None
     return records
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex digest of a file's bytes, read a block at a time (checkpoints' manifests, token caches)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def can_create_in(folder: str | os.PathLike) -> bool:

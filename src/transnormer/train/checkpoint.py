@@ -13,7 +13,6 @@ corrupt file raises :class:`CheckpointError` naming the file, and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._files import no_space_error, out_of_space
+from .._files import file_sha256, no_space_error, out_of_space
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
@@ -33,14 +32,6 @@ STATE = "trainer_state.pt"
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated or corrupt."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rng_state(device: torch.device | None = None) -> dict:
@@ -99,7 +90,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, trainer_state: di
         os.umask(umask)
         for p in files:
             os.chmod(p, 0o666 & ~umask)
-        manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
         _flush_to_disk(tmp)
         # Overwriting: the old directory is moved aside first and removed only after the new one
@@ -246,7 +237,7 @@ def verify_checkpoint(path: str | os.PathLike, *, hashes: bool = True) -> dict:
         size = f.stat().st_size
         if size != meta["size"]:
             raise CheckpointError(f"checkpoint file {f} is truncated or corrupt: {size} bytes, expected {meta['size']}")
-        if hashes and _sha256(f) != meta["sha256"]:
+        if hashes and file_sha256(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupt: SHA-256 does not match the manifest")
     return manifest
 
