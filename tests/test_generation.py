@@ -492,7 +492,8 @@ def test_a_cache_of_the_same_layer_types_at_other_widths_is_refused():
     cache = t2(ids, use_cache=True).cache
     torch.testing.assert_close(spelt_out(ids[:, :1], cache=cache, use_cache=False).logits,
                                t2(ids[:, :1], cache=cache, use_cache=False).logits)  # (read, not advanced)
-    with pytest.raises(ValueError, match="states in float32 where this model computes in bfloat16"):
+    with pytest.raises(ValueError, match="made when the model was float32, its states in float32; the model is "
+                                         "bfloat16 now"):
         t2.to(torch.bfloat16)(ids[:, :1], cache=cache)
 
 

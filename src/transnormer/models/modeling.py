@@ -76,6 +76,7 @@ class TransNormerCache:
     length: int = 0  # tokens (real or padding) consumed so far
     layer_types: tuple | None = None  # the model's, to refuse a cache made by another model
     settings: tuple | None = None  # the model's state_settings, to explain a state that does not fit another model
+    dtype: str | None = None  # the model's parameter dtype when the cache was made (a model cast since: explained)
 
     # What transformers' generate() reads on a cache passed in (a continuation, a cached prefix):
     # not a static cache to compile for, and, for its input slicing, a cache that counts tokens
@@ -94,11 +95,12 @@ class TransNormerCache:
         return cls(layers=[None] * num_layers, layer_types=None if layer_types is None else tuple(layer_types))
 
     @classmethod
-    def for_config(cls, config: TransNormerConfig) -> TransNormerCache:
-        """An empty cache that a model of other layer types refuses; its settings explain a state
-        that does not fit another model of the same types (``_explain_foreign_cache``)."""
+    def for_config(cls, config: TransNormerConfig, dtype: torch.dtype | None = None) -> TransNormerCache:
+        """An empty cache that a model of other layer types refuses; its settings and ``dtype`` (the
+        model's parameters') explain a state that does not fit another model of the same types
+        (``_explain_foreign_cache``)."""
         return cls(layers=[None] * config.num_hidden_layers, layer_types=tuple(config.layer_types),
-                   settings=state_settings(config))
+                   settings=state_settings(config), dtype=None if dtype is None else str(dtype))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -368,7 +370,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         if cache is not None and not isinstance(cache, TransNormerCache):
             raise TypeError(f"cache must be a TransNormerCache, got {type(cache).__name__}")
         if use_cache and cache is None:
-            cache = TransNormerCache.for_config(self.config)
+            cache = TransNormerCache.for_config(self.config, self.dtype)
         if cache is not None and (len(cache.layers) != len(self.layers) or cache.layer_types not in (
                 None, tuple(self.config.layer_types))):
             # (another model's cache had run on: a FLASH layer took a NormAttention state for none)
@@ -383,7 +385,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         step_layers = use_cache or decoding
         if decoding and not use_cache:
             cache = TransNormerCache(layers=list(cache.layers), seen=cache.seen, length=cache.length,
-                                     layer_types=cache.layer_types, settings=cache.settings)
+                                     layer_types=cache.layer_types, settings=cache.settings, dtype=cache.dtype)
 
         mask = None
         if attention_mask is not None:
@@ -438,7 +440,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
                     x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
                                                use_cache=step_layers)
                 except (RuntimeError, ValueError) as e:
-                    self._explain_foreign_cache(cache, layer_cache, x, i, e)
+                    self._explain_foreign_cache(cache, layer_cache, i, e)
                     raise
             if step_layers:
                 new_layers[i] = new_layer_cache
@@ -461,13 +463,12 @@ class TransNormerModel(TransNormerPreTrainedModel):
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
 
-
-    def _explain_foreign_cache(self, cache, layer_cache, x: torch.Tensor, i: int, error: Exception) -> None:
+    def _explain_foreign_cache(self, cache, layer_cache, i: int, error: Exception) -> None:
         """Raise a ValueError that says why layer ``i`` failed on ``cache`` when the cache is another
-        model's: the same layer types under other settings (a shape error deep in the layer), or
-        states of another dtype (a model cast after the cache was made). A cache whose states fit is
-        not refused for a setting that does not change them (a kernel spelt out as its default, the
-        heads of a layer that has none); nothing is raised here for any other error."""
+        model's: the same layer types under other settings (a shape error deep in the layer), or one
+        made before the model was cast to another dtype. A cache whose states fit is not refused for
+        a setting that does not change them (a kernel spelt out as its default, the heads of a layer
+        that has none); nothing is raised here for any other error."""
         if layer_cache is None:
             return
         reasons = []
@@ -475,10 +476,11 @@ class TransNormerModel(TransNormerPreTrainedModel):
             ours = dict(state_settings(self.config))
             reasons.append("the same layer types but other settings: " + "; ".join(
                 f"{f} {v} (this model: {ours.get(f)})" for f, v in cache.settings if ours.get(f) != v))
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in _tensors_in(layer_cache) if t.is_floating_point()})
-        if dtypes and str(x.dtype).removeprefix("torch.") not in dtypes:
-            reasons.append(f"states in {', '.join(dtypes)} where this model computes in "
-                           f"{str(x.dtype).removeprefix('torch.')} (a model cast after the cache was made)")
+        if cache.dtype is not None and cache.dtype != str(self.dtype):
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in _tensors_in(layer_cache)
+                             if t.is_floating_point()})
+            reasons.append(f"made when the model was {cache.dtype.removeprefix('torch.')}, its states in "
+                           f"{', '.join(dtypes)}; the model is {str(self.dtype).removeprefix('torch.')} now")
         if reasons:
             raise ValueError(f"cache: made by another model ({'; and '.join(reasons)}): its state does not fit "
                              f"layer {i} ({type(error).__name__}: {error})") from error
@@ -608,7 +610,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
                 and model_kwargs.get("past_key_values") is None):
-            model_kwargs["cache"] = TransNormerCache.for_config(self.config)
+            model_kwargs["cache"] = TransNormerCache.for_config(self.config, self.dtype)
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
                                       **model_kwargs):
@@ -627,7 +629,7 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         """Feed only the tokens the cache has not seen; create the cache on the first call."""
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
-            cache = TransNormerCache.for_config(self.config)
+            cache = TransNormerCache.for_config(self.config, self.dtype)
         inputs = {"attention_mask": attention_mask, "cache": cache, "use_cache": use_cache}
         # As transformers' own default: generate() says how many trailing positions the cache has not
         # seen (next_sequence_length); None means all of them (the first call, new ids passed alone
