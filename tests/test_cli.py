@@ -47,14 +47,15 @@ def test_generate_into_a_reader_that_stops_early_ends_quietly(run_dir, tmp_path)
     import sys
 
     root, out = run_dir
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (a pipe's stdout buffered, as usual)
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (a pipe's stdout, as usual)
     commands = [["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "50", "--seed", "0"],
                 ["generate", "--model", str(out), "--prompt", "def", "--max-new-tokens", "5", "--no-stream"],
                 # a small result, buffered until exit, had ended in "Exception ignored ... BrokenPipeError"
                 # (status 120); its --out file, written after the print, had been lost
                 ["eval", "--model", str(out), "--data", str(root), "--seq-len", "32", "--max-batches", "1",
                  "--cache-dir", str(root / "cache"), "--out", str(tmp_path / "piped_eval.json")]]
-    for argv in commands:
+    # with stdout unbuffered (PYTHONUNBUFFERED) nothing is left to flush: that had been an error, status 2
+    for argv, env in [(a, e) for a in commands for e in (buffered, {**buffered, "PYTHONUNBUFFERED": "1"})]:
         proc = subprocess.Popen([sys.executable, "-m", "transnormer.cli", *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env={**env, "TRANSNORMER_THREADS": "1"})
         proc.stdout.close()  # the reader goes away before the first word (as head would after its lines)

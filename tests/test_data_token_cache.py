@@ -276,6 +276,17 @@ def test_a_read_only_cache_serves_what_it_holds_and_names_what_it_lacks(corpus, 
     # a split it lacks is refused up front, naming the flag (it had failed naming a temp file)
     with pytest.raises(ValueError, match=r"lacks split 'valid'.*not writable.*--cache-dir"):
         build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["valid"])
+    # a split changed on disk is named as such, not as missing (and not said to be tokenized again)
+    bin_path = token_cache_dir(corpus, tok, tmp_path) / "train.bin"
+    data = bytearray(bin_path.read_bytes())
+    data[0] ^= 0x01
+    del first, again
+    bin_path.unlink()
+    bin_path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="does not match the sha256"), \
+            pytest.raises(ValueError, match=r"split 'train' of the token cache .* does not match the sha256 its "
+                                            r"sidecar records .*not writable.*restore train.bin"):
+        build_token_cache(corpus, tok, cache_dir=tmp_path, splits=["train"])
     # a tokenizer it lacks is trained and used, with a warning, not cached
     with pytest.warns(UserWarning, match="not writable"):
         bpe = build_tokenizer(corpus, 300, cache_dir=tmp_path)

@@ -462,36 +462,38 @@ def test_a_cache_of_another_model_is_refused_and_none_is_cropped():
     t2(ids[:, :1], cache=cache)  # its own model goes on
 
 
-def test_a_cache_of_the_same_layer_types_at_other_widths_is_refused():
-    # the same layer types at another width had failed inside a layer with a shape error; the error
-    # now names the settings that differ. Settings that leave the states as they are do not refuse
-    # a cache (a kernel spelt out as its default gives the same logits), and a model cast to another
-    # dtype after the cache was made is named too.
+def test_a_cache_of_the_same_layer_types_under_other_settings_is_refused():
+    # the same layer types at another width had failed inside a layer with a shape error, and where
+    # the shapes agree (T1 against T2) run on to wrong outputs; the settings that differ are named.
+    # Settings compared as the layers resolve them: a kernel spelt out as its default, or heads of a
+    # FLASH model (which has none), leave a cache usable. A model cast to another dtype after the
+    # cache was made is named too.
     from transnormer.presets import build_model
 
     torch.manual_seed(0)
     t2 = build_model("t2-lm-tiny", vocab_size=64).eval()
-    wide = build_model("t2-lm-tiny", vocab_size=64, hidden_size=2 * t2.config.hidden_size).eval()
-    more_heads = build_model("t2-lm-tiny", vocab_size=64, num_attention_heads=2 * t2.config.num_attention_heads).eval()
     ids = torch.randint(3, 64, (1, 6))
     cache = t2(ids, use_cache=True).cache
-    with pytest.raises(ValueError, match=r"other settings: hidden_size"):
-        wide(ids[:, :1], cache=cache)
-    with pytest.raises(ValueError, match=r"num_attention_heads"):
-        more_heads(ids[:, :1], cache=cache)
+    for overrides, named in (({"hidden_size": 2 * t2.config.hidden_size}, "hidden_size"),
+                             ({"num_attention_heads": 2 * t2.config.num_attention_heads}, "num_attention_heads"),
+                             ({"variant": "t1"}, 'norm_kernel "1\\+elu" \\(this model: "elu"\\)'),
+                             ({"lrpe": "rope"}, "lrpe")):
+        other = build_model("t2-lm-tiny", vocab_size=64, **overrides).eval()
+        with pytest.raises(ValueError, match=f"other settings: .*{named}"):
+            other(ids[:, :1], cache=cache)
     # a model of the same widths but another vocabulary (or dropout) takes it; and generate()'s own
     # cache, the same kind, goes on in its model
-    other_vocab = build_model("t2-lm-tiny", vocab_size=80).eval()
-    other_vocab.load_state_dict({k: v for k, v in t2.state_dict().items() if "embed" not in k and "lm_head" not in k},
-                                strict=False)
-    other_vocab(ids[:, :1], cache=cache)
+    other_vocab = build_model("t2-lm-tiny", vocab_size=80, dropout=0.3).eval()
+    other_vocab(ids[:, :1], cache=cache, use_cache=False)
     out = t2.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 8)
     spelt_out = build_model("t2-lm-tiny", vocab_size=64, norm_kernel="1+elu", diag_kernel="softmax").eval()
     spelt_out.load_state_dict(t2.state_dict())
-    cache = t2(ids, use_cache=True).cache
     torch.testing.assert_close(spelt_out(ids[:, :1], cache=cache, use_cache=False).logits,
                                t2(ids[:, :1], cache=cache, use_cache=False).logits)  # (read, not advanced)
+    flash = build_model("flash-lm-tiny", vocab_size=64).eval()
+    flash_cache = flash(ids, use_cache=True).cache
+    build_model("flash-lm-tiny", vocab_size=64, num_attention_heads=1).eval()(ids[:, :1], cache=flash_cache)
     with pytest.raises(ValueError, match="made when the model was float32, its states in float32; the model is "
                                          "bfloat16 now"):
         t2.to(torch.bfloat16)(ids[:, :1], cache=cache)

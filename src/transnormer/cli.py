@@ -585,8 +585,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stdout_gone() -> bool:
-    """Whether stdout's reader has gone: its flush fails with a broken pipe (what is left in its
-    buffer is what could not be written)."""
+    """Whether stdout's reader has gone: the pipe reports an error to poll() (unbuffered stdout,
+    PYTHONUNBUFFERED, has nothing left to flush), or its flush fails with a broken pipe."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # (a StringIO has none)
+        fd = None
+    if fd is not None and hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & select.POLLERR for _, events in poller.poll(0)):
+            return True
     try:
         sys.stdout.flush()
     except BrokenPipeError:

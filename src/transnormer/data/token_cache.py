@@ -61,14 +61,14 @@ def token_cache_dir(corpus, tokenizer, cache_dir: str | os.PathLike | None = Non
 
 
 def open_token_split(directory: str | os.PathLike, split: str, *, expect: dict | None = None,
-                     verify: bool = True) -> np.ndarray | None:
+                     verify: bool = True, warn: bool = True) -> np.ndarray | None:
     """Memory-map ``<directory>/<split>.bin`` if its sidecar is valid, else return ``None``.
 
     Args:
         expect: sidecar entries that must match (e.g. the fingerprints).
         verify: also check the ``.bin`` against the sha256 its sidecar records (caches written
             before the digest was recorded have none). A ``.bin`` changed under the same size (a
-            bad disk block, a copy cut and padded) had been read as the cache.
+            bad disk block, a copy cut and padded) had been read as the cache. ``warn``: say so.
 
     Returns:
         1-D read-only array of ids, shape ``[num_tokens]``.
@@ -84,8 +84,9 @@ def open_token_split(directory: str | os.PathLike, split: str, *, expect: dict |
         if bin_path.stat().st_size != n * dtype.itemsize:
             return None
         if verify and meta.get("sha256") is not None and file_sha256(bin_path) != meta["sha256"]:
-            warnings.warn(f"token cache: {str(bin_path)!r} does not match the sha256 its sidecar records "
-                          "(changed on disk): it is tokenized again", stacklevel=2)
+            if warn:
+                warnings.warn(f"token cache: {str(bin_path)!r} does not match the sha256 its sidecar records "
+                              "(changed on disk): it is tokenized again where the cache is writable", stacklevel=2)
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -214,6 +215,11 @@ def build_token_cache(
         arr = None if rebuild else open_token_split(directory, split, expect=expect)
         if arr is None:  # the lock only to build: a cache others made stays readable without write access
             if not can_create_in(directory):
+                if open_token_split(directory, split, expect=expect, verify=False) is not None:  # (all but the digest)
+                    raise ValueError(f"cache_dir: split {split!r} of the token cache {str(directory)!r} does not "
+                                     "match the sha256 its sidecar records (changed on disk), and the cache is not "
+                                     "writable; give a writable --cache-dir (or TRANSNORMER_CACHE), or restore "
+                                     f"{split}.bin")
                 raise ValueError(f"cache_dir: the token cache {str(directory)!r} lacks split {split!r} of this corpus "
                                  "and tokenizer, and is not writable; give a writable --cache-dir "
                                  "(or TRANSNORMER_CACHE)")
@@ -227,7 +233,8 @@ def build_token_cache(
 
 def _open_or_build(corpus, tokenizer, directory: Path, split: str, expect: dict, dtype, *, rebuild: bool,
                    batch_docs: int, show_progress: bool) -> np.ndarray:
-    arr = None if rebuild else open_token_split(directory, split, expect=expect)
+    # (again under the lock: another process may have built it meanwhile; a mismatch was said already)
+    arr = None if rebuild else open_token_split(directory, split, expect=expect, warn=False)
     if arr is None:
         docs = corpus.splits[split]
         # Remove the commit mark first: if we die mid-build, an older sidecar must not vouch for a

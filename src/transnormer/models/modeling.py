@@ -40,13 +40,6 @@ from .configuration import TransNormerConfig
 logger = logging.get_logger(__name__)
 
 
-# The config fields that size what a layer keeps while decoding (a state's heads and widths, a
-# block of keys): a cache made under other values fails deep in a layer with a shape error, which
-# the model then explains by the fields that differ (_explain_foreign_cache).
-_STATE_FIELDS = ("hidden_size", "num_attention_heads", "diag_num_attention_heads", "block_size", "variant",
-                 "norm_kernel", "diag_kernel", "lrpe", "layer_options")
-
-
 def _tensors_in(obj) -> list[torch.Tensor]:
     """The tensors of a layer's cached state (a tensor, or dicts, lists and tuples of them)."""
     if isinstance(obj, torch.Tensor):
@@ -58,9 +51,34 @@ def _tensors_in(obj) -> list[torch.Tensor]:
     return []
 
 
+_HEADED_TYPES = frozenset({"norm", "softmax", "linear_elu", "performer", "cosformer"})  # (GAU/FLASH: no heads)
+
+
 def state_settings(config: TransNormerConfig) -> tuple:
-    """((field, value), ...) of ``_STATE_FIELDS``, comparable across configs."""
-    return tuple((f, json.dumps(getattr(config, f, None), sort_keys=True, default=str)) for f in _STATE_FIELDS)
+    """((setting, value as JSON), ...): what the config's layer types keep while decoding depends on,
+    resolved as the layer builders resolve it (a kernel left to the variant is the variant's; FLASH
+    has no heads). A cache made under other values (another model of the same layer types) is
+    refused by the settings that differ: it had failed deep in a layer with a shape error, or, where
+    the shapes agreed (T1 against T2, another LRPE), run on to wrong outputs."""
+    types = set(config.layer_types)
+    values: dict = {"hidden_size": config.hidden_size}
+    if types & _HEADED_TYPES:
+        values["num_attention_heads"] = config.num_attention_heads
+    if "norm" in types:
+        values["norm_kernel"] = config.resolved("norm_kernel")
+    if "diag" in types:
+        values.update(diag_kernel=config.resolved("diag_kernel"), diag_norm=config.resolved("diag_norm"),
+                      diag_num_attention_heads=config.diag_num_attention_heads or config.num_attention_heads,
+                      block_size=config.block_size)
+    if types & {"norm", "diag"}:
+        values["lrpe"] = config.lrpe
+    if "cosformer" in types and config.causal:  # its reweighting's M
+        values["max_position_embeddings"] = config.options_for("cosformer").get("max_len",
+                                                                                config.max_position_embeddings)
+    for t in sorted(types):
+        if config.options_for(t):
+            values[f"layer_options[{t!r}]"] = config.options_for(t)
+    return tuple((k, json.dumps(v, sort_keys=True, default=str)) for k, v in values.items())
 
 
 @dataclass
@@ -75,7 +93,7 @@ class TransNormerCache:
     seen: torch.Tensor | None = None  # [B] real tokens so far
     length: int = 0  # tokens (real or padding) consumed so far
     layer_types: tuple | None = None  # the model's, to refuse a cache made by another model
-    settings: tuple | None = None  # the model's state_settings, to explain a state that does not fit another model
+    settings: tuple | None = None  # the model's state_settings: another model of the same layer types is refused
     dtype: str | None = None  # the model's parameter dtype when the cache was made (a model cast since: explained)
 
     # What transformers' generate() reads on a cache passed in (a continuation, a cached prefix):
@@ -96,9 +114,8 @@ class TransNormerCache:
 
     @classmethod
     def for_config(cls, config: TransNormerConfig, dtype: torch.dtype | None = None) -> TransNormerCache:
-        """An empty cache that a model of other layer types refuses; its settings and ``dtype`` (the
-        model's parameters') explain a state that does not fit another model of the same types
-        (``_explain_foreign_cache``)."""
+        """An empty cache that a model of other layer types or other state settings refuses; its
+        ``dtype`` (the model's parameters') explains a failure after the model was cast since."""
         return cls(layers=[None] * config.num_hidden_layers, layer_types=tuple(config.layer_types),
                    settings=state_settings(config), dtype=None if dtype is None else str(dtype))
 
@@ -377,6 +394,13 @@ class TransNormerModel(TransNormerPreTrainedModel):
             raise ValueError(f"cache: made by another model ({len(cache.layers)} layers, types "
                              f"{list(cache.layer_types or [])}); this one has {len(self.layers)}: "
                              f"{list(self.config.layer_types)}")
+        if cache is not None and cache.settings is not None and cache.settings != state_settings(self.config):
+            ours = dict(state_settings(self.config))
+            theirs = dict(cache.settings)
+            differ = [f"{k} {theirs.get(k, 'unset')} (this model: {ours.get(k, 'unset')})"
+                      for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
+            raise ValueError(f"cache: made by another model with the same layer types but other settings: "
+                             f"{'; '.join(differ)}")
         decoding = cache is not None and cache.seen is not None
         if decoding and cache.seen.shape[0] != B:
             raise ValueError(f"the cache holds {cache.seen.shape[0]} rows but the input has B = {B}")
@@ -440,7 +464,8 @@ class TransNormerModel(TransNormerPreTrainedModel):
                     x, new_layer_cache = layer(x, attention_mask=mask, positions=positions, cache=layer_cache,
                                                use_cache=step_layers)
                 except (RuntimeError, ValueError) as e:
-                    self._explain_foreign_cache(cache, layer_cache, i, e)
+                    if not isinstance(e, torch.OutOfMemoryError):
+                        self._explain_cast_since(cache, layer_cache, i, e)
                     raise
             if step_layers:
                 new_layers[i] = new_layer_cache
@@ -463,27 +488,17 @@ class TransNormerModel(TransNormerPreTrainedModel):
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
 
-    def _explain_foreign_cache(self, cache, layer_cache, i: int, error: Exception) -> None:
-        """Raise a ValueError that says why layer ``i`` failed on ``cache`` when the cache is another
-        model's: the same layer types under other settings (a shape error deep in the layer), or one
-        made before the model was cast to another dtype. A cache whose states fit is not refused for
-        a setting that does not change them (a kernel spelt out as its default, the heads of a layer
-        that has none); nothing is raised here for any other error."""
-        if layer_cache is None:
+    def _explain_cast_since(self, cache, layer_cache, i: int, error: Exception) -> None:
+        """Raise a ValueError that says why layer ``i`` failed on ``cache`` when the model was cast to
+        another dtype after the cache was made (its states in the old dtype; a layer had failed with
+        "expected scalar type Float but found BFloat16"). Nothing for other errors, or a cache that
+        did not record its dtype."""
+        if layer_cache is None or cache.dtype is None or cache.dtype == str(self.dtype):
             return
-        reasons = []
-        if cache.settings is not None and cache.settings != state_settings(self.config):
-            ours = dict(state_settings(self.config))
-            reasons.append("the same layer types but other settings: " + "; ".join(
-                f"{f} {v} (this model: {ours.get(f)})" for f, v in cache.settings if ours.get(f) != v))
-        if cache.dtype is not None and cache.dtype != str(self.dtype):
-            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in _tensors_in(layer_cache)
-                             if t.is_floating_point()})
-            reasons.append(f"made when the model was {cache.dtype.removeprefix('torch.')}, its states in "
-                           f"{', '.join(dtypes)}; the model is {str(self.dtype).removeprefix('torch.')} now")
-        if reasons:
-            raise ValueError(f"cache: made by another model ({'; and '.join(reasons)}): its state does not fit "
-                             f"layer {i} ({type(error).__name__}: {error})") from error
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in _tensors_in(layer_cache) if t.is_floating_point()})
+        raise ValueError(f"cache: made when the model was {cache.dtype.removeprefix('torch.')}, its states in "
+                         f"{', '.join(dtypes)}; the model is {str(self.dtype).removeprefix('torch.')} now: layer {i} "
+                         f"failed on it ({type(error).__name__}: {error}); make the cache again") from error
 
     def _checkpoint(self, layer, x, mask, positions):
         from torch.utils.checkpoint import checkpoint
