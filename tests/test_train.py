@@ -1285,6 +1285,13 @@ def test_cls_data_for_a_given_label_set_reads_only_its_splits(tmp_path):
                       batch_size=4, max_steps=1, cache_dir=str(tmp_path / "cache"))
     data = build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext(), labels=Scores(), splits=("valid",))
     assert data.train is None and data.num_labels == 1 and data.eval_split == "valid"
+    # a regressor given whole-number labels (classes, by the look of them) is told so
+    (tmp_path / "ints").mkdir()
+    for split in ("train", "dev"):
+        (tmp_path / "ints" / f"{split}.tsv").write_text("sentence\tlabel\nthe a\t1\nan of\t0\n")
+    with pytest.warns(UserWarning, match="every label is a whole number, as class labels are"):
+        build_task_data(replace(cfg, data=str(tmp_path / "ints")), DistInfo(), lambda: contextlib.nullcontext(),
+                        labels=Scores(), splits=("valid",))
     with pytest.raises(ValueError, match="dev.tsv', line 2: label '[0-9.]*' is not in the label set \\['0', '1'\\] \\(the model's"):
         build_task_data(cfg, DistInfo(), lambda: contextlib.nullcontext(),
                         labels=LabelSet(["0", "1"], origin="the model's classes"), splits=("valid",))
@@ -1316,6 +1323,8 @@ def test_regression_metrics_match_their_definitions():
         else:  # one item, or a constant: no correlation
             assert np.isnan(m["pearson"]) and np.isnan(m["spearman"])
     assert np.isnan(regression_metrics(torch.zeros(0), torch.zeros(0))["pearson"])
+    with pytest.raises(ValueError, match="pred and gold must hold as many values, got 3 and 4"):
+        regression_metrics(torch.zeros(3), torch.zeros(4))
     # a model that predicts NaN has no correlation (its NaNs had been ranked: Spearman 1.0 here)
     m = regression_metrics(torch.full((5,), float("nan")), torch.arange(5.0))
     assert np.isnan(m["pearson"]) and np.isnan(m["spearman"]) and np.isnan(m["mse"])

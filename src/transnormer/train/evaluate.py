@@ -69,6 +69,8 @@ def regression_metrics(pred: torch.Tensor, gold: torch.Tensor) -> dict:
     """Pearson and Spearman correlation (GLUE's STS-B scores) and the mean squared error of real
     predictions [N] against their targets."""
     pred, gold = pred.double().flatten(), gold.double().flatten()
+    if pred.numel() != gold.numel():
+        raise ValueError(f"pred and gold must hold as many values, got {pred.numel()} and {gold.numel()}")
     n = int(gold.numel())
     if n == 0:
         return {"pearson": float("nan"), "spearman": float("nan"), "mse": float("nan"), "n": 0}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -348,6 +349,11 @@ def build_task_data(cfg, info: DistInfo, autocast, *, labels=None, splits: tuple
         labelled = {k: v for k, v in files.items() if k != "test"}
         datasets, labels = (load_classification_splits(labelled, tok, label_set=given, **{"require_labels": True, **read})
                             if labelled else ({}, given))
+        if isinstance(given, Scores) and datasets and all(float(y).is_integer() for ds in datasets.values()
+                                                          for y in ds.labels if y is not None):
+            # (a regressor on class data is scored as a regression: say that it looks like classes)
+            warnings.warn(f"{cfg.data}: every label is a whole number, as class labels are, and the model is a "
+                          "regression (one output): they are scored as real-valued scores", stacklevel=2)
         if given is None and not isinstance(labels, Scores) and len(labels.names) < 2:  # (one output: regression)
             raise ValueError(f"{files['train']}: every training example has the label {labels.names[0]!r}; a "
                              "classifier needs at least two classes")
