@@ -229,9 +229,9 @@ def cmd_train(args) -> int:
         rc, message = 1, (f"transnormer train: error: the run diverged at step {summary['diverged_at']} (non-finite "
                           "loss or gradient); its weights were not saved, earlier checkpoints are kept (try a lower "
                           "--lr or --clip)")
-    if main and message:
-        print(message, file=sys.stderr)
     if main:
+        if message:
+            print(message, file=sys.stderr)
         print(json.dumps(summary, indent=1, default=str))
     return rc
 

@@ -394,9 +394,9 @@ class TransNormerModel(TransNormerPreTrainedModel):
             raise ValueError(f"cache: made by another model ({len(cache.layers)} layers, types "
                              f"{list(cache.layer_types or [])}); this one has {len(self.layers)}: "
                              f"{list(self.config.layer_types)}")
-        if cache is not None and cache.settings is not None and cache.settings != state_settings(self.config):
-            ours = dict(state_settings(self.config))
-            theirs = dict(cache.settings)
+        ours = None if cache is None or cache.settings is None else state_settings(self.config)
+        if ours is not None and cache.settings != ours:
+            ours, theirs = dict(ours), dict(cache.settings)
             differ = [f"{k} {theirs.get(k, 'unset')} (this model: {ours.get(k, 'unset')})"
                       for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
             raise ValueError(f"cache: made by another model with the same layer types but other settings: "

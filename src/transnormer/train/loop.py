@@ -420,11 +420,10 @@ def init_config(init: Path, cfg: TrainConfig, vocab_size: int, num_labels: int |
     config = transformers.AutoConfig.from_pretrained(init)
     archs = config.architectures or []
     if num_labels and num_labels != config.num_labels and any("SequenceClassification" in a for a in archs):
-        def kind(n, of):  # (one output: a regression on real-valued scores, HF's rule)
-            return f"{of} regression (one output)" if n == 1 else f"{of} {n} classes"
-
-        raise ValueError(f"{init} is a {kind(config.num_labels, 'model of')} and the data has "
-                         f"{'real-valued scores' if num_labels == 1 else f'{num_labels} classes'}: "
+        # (one output is a regression on real-valued scores, HF's rule)
+        model = "regression (one output)" if config.num_labels == 1 else f"{config.num_labels} classes"
+        data = "real-valued scores" if num_labels == 1 else f"{num_labels} classes"
+        raise ValueError(f"{init} is a model of {model} and the data has {data}: "
                          "evaluate it on data of its kind; to fine-tune it on other labels, start from its "
                          "encoder: AutoModel.from_pretrained(it).save_pretrained(dir) saves it without the head, and "
                          "--init-from dir gives the run a new one")
