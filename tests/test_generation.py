@@ -481,6 +481,13 @@ def test_a_cache_of_the_same_layer_types_under_other_settings_is_refused():
         other = build_model("t2-lm-tiny", vocab_size=64, **overrides).eval()
         with pytest.raises(ValueError, match=f"other settings: .*{named}"):
             other(ids[:, :1], cache=cache)
+    # the check runs once per cache: a model that took its own cache still refuses another one after
+    wide = build_model("t2-lm-tiny", vocab_size=64, hidden_size=2 * t2.config.hidden_size).eval()
+    own = wide(ids, use_cache=True).cache
+    wide(ids[:, :1], cache=own)
+    with pytest.raises(ValueError, match="other settings: .*hidden_size"):
+        wide(ids[:, :1], cache=cache)
+    wide(ids[:, :1], cache=own)
     # a model of the same widths but another vocabulary (or dropout) takes it; and generate()'s own
     # cache, the same kind, goes on in its model
     other_vocab = build_model("t2-lm-tiny", vocab_size=80, dropout=0.3).eval()

@@ -307,6 +307,7 @@ class TransNormerModel(TransNormerPreTrainedModel):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(TransNormerBlock(config, i) for i in range(config.num_hidden_layers))
         self.gradient_checkpointing = False  # HF activation_checkpointing_enable() turns it on
+        self._accepted_settings = None  # the last cache's state settings found to be this model's
         self.final_norm = (
             build_norm(config.norm_type, d, eps=config.norm_eps, eps_inside_sqrt=config.eps_inside_sqrt)
             if config.final_norm else None
@@ -394,13 +395,17 @@ class TransNormerModel(TransNormerPreTrainedModel):
             raise ValueError(f"cache: made by another model ({len(cache.layers)} layers, types "
                              f"{list(cache.layer_types or [])}); this one has {len(self.layers)}: "
                              f"{list(self.config.layer_types)}")
-        ours = None if cache is None or cache.settings is None else state_settings(self.config)
-        if ours is not None and cache.settings != ours:
-            ours, theirs = dict(ours), dict(cache.settings)
-            differ = [f"{k} {theirs.get(k, 'unset')} (this model: {ours.get(k, 'unset')})"
-                      for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
-            raise ValueError(f"cache: made by another model with the same layer types but other settings: "
-                             f"{'; '.join(differ)}")
+        if cache is not None and cache.settings is not None and cache.settings is not self._accepted_settings:
+            # (once per cache: a decode step carries the same tuple on, and computing the settings took
+            # 60-90 us, ~1% of a small model's step)
+            ours = state_settings(self.config)
+            if cache.settings != ours:
+                ours, theirs = dict(ours), dict(cache.settings)
+                differ = [f"{k} {theirs.get(k, 'unset')} (this model: {ours.get(k, 'unset')})"
+                          for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
+                raise ValueError(f"cache: made by another model with the same layer types but other settings: "
+                                 f"{'; '.join(differ)}")
+            self._accepted_settings = cache.settings
         decoding = cache is not None and cache.seen is not None
         if decoding and cache.seen.shape[0] != B:
             raise ValueError(f"the cache holds {cache.seen.shape[0]} rows but the input has B = {B}")
