@@ -639,6 +639,76 @@ def test_report_does_not_choose_among_runs_validated_on_test():
     assert table.strip().endswith(f"{100 * (0.4 + 0.60) / 2:.2f}")  # the first Text run, not the best on test
 
 
+def _imdb_fixture(root, n=6):
+    for part in ("train", "test"):
+        for cls in ("pos", "neg"):
+            d = root / "aclImdb" / part / cls
+            d.mkdir(parents=True)
+            for i in range(n // 2):
+                (d / f"{i}_{8 if cls == 'pos' else 2}.txt").write_text(f"{part} {cls} review number {i}")
+
+
+def test_texts_official_validation_is_recorded_as_the_test_split_it_reads(tmp_path):
+    # its records said "val" (the loader's name), so report's guard against choosing on test never fired
+    from transnormer.cli_lra import results_table
+    from transnormer.train.lra_tasks import evaluate_split
+
+    _imdb_fixture(tmp_path)
+    model = build_model("t2-lra-text-tiny").eval()
+    spec = f"lra:text:{tmp_path}"
+    official, _ = evaluate_split(model, spec, "val", max_len=32)
+    assert official["eval_split"] == "test" and official["note"].startswith("validation = test split")
+    carved, _ = evaluate_split(model, spec, "val", max_len=32, options={"val_from": "train", "val_fraction": 0.5})
+    assert carved["eval_split"] == "val"
+
+    def rec(task, acc, val):
+        return {"task": task, "preset": "t2-lra-x", "data_provenance": "stand-in", "dataset_id": task,
+                "val": {**val, "accuracy": acc}, "test": {"accuracy": acc}}
+
+    for val in (official, {"note": official["note"]}):  # today's records, and earlier ones by their note
+        table = results_table([rec("listops", 0.4, {}), rec("text", 0.60, val), rec("text", 0.64, val)])
+        assert table.strip().endswith(f"{100 * (0.4 + 0.60) / 2:.2f}")
+
+
+def test_text_and_pathfinder_options_are_checked_by_name(tmp_path):
+    from transnormer.data.lra import load_lra
+
+    _imdb_fixture(tmp_path)
+    with pytest.raises(ValueError, match="val_seed"):
+        load_lra("text", tmp_path, "val", val_from="train", val_seed=-1)
+    with pytest.raises(ValueError, match="val_fraction=0.95 carves 6 of the 6 training reviews"):
+        load_lra("text", tmp_path, "train", val_from="train", val_fraction=0.95)
+    assert len(load_lra("text", tmp_path, "train", val_from="train", val_fraction=0.5)) == 3
+    with pytest.raises(ValueError, match="difficulty must be one of .* got 'medium'"):
+        load_lra("pathfinder", tmp_path, "test", difficulty="medium")
+    with pytest.raises(TypeError, match="split_seed must be an int, got str"):
+        load_lra("pathfinder", tmp_path, "test", split_seed="a", split_mode="random")
+
+
+def test_official_listops_and_pathfinder_results_record_their_files_digests(listops_root, tmp_path):
+    # lra.md §6.4: only our regenerated sets (through their sidecar) had carried SHA-256s
+    import shutil
+
+    from transnormer.data.lra._common import sha256_file
+    from transnormer.train.lra_tasks import load_split, provenance_record
+
+    official = tmp_path / "lo" / "listops-1000"
+    official.mkdir(parents=True)
+    for f in ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv"):
+        shutil.copy(listops_root / "listops-1000" / f, official / f)
+    rec = provenance_record(load_split("listops", str(tmp_path / "lo"), "val", 64, {}))
+    assert rec["data_provenance"] == "official"
+    assert rec["sha256"] == {"basic_val.tsv": sha256_file(official / "basic_val.tsv")}
+    pf = tmp_path / "pf"
+    prepare("pathfinder", pf, seed=0, n_images=20)
+    for side in pf.rglob("generation.json"):
+        side.unlink()  # the official layout: no sidecar
+    rec = provenance_record(load_split("pathfinder", str(pf), "test", None, {}))
+    assert rec["data_provenance"] == "official"
+    metas = sorted(pf.rglob("metadata/*.npy"))
+    assert metas and rec["sha256"] == {p.name: sha256_file(p) for p in metas}
+
+
 def test_a_generated_listops_file_changed_after_generation_is_refused(listops_root, tmp_path):
     import shutil
 

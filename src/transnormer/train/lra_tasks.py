@@ -129,6 +129,13 @@ def _source_files(ds) -> list[Path]:
     if ds.task == "image" and info.get("dir"):
         d = Path(info["dir"])
         return sorted(p for p in d.glob("*_batch*") if p.is_file())
+    if ds.task == "listops" and info.get("dir"):  # the split's own TSV (official files carry no sidecar)
+        from ..data.lra.listops import SPLIT_FILES
+
+        f = Path(info["dir"]) / SPLIT_FILES[ds.split]
+        return [f] if f.is_file() else []
+    if ds.task.startswith(("pathfinder", "pathx")) and info.get("dir"):  # the metadata lists, not the PNGs
+        return sorted(p for p in (Path(info["dir"]) / "metadata").glob("*.npy") if p.is_file())
     return []  # aclImdb: 50k small files; not hashed
 
 
@@ -262,8 +269,15 @@ def evaluate_split(model, spec: str, split: str = "test", *, max_len: int | None
                               majority_class=majority)
     rec = {**provenance_record(ds), "root": root if root is not None else default_root(task), "max_len": max_len,
            "truncated": count_truncated(ds, max_len), "n_split": len(ds)}
-    return {**res, "data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "eval_split": ds.split,
+    return {**res, "data_provenance": ds.provenance, "dataset_id": ds.dataset_id, "eval_split": _split_read(ds),
             "n_split": len(ds), "subset": res["n"] < len(ds), **_split_note(ds)}, rec
+
+
+def _split_read(ds) -> str:
+    """The split whose data ``ds`` holds: Text's official validation split is its test split (a report
+    must not choose among runs by it; it had been recorded as "val", and the guard never fired)."""
+    val_from = ds.info.get("val_from") if isinstance(ds.info, dict) else None
+    return "test" if ds.split == "val" and val_from == "test" else ds.split
 
 
 def _split_note(ds) -> dict:
@@ -312,7 +326,7 @@ def build_lra_task_data(cfg, info: DistInfo, autocast) -> TaskData:
         ds = get_split(split)
         res = evaluate_classifier(model, ds, collate, info, cfg.batch_size, max_batches, autocast,
                                   majority_class=majority)
-        return {**res, **labels_out, "eval_split": ds.split, **_split_note(ds)}
+        return {**res, **labels_out, "eval_split": _split_read(ds), **_split_note(ds)}
 
     tok = LRAVocab(task, info_t.vocab_size, info_t.pad_id, dataset_id=train_ds.dataset_id,
                    provenance=train_ds.provenance)

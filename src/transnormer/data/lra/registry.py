@@ -321,6 +321,11 @@ def load_lra(
     res = _PF_RESOLUTION[t]
     named = opts.pop("difficulty", None)
     difficulty = _pf.DIFFICULTIES.get(named or "hard", named or "hard")
+    if difficulty not in _pf.CONTOUR_LENGTHS:  # (it had been a missing-folder error naming a path)
+        raise ValueError(f"difficulty must be one of {sorted(_pf.DIFFICULTIES)} or {sorted(_pf.CONTOUR_LENGTHS)}, "
+                         f"got {named!r}")
+    if "split_seed" in opts:
+        opts["split_seed"] = check_int("split_seed", opts["split_seed"], minimum=0)
     images, labels, info = _pf.load_pathfinder_split(root, split, resolution=res, difficulty=difficulty, **opts)
     read = Path(info["dir"]).name
     if read in _pf.CONTOUR_LENGTHS and read != difficulty:

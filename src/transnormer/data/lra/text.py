@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import PackedSequences, as_dir, check_optional_max_len, split_name
+from ._common import PackedSequences, as_dir, check_int, check_optional_max_len, split_name
 
 PAD_ID = 0
 VOCAB_SIZE = 257
@@ -103,6 +103,7 @@ def load_text_split(
         raise ValueError(f"val_from must be 'test' (official) or 'train', got {val_from!r}")
     if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
         raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
+    check_int("val_seed", val_seed, minimum=0)
     base = find_imdb_dir(root)
     info = {"dir": str(base), "val_from": val_from}
     if split == "test" or (split == "val" and val_from == "test"):
@@ -115,6 +116,9 @@ def load_text_split(
         return ids, labels, info
     order = np.random.default_rng(val_seed).permutation(len(ids))
     n_val = max(1, int(round(len(ids) * val_fraction)))
+    if n_val >= len(ids):  # (the train split had come back empty, without a word)
+        raise ValueError(f"val_fraction={val_fraction} carves {n_val} of the {len(ids)} training reviews for "
+                         "validation and leaves none to train on")
     idx = np.sort(order[-n_val:]) if split == "val" else np.sort(order[:-n_val])
     info["note"] = f"validation carved from train ({n_val} reviews, seed {val_seed})"
     return ids.select(idx), labels[idx], info
