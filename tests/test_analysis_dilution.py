@@ -274,7 +274,27 @@ def test_empty_window_fractions_or_model_lists_are_refused(tmp_path):
         locally_accumulated_score(torch.full((1, 4, 4), 0.25), rs=[])
     with pytest.raises(ValueError, match="models must name"):
         run_dilution([], None, tmp_path)
+    # the ids run_dilution draws: 0 had been "input_ids must be a non-empty [B, T] tensor"
+    for kw, match in (({"batch_size": 0}, "batch_size must be >= 1"), ({"seq_len": 0}, "seq_len must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            run_dilution(["t2-lm-tiny"], None, tmp_path, **kw)
     assert not list(tmp_path.iterdir())
+
+
+def test_attention_maps_refuse_a_wrong_width_as_the_layers_do():
+    # the map had failed in its projection's matmul with a shape error naming no argument
+    from transnormer.analysis import attention_map
+    from transnormer.layers import LAYER_TYPES
+    from transnormer.presets import get_config
+
+    cfg = get_config("t2-lm-tiny", hidden_size=32, num_attention_heads=2)
+    x = torch.randn(1, 4, 64)
+    for kind in ("norm", "diag", "softmax", "linear_elu"):
+        layer = LAYER_TYPES[kind](cfg, 0)
+        with pytest.raises(ValueError, match=r"x must be \[B, T, 32\], got \(1, 4, 64\)"):
+            layer(x)
+        with pytest.raises(ValueError, match=r"x must be \[B, T, 32\], got \(1, 4, 64\)"):
+            attention_map(layer, x)
 
 
 def test_dilution_cli_seeds_the_presets_it_builds(tmp_path, capsys):

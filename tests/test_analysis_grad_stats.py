@@ -318,6 +318,53 @@ def test_ablation_cli_marks_a_run_the_loop_stopped(tmp_path, monkeypatch):
                                                             "norm": False}
 
 
+def test_grad_stats_refuses_bad_records_by_file_record_and_key(tmp_path):
+    # a string had failed naming neither file nor key, true was read as 1.0, a negative norm averaged in
+    from transnormer.analysis.grad_stats import rsd_from_jsonl
+
+    p = tmp_path / "g.jsonl"
+    for rows, match in (([{"step": 1, "grad_norm": "abc"}], "record 1: 'grad_norm' must be a number or null"),
+                        ([{"step": 1, "grad_norm": 1.0}, {"step": "x", "grad_norm": 1.0}],
+                         "record 2: 'step' must be an integer step, got 'x'"),
+                        ([{"step": 1, "grad_norm": True}], "must be a number or null, got True"),
+                        ([{"step": 1, "grad_norm": 1.0}, {"step": 2, "grad_norm": -1.0}], "cannot be negative")):
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(ValueError, match=match):
+            rsd_from_jsonl(p)
+    p.write_text("".join(json.dumps({"step": s, "grad_norm": 1.0, "param_set": "mixer"}) + "\n" for s in (1, 2, 4)))
+    assert rsd_from_jsonl(p)["missing_steps"] == 1  # the recorder's file holds every step: 3 is missing
+    # a run's metrics.jsonl logs every --log-every steps: its gaps are not missing steps
+    p.write_text("".join(json.dumps({"kind": "train", "step": s, "grad_norm": 1.0 + s}) + "\n" for s in (1, 10, 20)))
+    s = rsd_from_jsonl(p)
+    assert s["num_steps"] == 3 and "missing_steps" not in s
+
+
+def test_ablation_cli_resumes_its_runs(tmp_path, monkeypatch, capsys):
+    """An interrupted run's message says the same command with --resume continues it; ablation had
+    refused --resume, and without it the runs start again from step 0."""
+    from pathlib import Path
+
+    import transnormer.train.loop as loop
+    from transnormer.cli import main
+
+    calls = []
+
+    def fake_train(cfg):
+        calls.append((Path(cfg.out_dir).name, cfg.resume))
+        (Path(cfg.out_dir) / "metrics.jsonl").write_text(
+            "".join(json.dumps({"kind": "train", "step": s, "loss": 9.0 - 0.1 * s}) + "\n" for s in range(1, 4)))
+        interrupted = not cfg.resume and Path(cfg.out_dir).name == "linear_elu_no_denom"
+        return {"diverged_at": None, "interrupted_at": 2 if interrupted else None}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    assert main(["analyze", "ablation", "--budget", "10", "--out", str(tmp_path)]) == 130
+    assert not (tmp_path / "ablation.json").exists()
+    assert main(["analyze", "ablation", "--budget", "10", "--out", str(tmp_path), "--resume"]) == 0
+    assert calls == [("linear_elu", False), ("linear_elu_no_denom", False),
+                     ("linear_elu", True), ("linear_elu_no_denom", True), ("norm", True)]
+    assert (tmp_path / "ablation.json").exists()
+
+
 def test_grad_stats_reads_a_file_cut_short_and_names_the_key(tmp_path):
     # a last line cut mid-write (a run killed or still writing) had been a raw json error naming
     # "line 1"; another key's plot was labelled a gradient norm and its RSD "norm_over_steps"

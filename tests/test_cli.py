@@ -239,6 +239,9 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     # read by nothing beside a tokenizer: had been accepted silently
     (["analyze", "dilution", "--models", "t2-lm-tiny", "--tokenizer", "{tmp}/tok", "--vocab-size", "300"],
      "leave --vocab-size out"),
+    # beside a model folder the presets take its tokenizer: no BPE is trained (had been ignored silently)
+    (["analyze", "dilution", "--models", "{tmp},t2-lm-tiny", "--vocab-size", "300"], "leave --vocab-size out"),
+    (["analyze", "dilution", "--models", "{tmp}/nodir"], "no such folder"),  # had listed ~100 preset names
     (["analyze", "grad-stats", "--metrics", "{tmp}/empty.jsonl"], "no record has both"),
     # each of these had been found after the corpus and tokenizer, or not at all
     (["analyze", "dilution", "--models", "t2-lm-tiny,t2-lm-tiny"], "each model once"),

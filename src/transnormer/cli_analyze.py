@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,10 +64,13 @@ def cmd_dilution(args) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     for name in names:  # an unknown preset: said before the corpus and tokenizer are built
         if not Path(name).exists():
+            if any(sep in name for sep in ("/", os.sep)) and not _is_preset(name):  # (a mistyped folder)
+                raise ValueError(f"--models: no such folder {name!r}")
             get_config(name)
         elif _is_preset(name):  # (the folder had been analysed, under the preset's name)
             raise ValueError(f"--models: {name!r} is both a preset and a folder here; write ./{name} for the folder")
-    trains_bpe = not args.tokenizer and not all(Path(n).exists() for n in names)
+    # a model folder's tokenizer is the one every model reads (presets are built at its vocabulary)
+    trains_bpe = not args.tokenizer and not any(Path(n).exists() for n in names)
     if args.vocab_size is not None and not trains_bpe:  # (it had been read by nothing, silently)
         raise ValueError("--vocab-size sizes the BPE trained on --data for presets given by name; with --tokenizer, "
                          "or model folders (their own tokenizer), leave --vocab-size out")
@@ -145,7 +149,7 @@ def cmd_ablation(args) -> int:
     base = TrainConfig(task=task, preset=args.base, data=saved_data_spec(args.data), budget=args.budget,
                        seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, clip=0.0,
                        out_dir=str(out), seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir,
-                       eval_batches=10, progress=False)
+                       eval_batches=10, progress=False, resume=args.resume)
     base.check()
     # under torchrun: one process group for the three runs (as compare), rank 0 writes
     info = setup_distributed()
@@ -228,4 +232,8 @@ def register(sub) -> None:
     q.add_argument("--cache-dir")
     q.add_argument("--seed", type=seed_int, default=0)
     q.add_argument("--out", default="runs/analysis/ablation")
+    # (an interrupted run said "the same command with --resume continues", which this command refused;
+    # without it the three runs start again)
+    q.add_argument("--resume", action="store_true", help="continue each run from its newest valid checkpoint in "
+                   "--out (a finished run stays as it is)")
     q.set_defaults(func=cmd_ablation)

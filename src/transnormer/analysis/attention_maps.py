@@ -141,7 +141,7 @@ def _linear_scores_map(q, k, v, causal: bool, mask) -> AttentionMap:
 @register_attention_map("NormAttention")
 def norm_attention_map(layer, x, attention_mask=None, positions=None) -> AttentionMap:
     """p_ij = s_ij / Σ_k s_ik, s = q̂ k̂ᵀ (masked keys and, if causal, k > i removed)."""
-    mask, positions = mask_and_positions(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions, hidden_size=layer.hidden_size)
     q, k, v = layer.featurize(x, positions)
     return _linear_scores_map(q, k, v, layer.causal, mask)
 
@@ -151,7 +151,7 @@ def kernel_linear_attention_map(layer, x, attention_mask=None, positions=None) -
     """Baselines of the form φq·φk / Σ φq·φk (linear_elu, Performer, cosFormer; also with
     ``denominator=False``, where it is the map the analysis defines rather than what the layer
     mixes with). The layer's eps in the denominator is left out, as in the spec's definition."""
-    mask, positions = mask_and_positions(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions, hidden_size=layer.hidden_size)
     q, k, v = layer.featurize(x, positions, mask)
     return _linear_scores_map(q, k, v, layer.causal, mask)
 
@@ -159,7 +159,7 @@ def kernel_linear_attention_map(layer, x, attention_mask=None, positions=None) -
 @register_attention_map("SoftmaxAttention")
 def softmax_attention_map(layer, x, attention_mask=None, positions=None) -> AttentionMap:
     """softmax(q kᵀ/√e) over the allowed keys: the block reference with one block of T tokens."""
-    mask, positions = mask_and_positions(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions, hidden_size=layer.hidden_size)
     q, k, v = layer.featurize(x, positions)
     _, p = block_attn_reference(q.double(), k.double(), v.double(), block_size=max(1, x.shape[1]),
                                 causal=layer.causal, kernel="softmax", key_padding_mask=mask, return_weights=True)
@@ -170,7 +170,7 @@ def softmax_attention_map(layer, x, attention_mask=None, positions=None) -> Atte
 def diag_attention_map(layer, x, attention_mask=None, positions=None) -> AttentionMap:
     """Softmax Diag: its block-diagonal weights. ReLA Diag: ReLU(s) row-normalised with the row sum
     clamped at ≥ 1e-4 (rows whose scores are all ≤ 0 stay zero). Dropout is never applied."""
-    mask, positions = mask_and_positions(x, attention_mask, positions)
+    mask, positions = mask_and_positions(x, attention_mask, positions, hidden_size=layer.hidden_size)
     if x.shape[1] > layer.block_size:  # as the layer: blocks are cut by index, real tokens first
         check_right_padded(mask, "DiagAttention")
     q, k, v = layer.featurize(x, positions)  # q already carries the e^{-1/2} scale

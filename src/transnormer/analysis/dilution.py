@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..layers.base import default_positions
+from ..ops._checks import check_positive_int
 from ._io import new_figure, save_figure, save_json
 from .attention_maps import NoAttentionMap, attention_map, eval_mode, pooled_note
 
@@ -301,7 +302,9 @@ def run_dilution(models, text_ids: torch.Tensor | None = None, out_dir="analysis
             torch.manual_seed(seed)
             m = build_model(m)
         built[name] = m
-    if text_ids is None:
+    if text_ids is None:  # (0 had been refused as an empty input_ids, naming neither argument)
+        check_positive_int("batch_size", batch_size)
+        check_positive_int("seq_len", seq_len)
         vocab = min(getattr(getattr(m, "config", None), "vocab_size", 2**31) for m in built.values())
         gen = torch.Generator().manual_seed(seed)
         text_ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)

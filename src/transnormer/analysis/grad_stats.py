@@ -44,8 +44,10 @@ def _layer_key(name: str, param_set: str) -> str:
 
 
 def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, key: str = "grad_norm",
-              start: int | None = None, end: int | None = None) -> dict:
-    """RSD of ``values`` restricted to steps in [start, end]; non-finite values are counted and excluded."""
+              start: int | None = None, end: int | None = None, every_step: bool = True) -> dict:
+    """RSD of ``values`` restricted to steps in [start, end]; non-finite values are counted and excluded.
+    ``every_step``: the series was recorded at every step (the recorder's), so the steps of the range
+    with no record are counted (``missing_steps``); a metrics.jsonl logged every N steps is not."""
     if start is not None and end is not None and start > end:
         raise ValueError(f"start ({start}) must be <= end ({end})")
     bad = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
@@ -61,7 +63,7 @@ def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, 
     out = {"mode": MODE if key == "grad_norm" else f"rsd_over_steps({key})", "param_set": param_set, "key": key, "std": "population (ddof=0)",
            "step_range": [finite[0][0], finite[-1][0]] if finite else None,
            "requested_range": [start, end], "num_steps": len(finite), "num_nonfinite": len(pairs) - len(finite)}
-    if key == "grad_norm":  # recorded at every step: steps in the range with no record (a run resumed with
+    if key == "grad_norm" and every_step:  # recorded at every step: steps in the range with no record (a run resumed with
         # --grad-stats after steps trained without it) are said, where the range alone had claimed them
         out["missing_steps"] = pairs[-1][0] - pairs[0][0] + 1 - len(pairs) if pairs else 0
     if not finite:
@@ -279,12 +281,21 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
     field when present, else "unknown" (name it: spec §10 asks every RSD to say what it covers).
     """
     steps, values, sets, kinds = [], [], set(), set()
-    for rec in read_jsonl(path):
+    for i, rec in enumerate(read_jsonl(path), 1):
         # a training run's metrics.jsonl: its eval records also carry "loss" at the same steps
         # (an MLM step that masked nothing has no loss and no gradient: not a point of the series)
         if key in rec and step_key in rec and rec.get("kind", "train") == "train" and not rec.get("no_targets"):
-            steps.append(int(rec[step_key]))
-            values.append(rec[key])
+            step, value = rec[step_key], rec[key]
+            # (a string had failed in the arithmetic naming neither file nor key; true was read as 1.0,
+            # a negative norm averaged in)
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise ValueError(f"{path}: record {i}: {step_key!r} must be an integer step, got {step!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{path}: record {i}: {key!r} must be a number or null, got {value!r}")
+            if key == "grad_norm" and value is not None and value < 0:
+                raise ValueError(f"{path}: record {i}: a gradient norm cannot be negative, got {value!r}")
+            steps.append(step)
+            values.append(value)
             kinds.add(rec.get("kind"))
             if "param_set" in rec:
                 sets.add(rec["param_set"])
@@ -297,7 +308,9 @@ def rsd_from_jsonl(path, key: str = "grad_norm", *, start: int | None = None, en
         raise ValueError(f"param_set {param_set!r}: {path} records norms over {', '.join(sorted(held))}")
     if param_set is None:
         param_set = ",".join(sorted(held)) or "unknown"
-    out = summarize(values, steps, param_set=param_set, key=key, start=start, end=end)
+    # the recorder's grad_norms.jsonl (its records name their param_set) holds every step; a run's
+    # metrics.jsonl only every --log-every steps, whose gaps are not missing steps
+    out = summarize(values, steps, param_set=param_set, key=key, start=start, end=end, every_step=bool(sets))
     out["source"] = str(path)
     return out
 
