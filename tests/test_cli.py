@@ -250,6 +250,7 @@ def test_analyze_gradient_bound(tmp_path, capsys):
     (["analyze", "grad-stats", "--metrics", "{tmp}/mixer.jsonl", "--param-set", "all"],
      "records norms over mixer"),  # the report had named norms the file does not hold
     (["analyze", "ablation", "--budget", "bogus"], "budget (--budget) must look like"),  # had written its configs first
+    (["analyze", "ablation", "--data", "{tmp}/nope.txt"], "nope.txt' does not exist"),  # so had this
 ])
 def test_analyze_bad_input_is_one_clear_line(tmp_path, capsys, argv, match):
     (tmp_path / "empty.jsonl").write_text("")

@@ -151,6 +151,10 @@ def cmd_ablation(args) -> int:
                        out_dir=str(out), seed=args.seed, vocab_size=args.vocab_size, cache_dir=args.cache_dir,
                        eval_batches=10, progress=False, resume=args.resume)
     base.check()
+    data = base.data
+    if (isinstance(data, str) and data != "stdlib" and not data.startswith(("hf:", "lra:"))
+            and not Path(data).expanduser().exists()):  # (found by the first run, after it wrote its config)
+        raise ValueError(f"--data path {data!r} does not exist (nor is it 'stdlib' or 'hf:NAME')")
     # under torchrun: one process group for the three runs (as compare), rank 0 writes
     info = setup_distributed()
 
