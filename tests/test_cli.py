@@ -711,6 +711,11 @@ def test_generate_refuses_a_length_past_the_models_positions():
     _check_decodable_length(learned, 8, 57)  # positions 0 .. 63
     with pytest.raises(ValueError, match=r"--max-new-tokens 58 needs 65 positions, but the model has 64 .*learned"):
         _check_decodable_length(learned, 8, 58)
+    with pytest.raises(ValueError, match=r"at most --max-new-tokens 1 or"):
+        _check_decodable_length(learned, 64, 2)
+    # a prompt too long by itself: "at most --max-new-tokens 0" had been advised, which the flag refuses
+    with pytest.raises(ValueError, match=r"the prompt alone is too long: shorten it to at most 64 tokens"):
+        _check_decodable_length(learned, 65, 1)
     cos = build_model("cosformer-lm-tiny", layer_options={"cosformer": {"max_len": 32}})
     with pytest.raises(ValueError, match=r"has 32 \(its cosFormer re-weighting length M"):
         _check_decodable_length(cos, 20, 20)

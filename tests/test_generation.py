@@ -244,8 +244,11 @@ def test_a_cache_of_the_whole_prompt_is_refused_clearly(model):
         cache = model(inputs_embeds=emb, use_cache=True).cache
     with pytest.raises(ValueError, match="already seen all 9 tokens of the prompt"):
         model.generate(inputs_embeds=emb, cache=cache, max_new_tokens=2, do_sample=False, **GEN)
-    with pytest.raises(ValueError, match="a prompt of at least one token"):  # no cache: not the cache's fault
-        model.generate(torch.empty(1, 0, dtype=torch.long), max_new_tokens=2, do_sample=False, **GEN)
+    for B in (1, 2):  # no cache: not the cache's fault (with B = 2 it had been an IndexError inside HF)
+        with pytest.raises(ValueError, match="a prompt of at least one token"):
+            model.generate(torch.empty(B, 0, dtype=torch.long), max_new_tokens=2, do_sample=False, **GEN)
+        with pytest.raises(ValueError, match="a prompt of at least one token"):
+            model.generate(input_ids=torch.empty(B, 0, dtype=torch.long), max_new_tokens=2, do_sample=False, **GEN)
 
 
 def test_a_model_that_cannot_decode_generates_without_a_cache():

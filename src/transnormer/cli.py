@@ -342,9 +342,11 @@ def _check_decodable_length(model, n_prompt: int, max_new_tokens: int) -> None:
     limit, what = min(limits)
     needed = n_prompt + max_new_tokens - 1  # positions 0 .. needed - 1 are read (the last token is not fed back)
     if needed > limit:
+        # (a prompt too long by itself had been told "at most --max-new-tokens 0", which the flag refuses)
+        fix = (f"give at most --max-new-tokens {limit - n_prompt + 1} or a shorter prompt" if n_prompt <= limit
+               else f"the prompt alone is too long: shorten it to at most {limit} tokens, the EOS included")
         raise ValueError(f"--prompt ({n_prompt} tokens, with the EOS that starts it) + --max-new-tokens "
-                         f"{max_new_tokens} needs {needed} positions, but the model has {limit} ({what}): "
-                         f"give at most --max-new-tokens {max(0, limit - n_prompt + 1)} or a shorter prompt")
+                         f"{max_new_tokens} needs {needed} positions, but the model has {limit} ({what}): {fix}")
 
 
 def cmd_generate(args) -> int:

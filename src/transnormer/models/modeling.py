@@ -606,6 +606,15 @@ class TransNormerForCausalLM(TransNormerPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # Generation ------------------------------------------------------------------------------
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """GenerationMixin's, with an empty prompt refused by name at any batch size (with B > 1
+        transformers' right-padding check indexed its last column first: an IndexError)."""
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 0
+                and kwargs.get("inputs_embeds") is None):
+            raise ValueError("generate() needs a prompt of at least one token (e.g. the bos or eos id)")
+        return super().generate(inputs, *args, **kwargs)
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # our layers keep recurrent states, not HF key/value caches
