@@ -420,6 +420,37 @@ def test_memory_target_per_dtype(monkeypatch, tmp_path):
     monkeypatch.setattr(suite, "train_step_throughput", quadratic)
     res = suite.bench_memory(tmp_path, lengths=(4096, 16384), dtypes=("fp32",))
     assert res["verdicts"][0].startswith("PASS") and res["verdicts"][1].startswith("FAIL")
+    monkeypatch.setattr(suite, "train_step_throughput", fake)
+    # lengths sorted (given longest first they had been judged "4096 / 16384 = 0.43x, target <= 0.3x")
+    res = suite.bench_memory(tmp_path, lengths=(16384, 4096), dtypes=("fp32",))
+    assert "peak memory 16384 / 4096" in res["verdicts"][0] and res["verdicts"][0].startswith("PASS")
+    for lengths in ((1, 4), (4096,)):  # T = 1 had divided by zero above its T/8 base
+        with pytest.raises(ValueError, match="lengths must hold two or more lengths, the shortest >= 2"):
+            suite.bench_memory(tmp_path, lengths=lengths)
+
+
+@pytest.mark.parametrize("part", ["bench_ops", "bench_train", "bench_memory", "bench_peers"])
+def test_the_bench_functions_refuse_an_unknown_dtype_by_name(part, monkeypatch, tmp_path):
+    # a bare KeyError 'fp16' (in bench_peers after its three FLOP counts had run)
+    from transnormer.bench import suite
+
+    monkeypatch.setattr(suite, "counted_step_flops", lambda *a, **k: pytest.fail("counted before the check"))
+    monkeypatch.setattr(suite, "_import_peer", lambda *a, **k: None, raising=False)
+    with pytest.raises(ValueError, match=r"dtypes must be a non-empty sequence of \['bf16', 'fp32'\], got"):
+        getattr(suite, part)(tmp_path, dtypes=("fp16",))
+
+
+def test_bench_long_does_not_say_it_measures_fp32_only(monkeypatch, tmp_path, capsys):
+    # on a CPU without bf16 products it had printed "measuring fp32 only", then run its bf16 step
+    from transnormer.bench import suite, timing
+    from transnormer.cli import main
+
+    asked = []
+    monkeypatch.setattr(timing, "cpu_has_bf16_products", lambda: False)
+    monkeypatch.setattr(suite, "bench_long", lambda out, **kw: asked.append(kw) or {"verdicts": [], "files": [], "table": ""})
+    main(["bench", "long", "--out", str(tmp_path / "long")])
+    out = capsys.readouterr().out
+    assert asked and "fp32 only" not in out and "the bf16 step runs on PyTorch's slow fallback" in out
 
 
 def test_the_ideal_counts_the_kernels_recompute_in_the_mixers_only():

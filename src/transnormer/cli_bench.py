@@ -73,7 +73,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from .bench import suite
-    from .bench.timing import default_dtypes
+    from .bench.timing import cpu_has_bf16_products, default_dtypes
 
     _check_flags(args)
     if args.threads:
@@ -83,6 +83,11 @@ def cmd_bench(args) -> int:
     what = ["ops", "train", "infer", "memory", "long", "peers"] if args.what == "all" else [args.what]
     all_verdicts = []
     given = args.dtypes
+    if args.dtypes is None and what == ["long"]:  # its target is a bf16 step ("fp32 only" had been printed)
+        if not cpu_has_bf16_products():
+            print("this CPU has no bf16 products (AVX512-BF16 or AMX): the bf16 step runs on PyTorch's slow "
+                  "fallback", flush=True)
+        args.dtypes = ["bf16"]
     if args.dtypes is None:
         args.dtypes = default_dtypes()
     if "long" in what and len(what) > 1 and "bf16" not in args.dtypes:  # (--dtypes fp32 had run it anyway)

@@ -41,6 +41,7 @@ def bench_ops(out_dir, *, lengths=(1024, 4096, 16384), dtypes=("fp32", "bf16"), 
     20-29 ms in twelve measurements around it). The square-GEMM probe takes its turn in every round
     and the fastest round is the limit: the machine's GEMM rate drifts over minutes (bf16: 733
     GFLOP/s in one run, 850-905 in probes minutes before)."""
+    dtypes = _check_dtypes(dtypes)
     rows, verdicts = [], []
     for dname in dtypes:
         configs = [(causal, T) for causal in (True, False) for T in lengths]
@@ -152,6 +153,7 @@ def bench_train(out_dir, *, presets=("t2-lm", "vanilla-lm"), lengths=(512, 2048,
     whose rows are missing is a FAIL that names why.
     """
     check_bench_mode(mode)
+    dtypes = _check_dtypes(dtypes)
     lengths = _increasing_lengths(lengths)
     if max_step_s is not None and not max_step_s > 0:
         raise ValueError(f"max_step_s must be > 0 seconds, got {max_step_s!r}")
@@ -262,6 +264,14 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _check_dtypes(dtypes) -> list[str]:
+    """The benchmarks' dtype names, checked (an unknown one had been a bare KeyError, in bench_peers
+    after its FLOP counts had run)."""
+    if isinstance(dtypes, str) or not dtypes or any(d not in DTYPES for d in dtypes):
+        raise ValueError(f"dtypes must be a non-empty sequence of {sorted(DTYPES)}, got {dtypes!r}")
+    return list(dtypes)
+
+
 def _increasing_lengths(lengths) -> list[int]:
     out = sorted(set(lengths))
     if not out or any(not isinstance(T, int) or isinstance(T, bool) or T < 1 for T in out):
@@ -278,6 +288,10 @@ def bench_memory(out_dir, *, preset: str = "t2-lm", lengths=(4096, 16384), vocab
     up to ~230 MB at 4k would pass. So a second verdict subtracts the peak at T/8 of the shortest
     length (mostly that fixed part) and asks the growth above it to be linear too, with the same
     10% slack."""
+    dtypes = _check_dtypes(dtypes)
+    lengths = _increasing_lengths(lengths)  # (unsorted ones had judged 4k / 16k against 0.3x)
+    if len(lengths) < 2 or lengths[0] < 2:  # (T = 1 had divided by zero above its T/8 base)
+        raise ValueError(f"lengths must hold two or more lengths, the shortest >= 2, got {list(lengths)!r}")
     rows, verdicts = [], []
     allowed = 1.1 * lengths[-1] / lengths[0]  # linear growth with 10% slack: 4.4x for 16k over 4k
     base_T = max(1, lengths[0] // 8)
@@ -342,6 +356,8 @@ def bench_peers(out_dir, *, seq_len: int = 4096, dtypes=("fp32", "bf16"), vocab_
     on this machine however fast the kernels.
     """
     from .peers import PEER_MODULES, _import_peer, peer_versions
+
+    dtypes = _check_dtypes(dtypes)
 
     _import_peer(PEER_MODULES["flash-pytorch"])  # a missing peer fails here, before the long counts and steps
     presets = ["flash-lm", "t2-lm", "peer:flash-pytorch"]
