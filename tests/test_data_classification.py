@@ -352,7 +352,17 @@ def test_an_unknown_header_is_not_read_as_an_example(tmp_path, suffix, sep):
     named = read_classification_file(path, text_column="tweet", label_column="sentiment")  # names: a header
     assert [e.label for e in named] == ["1", "0", "1"]
     words = _write(tmp_path / f"w{suffix}", text.replace(f"{sep}1\n", f"{sep}pos\n").replace(f"{sep}0\n", f"{sep}neg\n"))
-    assert len(read_classification_file(words, text_column=0, label_column=1)) == 4  # word labels: no telling
+    assert len(read_classification_file(words, text_column=0, label_column=1)) == 4  # a class seen once: no telling
+    # word labels each seen twice or more, a one-word text beside the odd label: a header (had been a class)
+    more = words.read_text() + f"bad one{sep}neg\n"
+    words.write_text(more)
+    with pytest.raises(ValueError, match=r"label 'sentiment' looks like a column name \(it is in no other row"):
+        read_classification_file(words, text_column=0, label_column=1)
+    assert len(read_classification_file(words, text_column=0, label_column=1, has_header=False)) == 5
+    assert len(read_classification_file(words, text_column=0, label_column=1, has_header=True)) == 4
+    # a first example of several words is an example, whatever its label
+    words.write_text(more.replace("tweet", "a first tweet", 1))
+    assert len(read_classification_file(words, text_column=0, label_column=1)) == 5
 
 
 def test_training_rows_need_labels_whatever_the_file_is_called(tmp_path):

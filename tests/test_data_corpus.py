@@ -180,6 +180,33 @@ def test_directory_with_split_names(tmp_path):
     assert c.fingerprint == load_corpus(str(tmp_path)).fingerprint
 
 
+def test_split_words_with_shard_numbers_and_names_differing_in_case(tmp_path):
+    # train0.txt / train2.txt named no split: a folder of shards was refused as having no training
+    # file, or one shard dropped with a warning; part.txt beside PART.txt was refused as one text
+    # held compressed and plain
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        (shards / f"train{i}.txt").write_text(_paragraphs(f"t{i}", 10), encoding="utf-8")
+    (shards / "valid.txt").write_text(_paragraphs("va", 3), encoding="utf-8")
+    (shards / "test2017.txt").write_text(_paragraphs("te", 2), encoding="utf-8")
+    c = load_corpus(shards)
+    assert [len(c[s]) for s in ("train", "valid", "test")] == [20, 3, 2]
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "train.txt").write_text(_paragraphs("a", 10), encoding="utf-8")
+    (more / "train2.txt").write_text(_paragraphs("b", 10), encoding="utf-8")
+    (more / "valid.txt").write_text(_paragraphs("va", 3), encoding="utf-8")
+    c = load_corpus(more)
+    assert len(c["train"]) + len(c["test"]) == 20 and {d[0] for d in c["train"]} == {"a", "b"}  # (test carved)
+    cased = tmp_path / "cased"
+    cased.mkdir()
+    (cased / "part.txt").write_text(_paragraphs("p", 10), encoding="utf-8")
+    (cased / "PART.txt").write_text(_paragraphs("q", 10), encoding="utf-8")
+    c = load_corpus(cased)
+    assert sum(len(c[s]) for s in ("train", "valid", "test")) == 20
+
+
 def test_file_with_split_name_loads_siblings_xz(tmp_path):
     for split, n in (("train", 10), ("valid", 2), ("test", 3)):
         with lzma.open(tmp_path / f"docs.{split}.txt.xz", "wt", encoding="utf-8") as f:

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -508,13 +509,23 @@ def read_classification_file(
 def _refuse_header_read_as_example(examples: list[ClassificationExample], src: str) -> None:
     """A header of names the detection does not know (``tweet<TAB>sentiment``) was read as an example,
     and its label ("sentiment") trained as one more class. Refused where that is plain: the first
-    row's label is a word found in no other row, and every other label is a number."""
+    row's label is a word found in no other row, and every other label is a number, or (word
+    labels) every other label is found in two rows or more and the first row's texts are single
+    words, as column names are."""
     first, rest = examples[0], [ex.label for ex in examples[1:] if ex.label is not None]
     number = re.compile(r"[-+]?\d+(?:\.\d*)?")
-    if (first.line == 1 and first.label is not None and rest and not number.fullmatch(first.label)
-            and first.label not in rest and all(number.fullmatch(label) for label in rest)):
-        raise ValueError(f"{src!r}, line 1: label {first.label!r} looks like a column name (every other label is a "
-                         "number); say whether the file has a header: has_header=True/False (--header yes/no)")
+    if first.line != 1 or first.label is None or not rest or number.fullmatch(first.label) or first.label in rest:
+        return
+    counts = Counter(rest)
+    names = all(t is None or (t.strip() and not re.search(r"\s", t.strip())) for t in (first.text, first.text_pair))
+    if all(number.fullmatch(label) for label in rest):
+        why = "every other label is a number"
+    elif names and min(counts.values()) >= 2:  # (word labels had let the header through as a class)
+        why = f"it is in no other row, and the row's text {first.text!r} is one word"
+    else:
+        return
+    raise ValueError(f"{src!r}, line 1: label {first.label!r} looks like a column name ({why}); say whether the "
+                     "file has a header: has_header=True/False (--header yes/no)")
 
 
 # ------------------------------------------------------------------------------------------------ encoding

@@ -285,13 +285,19 @@ def split_documents(
 # --------------------------------------------------------------------------------------- path corpora
 
 
+def _split_of_word(word: str) -> str | None:
+    """The split a lower-case name word names, a shard number after it allowed (``train0``, ``val2017``:
+    such files had been ignored, or the folder refused as having no training file)."""
+    return _SPLIT_WORDS.get(word) or _SPLIT_WORDS.get(word.rstrip("0123456789"))
+
+
 def split_of_name(name: str) -> str | None:
     """The split a file or directory name names (``"docs.train.txt.xz"`` → ``"train"``), else ``None``.
 
     Raises:
         ValueError: the name contains words of two different splits (e.g. ``train_test.txt``).
     """
-    found = {_SPLIT_WORDS[w] for w in re.split(r"[^a-z0-9]+", name.lower()) if w in _SPLIT_WORDS}
+    found = {s for s in map(_split_of_word, re.split(r"[^a-z0-9]+", name.lower())) if s}
     if len(found) > 1:
         raise ValueError(f"file name {name!r} names more than one split ({sorted(found)}); rename it")
     return found.pop() if found else None
@@ -311,8 +317,8 @@ def _split_template(name: str) -> tuple[tuple[str, ...], str] | None:
     words = re.split(r"([^a-z0-9]+)", _strip_compression(name)[0].lower())
     split = None
     for i, w in enumerate(words):
-        if w in _SPLIT_WORDS:
-            split = _SPLIT_WORDS[w]
+        if _split_of_word(w):
+            split = _split_of_word(w)
             words[i] = "{}"
     return (tuple(words), split) if split else None
 
@@ -375,7 +381,8 @@ def _refuse_compression_twins(files: list[Path], spec_path: Path) -> None:
     ``docs.valid.txt.xz``, left by ``xz -dk``): both were read, every document of it twice."""
     by_stem: dict[tuple[Path, str], list[Path]] = {}
     for f in files:
-        by_stem.setdefault((f.parent, _strip_compression(f.name)[0].lower()), []).append(f)
+        # (by the exact name: part.txt and PART.txt are two texts, which had been refused as one)
+        by_stem.setdefault((f.parent, _strip_compression(f.name)[0]), []).append(f)
     for copies in by_stem.values():
         if len(copies) > 1:
             raise ValueError(
@@ -445,7 +452,7 @@ def _load_path_corpus(path: Path, seed: int, valid_fraction: float, test_fractio
         if "train" not in by_split:
             raise ValueError(
                 f"{str(path)!r}: found {sorted(by_split)} split file(s) but no training file "
-                "(a name containing 'train')"
+                "(a name with the word 'train': train.txt, docs.train.txt, train-0.txt, train0.txt)"
             )
         if unnamed:
             warnings.warn(
