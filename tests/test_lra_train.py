@@ -171,6 +171,15 @@ def test_dual_encoder_forward_and_padding_invariance():
         model(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=ma)
     with pytest.raises(ValueError, match=r"attention_mask must have its input_ids' shape \(3, 30\)"):
         model(input_ids=a, attention_mask=ma[:, :12], input_ids_2=b)
+    # an additive mask had been read by .bool(): real tokens where the pads are, pads where the text is
+    with pytest.raises(ValueError, match="attention_mask_2 must hold 1 \\(real token\\) and 0"):
+        model(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=(1.0 - mb.float()) * -1e9)
+    with pytest.raises(ValueError, match="attention_mask must hold 1 \\(real token\\) and 0"):
+        model(input_ids=a, attention_mask=2 * ma.long(), input_ids_2=b, attention_mask_2=mb)
+    # the columns a shorter document is padded with are masked: a pad id outside the vocabulary does
+    model.config.pad_token_id = 10_000
+    torch.testing.assert_close(model(input_ids=a, attention_mask=ma, input_ids_2=b, attention_mask_2=mb).logits,
+                               model.classifier(feats))
 
 
 def test_dual_encoder_loss_counts_trainers_items():

@@ -712,6 +712,34 @@ def test_layer_options_given_are_merged_into_the_presets():
         get_config("flash-lra-listops", hidden_size=64, layer_options={"flash": 3}).check()
 
 
+@pytest.mark.parametrize("preset,options,error,match", [
+    # norm and diag had taken it: a causal LM whose mixers saw the tokens it predicts; the others
+    # failed with "_build() got multiple values for keyword argument 'causal'"
+    ("t2-lm-tiny", {"norm": {"causal": False}}, ValueError, r"layer_options\['norm'\]\['causal'\]: every mixer"),
+    ("t2-lm-tiny", {"diag": {"causal": False}}, ValueError, r"layer_options\['diag'\]\['causal'\]"),
+    ("vanilla-lm-tiny", {"softmax": {"causal": True}}, ValueError, r"\(config.causal = True\); set that instead"),
+    # "false" had read as True
+    ("t2-lm-tiny", {"norm": {"norm_per_head": "false"}}, TypeError, "norm_per_head must be a bool, got 'false'"),
+    ("t2-lm-tiny", {"diag": {"use_norm": "false"}}, TypeError, "use_norm must be a bool"),
+    ("performer-lm-tiny", {"performer": {"orthogonal": "false"}}, TypeError, "orthogonal must be a bool"),
+    ("flash-lm-tiny", {"flash": {"local_branch": "false"}}, TypeError, "local_branch must be a bool"),
+    ("t2-lm-tiny", {"norm": {"lrpe_learn_theta": "false"}}, TypeError, "lrpe_learn_theta must be a bool"),
+    # replaced by the one derived from seed, silently
+    ("performer-lm-tiny", {"performer": {"feature_seed": 7}}, ValueError, "give seed instead"),
+    # errors that had named no option ("'>' not supported ...", torch's "empty(): argument 'size'", manual_seed)
+    ("flash-lm-tiny", {"flash": {"chunk_size": "8"}}, ValueError, "chunk_size must be an int >= 1, got '8'"),
+    ("flash-quad-lm-tiny", {"gau": {"qk_dim": 16.0}}, TypeError, "qk_dim must be an int, got 16.0"),
+    ("flash-quad-lm-tiny", {"gau": {"expansion": "2"}}, TypeError, "expansion must be a finite number"),
+    ("t2-lm-tiny", {"norm": {"lrpe_seed": "a"}}, ValueError, "lrpe_seed must be an int >= 0, got 'a'"),
+    ("t2-lm-tiny", {"diag": {"lrpe_seed": -1}}, ValueError, "lrpe_seed must be an int >= 0, got -1"),
+])
+def test_layer_options_are_checked_by_name(preset, options, error, match):
+    from transnormer.presets import build_model
+
+    with pytest.raises(error, match=match):
+        build_model(preset, layer_options=options)
+
+
 def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():
     TransNormerConfig(norm_type="batch", causal=False).check()
     from transnormer.presets import get_config

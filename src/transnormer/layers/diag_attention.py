@@ -7,7 +7,7 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import block_attn
-from ..ops._checks import check_probability, check_right_padded
+from ..ops._checks import check_bool, check_probability, check_right_padded
 from ..ops._dtypes import autocast_off
 from .base import (
     MultiHeadMixer,
@@ -94,7 +94,7 @@ class DiagAttention(MultiHeadMixer):
         self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
-        use_norm = kernel == "relu" if use_norm is None else use_norm
+        use_norm = kernel == "relu" if use_norm is None else check_bool("use_norm", use_norm)
         self.norm = build_norm(norm_type, hidden_size, eps=norm_eps, eps_inside_sqrt=eps_inside_sqrt) if use_norm else None
         self.reset_parameters()
 

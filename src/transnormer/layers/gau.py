@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..modules.linear import Linear
 from ..modules.positional import LRPE
-from ..ops._checks import check_positive_int, check_probability
+from ..ops._checks import check_bool, check_positive_int, check_probability
 from ..ops._dtypes import autocast_enabled, autocast_off
 from ..ops.dense import linear
 from ..ops.flash import (
@@ -183,6 +183,10 @@ class _GatedUnit(TokenMixer):
     ):
         super().__init__()
         check_positive_int("max_rel_len", max_rel_len)  # the Toeplitz table holds 2 max_rel_len - 1 offsets
+        if isinstance(expansion, bool) or not isinstance(expansion, (int, float)) or not math.isfinite(expansion):
+            raise TypeError(f"expansion must be a finite number (e = expansion x hidden_size), got {expansion!r}")
+        if isinstance(qk_dim, bool) or not isinstance(qk_dim, int):
+            raise TypeError(f"qk_dim must be an int, got {qk_dim!r}")
         e = int(round(expansion * hidden_size))
         if e < 1 or qk_dim < 1:
             raise ValueError(f"expansion and qk_dim must give positive widths, got e={e}, s={qk_dim}")
@@ -319,11 +323,15 @@ class FLASH(_GatedUnit):
     def __init__(self, hidden_size: int, *, causal: bool, chunk_size: int = 256, normalizer: str = "visible",
                  local_branch: bool = True, global_branch: bool = True, **kw):
         max_rel_len = kw.get("max_rel_len", 512)
+        # (checked before it is compared with max_rel_len: a string had failed in that comparison)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        check_positive_int("max_rel_len", max_rel_len)
         # The local bias only ever sees length C: rope_bias parameters exist only if C needs them.
         kw.setdefault("switch_to_rope", chunk_size > max_rel_len)
         super().__init__(hidden_size, causal=causal, **kw)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        check_bool("local_branch", local_branch)
+        check_bool("global_branch", global_branch)
         check_normalizer(normalizer, GLOBAL_NORMALIZERS, "normalizer")
         if not (local_branch or global_branch):
             raise ValueError("FLASH needs at least one of local_branch, global_branch")

@@ -9,7 +9,7 @@ import torch
 from ..modules.norms import build_norm
 from ..modules.positional import build_lrpe
 from ..ops import norm_linear_attn, norm_linear_attn_step
-from ..ops._checks import check_positive_int
+from ..ops._checks import check_bool, check_positive_int
 from ..ops.lrpe import FEATURE_KERNELS
 from .base import MultiHeadMixer, mask_and_positions
 
@@ -80,7 +80,7 @@ class NormAttention(MultiHeadMixer):
         self.kernel_name, self.kernel = kernel, get_kernel(kernel)
         self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)
-        self.norm_per_head = norm_per_head
+        self.norm_per_head = check_bool("norm_per_head", norm_per_head)
         norm_dim = self.head_dim if norm_per_head else hidden_size
         self.norm = build_norm(norm_type, norm_dim, eps=norm_eps, eps_inside_sqrt=eps_inside_sqrt)
         self.reset_parameters()

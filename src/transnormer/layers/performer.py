@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..modules.recompute import recomputing, remember, replayed
+from ..ops._checks import check_bool
 from ..ops.linear_baselines import (
     default_num_features,
     draw_favor_projection,
@@ -59,7 +60,7 @@ class Performer(KernelLinearAttention):
         if redraw_interval is not None and (isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
                                             or redraw_interval < 0):
             raise ValueError(f"redraw_interval must be None or an int >= 0, got {redraw_interval!r}")
-        self.num_features, self.orthogonal = m, orthogonal
+        self.num_features, self.orthogonal = m, check_bool("orthogonal", orthogonal)
         self.feature_seed, self.redraw_interval = feature_seed, redraw_interval or None
         self.register_buffer("proj", torch.empty(m, self.head_dim))
         self.register_buffer("num_redraws", torch.zeros((), dtype=torch.long))

@@ -235,6 +235,10 @@ class TransNormerConfig(PretrainedConfig):
         unknown = sorted(set(self.layer_options) - set(LAYER_TYPES))
         if unknown:  # a misspelt type's options would be ignored
             raise ValueError(f"layer_options has unknown layer types {unknown}; known: {sorted(LAYER_TYPES)}")
+        for t, options in self.layer_options.items():
+            if "causal" in options:  # (norm and diag had taken it: a causal LM whose mixers saw the next tokens)
+                raise ValueError(f"layer_options[{t!r}]['causal']: every mixer follows the model's causal "
+                                 f"(config.causal = {self.causal}); set that instead")
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
         if self.causal and self.norm_type == "batch":

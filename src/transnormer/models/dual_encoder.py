@@ -22,10 +22,18 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import can_return_tuple
 
+from ..layers.base import padding_mask
 from .configuration import TransNormerConfig
 from .modeling import TransNormerModel, TransNormerPreTrainedModel, head_loss, pool
 
 PAIR_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
+
+
+def _checked_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
+    try:
+        return padding_mask(mask)
+    except ValueError as e:
+        raise ValueError(str(e).replace("attention_mask", name, 1)) from None
 
 
 def _pad_cols(x: torch.Tensor, length: int, value) -> torch.Tensor:
@@ -79,9 +87,13 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
         if attention_mask_2 is None:
             attention_mask_2 = torch.ones_like(input_ids_2, dtype=torch.bool)
         T = max(input_ids.shape[1], input_ids_2.shape[1])
-        pad = self.config.pad_token_id or 0
-        ids = torch.cat([_pad_cols(input_ids, T, pad), _pad_cols(input_ids_2, T, pad)], 0)
-        mask = torch.cat([_pad_cols(attention_mask.bool(), T, False), _pad_cols(attention_mask_2.bool(), T, False)], 0)
+        # the columns added are masked: any id in the vocabulary does (a pad_token_id outside it, which
+        # HF only warns about, had been refused as the user's ids)
+        ids = torch.cat([_pad_cols(input_ids, T, 0), _pad_cols(input_ids_2, T, 0)], 0)
+        # checked as the one-tower model checks its mask (.bool() had read an additive 0 / -inf mask as
+        # real tokens where the pads are)
+        mask = torch.cat([_pad_cols(_checked_mask("attention_mask", attention_mask), T, False),
+                          _pad_cols(_checked_mask("attention_mask_2", attention_mask_2), T, False)], 0)
         pooled = self.encode(ids, mask)
         return pooled[:B], pooled[B:]
 

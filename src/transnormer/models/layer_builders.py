@@ -87,6 +87,9 @@ def build_performer(config, layer_idx: int) -> Performer:
     ``seed`` (0; layer i draws from seed·1000 + i), ``eps`` (0.0: the exact ratio; FAVOR+ key features
     are small enough that 1e-6 would bias it)."""
     opts = {"chunk_size": config.chunk_size, **config.options_for("performer")}
+    if "feature_seed" in opts:  # (it had been replaced by the one derived from seed, silently)
+        raise ValueError("layer_options['performer']['feature_seed'] is set per layer from the option 'seed' "
+                         "(layer i draws from seed * 1000 + i): give seed instead")
     seed = opts.pop("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         # draw r of layer i uses (seed * 1000 + i) * 1_000_003 + r: within torch's 64-bit seeds
