@@ -909,6 +909,29 @@ def test_cli_model_dir_skips_a_corrupt_newest_checkpoint(corpus_dir, tmp_path):
     assert resolve_model_dir(cfg.out_dir).name == "step-00000002"
 
 
+def test_lm_evaluation_keeps_the_models_mode_and_reports_exp_of_its_loss():
+    # the model came back in training mode (dropout on) whatever it was in; ppl was capped at e^50
+    import contextlib
+    import math
+
+    from transnormer.presets import build_model
+    from transnormer.train.distributed import DistInfo
+    from transnormer.train.tasks import _eval_lm
+
+    torch.manual_seed(0)
+    lm = build_model("t2-lm-tiny", vocab_size=50)
+    ids = torch.randint(0, 50, (2, 16))
+    batches = [{"input_ids": ids, "labels": ids}]
+    for training in (False, True):
+        lm.train(training)
+        _eval_lm(lm, iter(batches), DistInfo(), None, contextlib.nullcontext, shift=True)
+        assert lm.training is training
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(200.0)  # a loss far above 50
+    res = _eval_lm(lm, iter(batches), DistInfo(), None, contextlib.nullcontext, shift=True)
+    assert res["loss"] > 60 and res["ppl"] == pytest.approx(math.exp(res["loss"]) if res["loss"] < 709 else math.inf)
+
+
 def test_mlm_evaluation_scores_each_token_once():
     """Evaluation windows overlap at the end of a split; the masker keeps the -100 that marks tokens
     an earlier window scored."""

@@ -202,6 +202,7 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
 
     ``shift``: causal LM (predict token t+1 at t); MLM labels sit at their own positions.
     """
+    was_training = model.training  # (put back: a model in eval mode had come back in training mode)
     model.eval()
     total, count = 0.0, 0
     batches = itertools.islice(batches, max_batches)
@@ -224,10 +225,11 @@ def _eval_lm(model, batches, info: DistInfo, max_batches: int | None, autocast, 
                                                  ignore_index=-100, reduction="sum")
         total += float(loss)
         count += int((labels != -100).sum())
-    model.train()
+    model.train(was_training)
     total, count = all_reduce_sum([total, count], info)
     loss = total / count if count else float("nan")  # nothing scored: no loss (0 would read as perfect)
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count)}
+    # exp(loss) itself (it had been capped at e^50 without a word); inf only past float's range
+    return {"loss": loss, "ppl": math.exp(loss) if not loss > 709.0 else math.inf, "eval_tokens": int(count)}
 
 
 def _filler(batches: list[dict]) -> dict:
