@@ -518,3 +518,66 @@ def test_norm_attention_on_fla_matches_on_gpu():
     (a, ca), (b, cb) = ours(x, use_cache=True, positions=torch.arange(300, device="cuda")[None]), \
         fla(x, use_cache=True, positions=torch.arange(300, device="cuda")[None])
     assert rel_err(b, a) <= 1e-3 and rel_err(cb["state"], ca["state"]) <= 1e-3
+
+
+@pytest.mark.parametrize("causal", ["false", None, 1])
+def test_causal_is_a_bool_in_every_layer_and_op(causal):
+    # a string "false" had run the causal form, None the bidirectional one: neither was refused
+    from transnormer.ops import block_attn, norm_linear_attn, softmax_attn
+    from transnormer.ops.flash import flash_attn, gau_attn
+    from transnormer.ops.linear_baselines import cosformer_attn, kernel_linear_attn
+
+    for cls, args in ((NormAttention, (32, 2)), (DiagAttention, (32, 2)), (SoftmaxAttention, (32, 2)),
+                      (LinearAttention, (32, 2)), (Performer, (32, 2)), (GAU, (32,)), (FLASH, (32,))):
+        with pytest.raises(TypeError, match=f"causal must be a bool, got {causal!r}"):
+            cls(*args, causal=causal)
+    q = torch.rand(1, 5, 2, 4)
+    s = torch.rand(1, 5, 8)
+    for call in (lambda: norm_linear_attn(q, q, q, causal=causal), lambda: block_attn(q, q, q, causal=causal),
+                 lambda: softmax_attn(q, q, q, causal=causal), lambda: kernel_linear_attn(q, q, q, causal=causal),
+                 lambda: cosformer_attn(q, q, q, torch.arange(5)[None], 5, causal=causal),
+                 lambda: gau_attn(s, s, s, causal=causal), lambda: flash_attn(s, s, s, s, s, causal=causal)):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            call()
+
+
+def test_layer_inputs_and_caches_of_another_batch_are_named():
+    # a list mask or positions: AttributeError on .shape; another batch's cache: torch.cat's size error
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 32)
+    for layer in (NormAttention(32, 2, causal=True), DiagAttention(32, 2, causal=True, block_size=4),
+                  SoftmaxAttention(32, 2, causal=True), GAU(32, causal=True, normalizer="visible"),
+                  FLASH(32, causal=True, chunk_size=4)):
+        layer.eval()
+        with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor or None, got list"):
+            layer(x, attention_mask=[[1, 1, 1, 1]] * 2)
+        with pytest.raises(TypeError, match="positions must be a torch.Tensor or None, got list"):
+            layer(x, positions=[0, 1, 2, 3])
+        pos = torch.arange(4).expand(2, 4)
+        _, cache = layer(x, positions=pos, use_cache=True)
+        step = (x[:1, :1], torch.tensor([[4]]))
+        if isinstance(layer, NormAttention):
+            with pytest.raises(ValueError, match="state must have shape"):
+                layer(step[0], positions=step[1], cache=cache, use_cache=True)
+        else:
+            with pytest.raises(ValueError, match=r"cache\['k'\] holds \(2, .*a cache of another batch"):
+                layer(step[0], positions=step[1], cache=cache, use_cache=True)
+
+
+def test_other_on_off_and_seed_arguments_are_checked():
+    from transnormer.modules.norms import build_norm
+    from transnormer.ops.linear_baselines import kernel_linear_attn, kernel_linear_attn_step
+
+    with pytest.raises(TypeError, match="eps_inside_sqrt must be a bool, got 'false'"):
+        NormAttention(32, 2, causal=True, eps_inside_sqrt="false")
+    with pytest.raises(TypeError, match="eps_inside_sqrt must be a bool"):
+        build_norm("simple_rms", 8, eps_inside_sqrt=None)
+    with pytest.raises(TypeError, match="switch_to_rope must be a bool, got 'no'"):
+        GAU(32, causal=True, switch_to_rope="no")
+    with pytest.raises(ValueError, match="feature_seed must be an int >= 0, got 1.5"):
+        Performer(32, 2, causal=True, feature_seed=1.5)
+    q = torch.rand(1, 5, 2, 4)
+    with pytest.raises(ValueError, match="eps must be a number >= 0 with a denominator, got None"):
+        kernel_linear_attn(q, q, q, causal=True, eps=None)
+    with pytest.raises(TypeError, match="qf must be a floating-point torch.Tensor, got torch.int64"):
+        kernel_linear_attn_step(torch.ones(1, 2, 4, dtype=torch.long), q[:, 0], q[:, 0], None)

@@ -429,7 +429,7 @@ def test_eps_zero_divides_exactly_and_negative_eps_is_refused():
     with pytest.raises(ValueError, match="eps must be a number >= 0"):
         LinearAttention(16, 2, causal=True, eps=-1e-6)
     q = torch.rand(1, 5, 1, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
+    with pytest.raises(ValueError, match="eps must be a number >= 0 with a denominator"):
         kernel_linear_attn(q, q, q, causal=True, eps=-1.0)
     mask = torch.tensor([[False, False, True, True, True]])  # left padding: rows 0-1 see no key
     o, _ = kernel_linear_attn(q, q, q, causal=True, eps=0.0, key_padding_mask=mask)

@@ -146,6 +146,9 @@ def mask_and_positions(x: torch.Tensor, attention_mask: torch.Tensor | None, pos
     if x.dim() != 3 or (hidden_size is not None and x.shape[-1] != hidden_size):
         raise ValueError(f"x must be [B, T, {hidden_size or 'hidden_size'}], got {tuple(x.shape)}")
     B, T = x.shape[:2]
+    for name, value in (("attention_mask", attention_mask), ("positions", positions)):
+        if value is not None and not isinstance(value, torch.Tensor):  # (an AttributeError on .shape had said it)
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
     if attention_mask is not None and tuple(attention_mask.shape) != (B, T):  # before an all-true one is dropped
         raise ValueError(f"attention_mask must be [B, T] = {(B, T)}, got {tuple(attention_mask.shape)}")
     if attention_mask is not None:
@@ -208,6 +211,11 @@ def with_cache(cache: dict | None, **new: torch.Tensor) -> dict:
     itself when there is no cache yet."""
     if cache is None or "k" not in cache:
         return new
+    for name, x in new.items():  # (another batch's cache had failed in torch.cat, naming no cache)
+        held = cache[name]
+        if held.shape[0] != x.shape[0] or held.shape[2:] != x.shape[2:]:
+            raise ValueError(f"cache[{name!r}] holds {tuple(held.shape)} ([B, T, ...]); this call's is "
+                             f"{tuple(x.shape)}: a cache of another batch or layer")
     return {name: torch.cat([cache[name], x], 1) for name, x in new.items()}
 
 

@@ -90,7 +90,7 @@ class DiagAttention(MultiHeadMixer):
             raise ValueError(f"kernel must be 'softmax' or 'relu', got {kernel!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.causal, self.kernel, self.block_size = causal, kernel, block_size
+        self.causal, self.kernel, self.block_size = check_bool("causal", causal), kernel, block_size
         self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)

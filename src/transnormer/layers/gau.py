@@ -191,7 +191,9 @@ class _GatedUnit(TokenMixer):
         if e < 1 or qk_dim < 1:
             raise ValueError(f"expansion and qk_dim must give positive widths, got e={e}, s={qk_dim}")
         self.hidden_size, self.e, self.s = hidden_size, e, qk_dim
-        self.causal, self.attention_dropout = causal, check_probability("attention_dropout", attention_dropout)
+        self.causal = check_bool("causal", causal)  # (a string "false" had run a causal layer)
+        check_bool("switch_to_rope", switch_to_rope)
+        self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self.proj = Linear(hidden_size, 2 * e + qk_dim)
         self.gamma = nn.Parameter(torch.empty(self.num_qk_heads, qk_dim))
         self.beta = nn.Parameter(torch.empty(self.num_qk_heads, qk_dim))

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..ops._checks import check_positive_int
+from ..ops._checks import check_bool, check_positive_int
 from ..ops.linear_baselines import DEFAULT_EPS, kernel_linear_attn, kernel_linear_attn_step
 from .base import MultiHeadMixer, mask_and_positions
 from .norm_attention import get_kernel
@@ -46,7 +46,7 @@ class KernelLinearAttention(MultiHeadMixer):
             # > 0 keeps rows with no visible key at 0 instead of 0/0; 0 divides exactly (ops.linear_baselines)
             raise ValueError(f"eps must be a number >= 0, got {eps!r}")
         check_positive_int("chunk_size", chunk_size)
-        self.causal, self.denominator, self.eps, self.chunk_size = causal, denominator, eps, chunk_size
+        self.causal, self.denominator, self.eps, self.chunk_size = check_bool("causal", causal), denominator, eps, chunk_size
         self._build_projections(hidden_size, num_heads)
 
     def reset_parameters(self) -> None:

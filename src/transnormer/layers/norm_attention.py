@@ -76,7 +76,7 @@ class NormAttention(MultiHeadMixer):
         if impl == "fla" and not causal:
             raise ValueError("impl='fla' serves the causal form only (fla's kernel is causal)")
         self.impl = impl
-        self.causal, self.chunk_size = causal, chunk_size
+        self.causal, self.chunk_size = check_bool("causal", causal), chunk_size
         self.kernel_name, self.kernel = kernel, get_kernel(kernel)
         self._build_projections(hidden_size, num_heads)
         self.lrpe = build_lrpe(lrpe, self.head_dim, learn_theta=lrpe_learn_theta, seed=lrpe_seed)

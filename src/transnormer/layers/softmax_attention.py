@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..modules.positional import build_lrpe
-from ..ops._checks import check_probability
+from ..ops._checks import check_bool, check_probability
 from ..ops.softmax import softmax_attn, softmax_attn_cached
 from .base import MultiHeadMixer, mask_and_positions, reads_given_cache, with_cache, zero_padded
 
@@ -38,7 +38,8 @@ class SoftmaxAttention(MultiHeadMixer):
         super().__init__()
         if not isinstance(rope, bool):
             raise TypeError(f"rope must be a bool, got {rope!r}")
-        self.causal, self.attention_dropout = causal, check_probability("attention_dropout", attention_dropout)
+        self.causal = check_bool("causal", causal)  # (a string "false" had run a causal layer)
+        self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self._build_projections(hidden_size, num_heads)
         self.rope = build_lrpe("rope", self.head_dim, pairing="half") if rope else None
         self.reset_parameters()

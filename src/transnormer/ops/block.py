@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._checks import check_key_padding_mask, check_positive_int, check_probability, check_qkv, check_scale
+from ._checks import check_bool, check_key_padding_mask, check_positive_int, check_probability, check_qkv, check_scale
 from ._dtypes import autocast_enabled, autocast_off
 
 KERNELS = ("softmax", "relu")
@@ -46,6 +46,7 @@ def block_attn(
     ``scale`` multiplies the scores (default D^-1/2). ``dropout_p`` drops attention weights
     (pass 0 at evaluation).
     """
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     check_qkv(q, k, v)
     check_positive_int("block_size", block_size)
     _check_kernel(kernel)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import _native, dense
 from ._checks import (
+    check_bool,
     check_key_padding_mask,
     check_positive_int,
     check_probability,
@@ -423,6 +424,7 @@ def gau_attn(
     q, k: [B, T, s]; v: [B, T, e]; bias: [T, T] or [B, T, T] (b_ij, added after the division).
     O(T²) time and memory. Returns [B, T, e].
     """
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     _check_single_head(("q", "k"), q=q, k=k, v=v)
     _check_one_dtype(q=q, k=k, v=v)
     if normalizer == "fixed":  # (the divisor; other normalizers do not read it)
@@ -478,6 +480,7 @@ def flash_attn(
     Returns:
         [B, T, e] = local + global (before the U gate).
     """
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     _check_single_head(("q_local", "k_local", "q_global", "k_global"), q_local=q_local, k_local=k_local,
                        q_global=q_global, k_global=k_global, v=v)
     check_positive_int("chunk_size", chunk_size)

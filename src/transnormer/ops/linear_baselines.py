@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_bthd, check_key_padding_mask, check_positive_int, check_qkv
+from ._checks import check_bool, check_bthd, check_key_padding_mask, check_positive_int, check_qkv
 from ._dtypes import autocast_off
 from .norm_linear import norm_linear_attn, norm_linear_attn_step
 
@@ -75,8 +75,8 @@ def _ratio(o: torch.Tensor, eps: float) -> torch.Tensor:
 def safe_ratio(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
     """num / (den + eps); ``eps`` = 0: the exact ratio, with a zero denominator (a row with no
     visible key, whose numerator is 0 too when the features are >= 0) giving 0 instead of 0/0."""
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0 with a denominator, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:  # (None: a bare '>=' error)
+        raise ValueError(f"eps must be a number >= 0 with a denominator, got {eps!r}")
     if eps == 0:
         return num / torch.where(den > 0, den, torch.ones_like(den))
     return num / (den + eps)
@@ -111,6 +111,7 @@ def kernel_linear_attn(
     Returns:
         (o [B, T, H, E] in qf's dtype, final state or None). The state is fp32 for half inputs.
     """
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     check_qkv(qf, kf, v)
     dtype = qf.dtype
     if denominator:
@@ -145,6 +146,8 @@ def kernel_linear_attn_step(
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a [B, H, {'E' if name == 'v' else 'F'}] tensor for one step, "
                              f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if not x.is_floating_point():  # (the message had come from the step below, naming its q)
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {x.dtype}")
     dtype = qf.dtype
     if denominator:
         _check_augmented_state("state", state, qf, v)
@@ -321,6 +324,7 @@ def cosformer_attn(
 ) -> torch.Tensor:
     """cosFormer attention, linear in T. q, k: [B, T, H, D] raw (pre-ReLU); v: [B, T, H, E];
     positions [B, T]; max_len M (number or [B]). Returns o [B, T, H, E]."""
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     check_qkv(q, k, v)
     mask = check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1])
     if not isinstance(max_len, torch.Tensor) and not max_len >= 1:  # M = 0 made every weight NaN

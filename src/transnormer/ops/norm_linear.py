@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_step_mask
+from ._checks import check_bool, check_key_padding_mask, check_positive_int, check_qkv, check_step_mask
 from ._chunked import ChunkedCausalLinearAttn
 from ._dtypes import autocast_off, state_dtype_for
 
@@ -69,6 +69,7 @@ def norm_linear_attn(
     Returns:
         (o [B, T, H, E] in the dtype of q, final_state [B, H, D, E] or None).
     """
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     check_qkv(q, k, v)
     check_positive_int("chunk_size", chunk_size)
     B, T, H, D = q.shape

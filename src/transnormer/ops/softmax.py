@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._checks import check_key_padding_mask, check_probability, check_qkv, check_scale
+from ._checks import check_bool, check_key_padding_mask, check_probability, check_qkv, check_scale
 
 
 def _sdpa_masked(q, k, v, allowed, *, scale, dropout_p):
@@ -46,6 +46,7 @@ def softmax_attn(
     engine runs the fp32 kernel on fp32 copies (1.7–3.5x SDPA's bf16 on AVX-512, ~11x on AVX2).
     Under CPU autocast fp32 inputs are cast first, as for SDPA.
     """
+    check_bool("causal", causal)  # (a string "false" had run the causal form, None the bidirectional one)
     check_qkv(q, k, v)
     check_scale(scale)
     check_probability("dropout_p", dropout_p)
