@@ -199,12 +199,23 @@ def test_split_words_with_shard_numbers_and_names_differing_in_case(tmp_path):
     (more / "valid.txt").write_text(_paragraphs("va", 3), encoding="utf-8")
     c = load_corpus(more)
     assert len(c["train"]) + len(c["test"]) == 20 and {d[0] for d in c["train"]} == {"a", "b"}  # (test carved)
+    # a file spec brings the other splits of its family, not other shards of its own split
+    (more / "test.txt").write_text(_paragraphs("te", 2), encoding="utf-8")
+    c = load_corpus(more / "train.txt")
+    assert [len(c[s]) for s in ("train", "valid", "test")] == [10, 3, 2] and {d[0] for d in c["train"]} == {"a"}
+    (shards / "valid0.txt").write_text(_paragraphs("v0", 4), encoding="utf-8")
+    c = load_corpus(shards / "train0.txt")
+    assert len(c["train"]) + len(c["test"]) == 10 and {d[:2] for d in c["valid"]} == {"v0"}  # (test carved)
     cased = tmp_path / "cased"
     cased.mkdir()
     (cased / "part.txt").write_text(_paragraphs("p", 10), encoding="utf-8")
     (cased / "PART.txt").write_text(_paragraphs("q", 10), encoding="utf-8")
     c = load_corpus(cased)
     assert sum(len(c[s]) for s in ("train", "valid", "test")) == 20
+    for name, tag, n in (("part.train.txt", "x", 10), ("PART.train.txt", "y", 10), ("part.valid.txt", "z", 3)):
+        (cased / name).write_text(_paragraphs(tag, n), encoding="utf-8")
+    c = load_corpus(cased / "part.train.txt")  # (had been refused as one text compressed and plain)
+    assert len(c["train"]) + len(c["test"]) == 20 and len(c["valid"]) == 3
 
 
 def test_file_with_split_name_loads_siblings_xz(tmp_path):

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -509,9 +510,9 @@ def read_classification_file(
 def _refuse_header_read_as_example(examples: list[ClassificationExample], src: str) -> None:
     """A header of names the detection does not know (``tweet<TAB>sentiment``) was read as an example,
     and its label ("sentiment") trained as one more class. Refused where that is plain: the first
-    row's label is a word found in no other row, and every other label is a number, or (word
-    labels) every other label is found in two rows or more and the first row's texts are single
-    words, as column names are."""
+    row's label is a word found in no other row, and every other label is a number. Warned where it
+    is likely (word labels, each other one found in two rows or more, and the first row's texts
+    single words, as column names are): a one-word example of a class seen once is possible."""
     first, rest = examples[0], [ex.label for ex in examples[1:] if ex.label is not None]
     number = re.compile(r"[-+]?\d+(?:\.\d*)?")
     if first.line != 1 or first.label is None or not rest or number.fullmatch(first.label) or first.label in rest:
@@ -519,13 +520,14 @@ def _refuse_header_read_as_example(examples: list[ClassificationExample], src: s
     counts = Counter(rest)
     names = all(t is None or (t.strip() and not re.search(r"\s", t.strip())) for t in (first.text, first.text_pair))
     if all(number.fullmatch(label) for label in rest):
-        why = "every other label is a number"
-    elif names and min(counts.values()) >= 2:  # (word labels had let the header through as a class)
-        why = f"it is in no other row, and the row's text {first.text!r} is one word"
-    else:
-        return
-    raise ValueError(f"{src!r}, line 1: label {first.label!r} looks like a column name ({why}); say whether the "
-                     "file has a header: has_header=True/False (--header yes/no)")
+        raise ValueError(f"{src!r}, line 1: label {first.label!r} looks like a column name (every other label is a "
+                         "number); say whether the file has a header: has_header=True/False (--header yes/no)")
+    if names and min(counts.values()) >= 2:
+        # word labels: a header is likely but a one-word example of a class seen once is possible, so
+        # said, not refused (the header had been trained as a class without a word)
+        warnings.warn(f"{src!r}, line 1: label {first.label!r} is in no other row and the row's text {first.text!r} "
+                      "is one word: if it is a header, say so (has_header=True, --header yes); it is read as an "
+                      "example", stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------------ encoding

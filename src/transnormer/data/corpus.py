@@ -12,9 +12,10 @@ A spec is one of
 
 Splits. Files whose name (or a parent directory name, for a directory spec) contains a split word —
 ``train``/``training``, ``valid``/``validation``/``val``/``dev``, ``test``/``testing`` as a separate word,
-e.g. ``docs.train.txt.xz``, ``wiki.valid.tokens``, ``train.txt``, ``valid/part0.txt`` — form that split.
-A file spec whose name names a split is loaded together with its siblings (``docs.train.txt.xz`` also picks
-up ``docs.valid.txt.xz`` and ``docs.test.txt.xz``). A missing ``valid``/``test`` split, or all splits when
+a shard number after it allowed, e.g. ``docs.train.txt.xz``, ``wiki.valid.tokens``, ``train.txt``,
+``train0.txt``, ``valid/part0.txt`` — form that split. A file spec whose name names a split is loaded
+together with its siblings (``docs.train.txt.xz`` also picks up ``docs.valid.txt.xz`` and
+``docs.test.txt.xz``; ``train0.txt`` picks up ``valid0.txt``, not ``train1.txt``). A missing ``valid``/``test`` split, or all splits when
 no file names one, is carved out of the training documents by :func:`split_documents`.
 
 Documents. Text is cut into documents by :func:`split_into_documents`: at header lines ``= = = ... = = =``
@@ -319,7 +320,9 @@ def _split_template(name: str) -> tuple[tuple[str, ...], str] | None:
     for i, w in enumerate(words):
         if _split_of_word(w):
             split = _split_of_word(w)
-            words[i] = "{}"
+            # the shard number stays in the family's name: train.txt brings valid.txt, not train2.txt,
+            # and train0.txt brings valid0.txt
+            words[i] = "{}" + w[len(w.rstrip("0123456789")):] if w not in _SPLIT_WORDS else "{}"
     return (tuple(words), split) if split else None
 
 
@@ -342,7 +345,7 @@ def _files_by_split(spec_path: Path) -> tuple[dict[str, list[Path]], list[Path]]
         for split, sibs in family.items():
             by_stem: dict[str, list[Path]] = {}
             for f in sibs:
-                by_stem.setdefault(_strip_compression(f.name)[0].lower(), []).append(f)
+                by_stem.setdefault(_strip_compression(f.name)[0], []).append(f)  # (PART.x beside part.x: two texts)
             kept: list[Path] = []
             for copies in by_stem.values():
                 alike = [f for f in copies if _strip_compression(f.name)[1] == spec_compression]
