@@ -715,9 +715,9 @@ def test_layer_options_given_are_merged_into_the_presets():
 @pytest.mark.parametrize("preset,options,error,match", [
     # norm and diag had taken it: a causal LM whose mixers saw the tokens it predicts; the others
     # failed with "_build() got multiple values for keyword argument 'causal'"
-    ("t2-lm-tiny", {"norm": {"causal": False}}, ValueError, r"layer_options\['norm'\]\['causal'\]: every mixer"),
+    ("t2-lm-tiny", {"norm": {"causal": False}}, ValueError, r"layer_options\['norm'\]\['causal'\] = False: every mixer"),
     ("t2-lm-tiny", {"diag": {"causal": False}}, ValueError, r"layer_options\['diag'\]\['causal'\]"),
-    ("vanilla-lm-tiny", {"softmax": {"causal": True}}, ValueError, r"\(config.causal = True\); set that instead"),
+    ("vanilla-lm-tiny", {"softmax": {"causal": "true"}}, ValueError, r"\(config.causal = True\); set that instead"),
     # "false" had read as True
     ("t2-lm-tiny", {"norm": {"norm_per_head": "false"}}, TypeError, "norm_per_head must be a bool, got 'false'"),
     ("t2-lm-tiny", {"diag": {"use_norm": "false"}}, TypeError, "use_norm must be a bool"),
@@ -738,6 +738,21 @@ def test_layer_options_are_checked_by_name(preset, options, error, match):
 
     with pytest.raises(error, match=match):
         build_model(preset, layer_options=options)
+
+
+@pytest.mark.parametrize("preset,kind", [("t2-lm-tiny", "norm"), ("vanilla-lm-tiny", "softmax"),
+                                         ("t2-roberta-tiny", "diag")])
+def test_the_models_own_causal_spelt_in_layer_options_builds_the_same_model(preset, kind):
+    # (saved configs may carry it: refusing it would refuse to load them)
+    from transnormer.presets import build_model, get_config
+
+    causal = get_config(preset).causal
+    torch.manual_seed(0)
+    plain = build_model(preset, vocab_size=40).eval()
+    torch.manual_seed(0)
+    spelt = build_model(preset, vocab_size=40, layer_options={kind: {"causal": causal}}).eval()
+    ids = torch.randint(3, 40, (1, 9))
+    torch.testing.assert_close(spelt(ids).logits, plain(ids).logits, rtol=0, atol=0)
 
 
 def test_bidirectional_batch_norm_is_allowed_and_presets_are_not_shared():

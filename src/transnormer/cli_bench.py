@@ -84,7 +84,7 @@ def cmd_bench(args) -> int:
     all_verdicts = []
     given = args.dtypes
     if args.dtypes is None and what == ["long"]:  # its target is a bf16 step ("fp32 only" had been printed)
-        if not cpu_has_bf16_products():
+        if suite._device() == "cpu" and not cpu_has_bf16_products():
             print("this CPU has no bf16 products (AVX512-BF16 or AMX): the bf16 step runs on PyTorch's slow "
                   "fallback", flush=True)
         args.dtypes = ["bf16"]

@@ -154,7 +154,8 @@ class TransNormerConfig(PretrainedConfig):
         return VARIANT_DEFAULTS[self.variant][key] if value is None else value
 
     def options_for(self, layer_type: str) -> dict:
-        return dict(self.layer_options.get(layer_type, {}))
+        """The options of one layer type, as the builders pass them (``causal`` is the model's: see check)."""
+        return {k: v for k, v in self.layer_options.get(layer_type, {}).items() if k != "causal"}
 
     def validate_layer_type(self) -> None:
         """Replaces HF's check (which only knows HF's attention names) with ours."""
@@ -236,9 +237,11 @@ class TransNormerConfig(PretrainedConfig):
         if unknown:  # a misspelt type's options would be ignored
             raise ValueError(f"layer_options has unknown layer types {unknown}; known: {sorted(LAYER_TYPES)}")
         for t, options in self.layer_options.items():
-            if "causal" in options:  # (norm and diag had taken it: a causal LM whose mixers saw the next tokens)
-                raise ValueError(f"layer_options[{t!r}]['causal']: every mixer follows the model's causal "
-                                 f"(config.causal = {self.causal}); set that instead")
+            # (norm and diag had taken another value: a causal LM whose mixers saw the next tokens; the
+            # others failed naming _build). The model's own value, spelt out, is read as no option.
+            if "causal" in options and options["causal"] is not self.causal:
+                raise ValueError(f"layer_options[{t!r}]['causal'] = {options['causal']!r}: every mixer follows "
+                                 f"the model's causal (config.causal = {self.causal}); set that instead")
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {self.norm_type!r}")
         if self.causal and self.norm_type == "batch":
