@@ -63,8 +63,9 @@ def summarize(values: Sequence[float], steps: Sequence[int], *, param_set: str, 
     out = {"mode": MODE if key == "grad_norm" else f"rsd_over_steps({key})", "param_set": param_set, "key": key, "std": "population (ddof=0)",
            "step_range": [finite[0][0], finite[-1][0]] if finite else None,
            "requested_range": [start, end], "num_steps": len(finite), "num_nonfinite": len(pairs) - len(finite)}
-    if key == "grad_norm" and every_step:  # recorded at every step: steps in the range with no record (a run resumed with
-        # --grad-stats after steps trained without it) are said, where the range alone had claimed them
+    if key == "grad_norm" and every_step:
+        # recorded at every step: steps in the range with no record (a run resumed with --grad-stats
+        # after steps trained without it) are said, where the range alone had claimed them
         out["missing_steps"] = pairs[-1][0] - pairs[0][0] + 1 - len(pairs) if pairs else 0
     if not finite:
         return {**out, "mean": None, "stdev": None, "rsd": None}

@@ -15,8 +15,9 @@ Splits. Files whose name (or a parent directory name, for a directory spec) cont
 a shard number after it allowed, e.g. ``docs.train.txt.xz``, ``wiki.valid.tokens``, ``train.txt``,
 ``train0.txt``, ``valid/part0.txt`` — form that split. A file spec whose name names a split is loaded
 together with its siblings (``docs.train.txt.xz`` also picks up ``docs.valid.txt.xz`` and
-``docs.test.txt.xz``; ``train0.txt`` picks up ``valid0.txt``, not ``train1.txt``). A missing ``valid``/``test`` split, or all splits when
-no file names one, is carved out of the training documents by :func:`split_documents`.
+``docs.test.txt.xz``; ``train0.txt`` picks up ``valid0.txt``, not ``train1.txt``). A missing
+``valid``/``test`` split, or all splits when no file names one, is carved out of the training documents
+by :func:`split_documents`.
 
 Documents. Text is cut into documents by :func:`split_into_documents`: at header lines ``= = = ... = = =``
 if the text has any (the format of ``/work/shared/data/lm``), else at WikiText article titles

@@ -46,7 +46,8 @@ class KernelLinearAttention(MultiHeadMixer):
             # > 0 keeps rows with no visible key at 0 instead of 0/0; 0 divides exactly (ops.linear_baselines)
             raise ValueError(f"eps must be a number >= 0, got {eps!r}")
         check_positive_int("chunk_size", chunk_size)
-        self.causal, self.denominator, self.eps, self.chunk_size = check_bool("causal", causal), denominator, eps, chunk_size
+        self.causal = check_bool("causal", causal)  # (a string "false" had run a causal layer)
+        self.denominator, self.eps, self.chunk_size = denominator, eps, chunk_size
         self._build_projections(hidden_size, num_heads)
 
     def reset_parameters(self) -> None:
