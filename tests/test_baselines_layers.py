@@ -523,7 +523,13 @@ def test_norm_attention_on_fla_matches_on_gpu():
 @pytest.mark.parametrize("causal", ["false", None, 1])
 def test_causal_is_a_bool_in_every_layer_and_op(causal):
     # a string "false" had run the causal form, None the bidirectional one: neither was refused
-    from transnormer.ops import block_attn, norm_linear_attn, softmax_attn
+    from transnormer.ops import (
+        block_attn,
+        block_attn_reference,
+        norm_linear_attn,
+        norm_linear_attn_reference,
+        softmax_attn,
+    )
     from transnormer.ops.flash import flash_attn, gau_attn
     from transnormer.ops.linear_baselines import cosformer_attn, kernel_linear_attn
 
@@ -534,6 +540,8 @@ def test_causal_is_a_bool_in_every_layer_and_op(causal):
     q = torch.rand(1, 5, 2, 4)
     s = torch.rand(1, 5, 8)
     for call in (lambda: norm_linear_attn(q, q, q, causal=causal), lambda: block_attn(q, q, q, causal=causal),
+                 lambda: norm_linear_attn_reference(q, q, q, causal=causal),
+                 lambda: block_attn_reference(q, q, q, causal=causal),
                  lambda: softmax_attn(q, q, q, causal=causal), lambda: kernel_linear_attn(q, q, q, causal=causal),
                  lambda: cosformer_attn(q, q, q, torch.arange(5)[None], 5, causal=causal),
                  lambda: gau_attn(s, s, s, causal=causal), lambda: flash_attn(s, s, s, s, s, causal=causal)):
@@ -574,8 +582,11 @@ def test_other_on_off_and_seed_arguments_are_checked():
         build_norm("simple_rms", 8, eps_inside_sqrt=None)
     with pytest.raises(TypeError, match="switch_to_rope must be a bool, got 'no'"):
         GAU(32, causal=True, switch_to_rope="no")
-    with pytest.raises(ValueError, match="feature_seed must be an int >= 0, got 1.5"):
+    with pytest.raises(ValueError, match=r"feature_seed must be an int in \[0, 2\*\*43\), got 1.5"):
         Performer(32, 2, causal=True, feature_seed=1.5)
+    with pytest.raises(ValueError, match="feature_seed must be an int in"):  # (torch's "Overflow when unpacking")
+        Performer(32, 2, causal=True, feature_seed=2**45)
+    Performer(32, 2, causal=True, feature_seed=(2**32 - 1) * 1000 + 7)  # the builder's largest
     q = torch.rand(1, 5, 2, 4)
     with pytest.raises(ValueError, match="eps must be a number >= 0 with a denominator, got None"):
         kernel_linear_attn(q, q, q, causal=True, eps=None)

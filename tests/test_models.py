@@ -730,8 +730,9 @@ def test_layer_options_given_are_merged_into_the_presets():
     ("flash-lm-tiny", {"flash": {"chunk_size": "8"}}, ValueError, "chunk_size must be an int >= 1, got '8'"),
     ("flash-quad-lm-tiny", {"gau": {"qk_dim": 16.0}}, TypeError, "qk_dim must be an int, got 16.0"),
     ("flash-quad-lm-tiny", {"gau": {"expansion": "2"}}, TypeError, "expansion must be a finite number"),
-    ("t2-lm-tiny", {"norm": {"lrpe_seed": "a"}}, ValueError, "lrpe_seed must be an int >= 0, got 'a'"),
-    ("t2-lm-tiny", {"diag": {"lrpe_seed": -1}}, ValueError, "lrpe_seed must be an int >= 0, got -1"),
+    ("t2-lm-tiny", {"norm": {"lrpe_seed": "a"}}, ValueError, r"lrpe_seed must be an int in \[0, 2\*\*63\), got 'a'"),
+    ("t2-lm-tiny", {"diag": {"lrpe_seed": -1}}, ValueError, "lrpe_seed must be an int in .* got -1"),
+    ("t2-lm-tiny", {"norm": {"lrpe_seed": 2**64}}, ValueError, "lrpe_seed must be an int in"),  # (torch's overflow)
 ])
 def test_layer_options_are_checked_by_name(preset, options, error, match):
     from transnormer.presets import build_model

@@ -60,8 +60,9 @@ class Performer(KernelLinearAttention):
         if redraw_interval is not None and (isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
                                             or redraw_interval < 0):
             raise ValueError(f"redraw_interval must be None or an int >= 0, got {redraw_interval!r}")
-        if isinstance(feature_seed, bool) or not isinstance(feature_seed, int) or feature_seed < 0:
-            raise ValueError(f"feature_seed must be an int >= 0, got {feature_seed!r}")  # (1.5 had been truncated)
+        # (1.5 had been truncated; a seed past 2**32 overflowed torch's seed, feature_seed * 1_000_003 + r, unnamed)
+        if isinstance(feature_seed, bool) or not isinstance(feature_seed, int) or not 0 <= feature_seed < 2**43:
+            raise ValueError(f"feature_seed must be an int in [0, 2**43), got {feature_seed!r}")
         self.num_features, self.orthogonal = m, check_bool("orthogonal", orthogonal)
         self.feature_seed, self.redraw_interval = feature_seed, redraw_interval or None
         self.register_buffer("proj", torch.empty(m, self.head_dim))

@@ -147,8 +147,8 @@ def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int 
     # a negative one was taken, a learn_theta of "false" read as True)
     if not isinstance(learn_theta, bool):
         raise TypeError(f"lrpe_learn_theta must be a bool, got {learn_theta!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"lrpe_seed must be an int >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:  # (torch's seeds: int64)
+        raise ValueError(f"lrpe_seed must be an int in [0, 2**63), got {seed!r}")
     if kind == "householder_rope":
         return LRPE(head_dim, householder=True, learn_theta=learn_theta, seed=seed, pairing=pairing)
     if kind == "rope":

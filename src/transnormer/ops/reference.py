@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_scale
+from ._checks import check_bool, check_key_padding_mask, check_positive_int, check_qkv, check_scale
 from .block import _check_kernel
 
 
@@ -27,6 +27,7 @@ def norm_linear_attn_reference(
     Returns (o, final_state) or (o, final_state, scores [B, H, T, T]) with return_weights.
     The scores are the raw q̂·k̂ products (masked), the matrix the analyses row-normalise.
     """
+    check_bool("causal", causal)  # (as the fast ops: "false" had run the causal form)
     check_qkv(q, k, v)
     B, T, H, D = q.shape
     mask = check_key_padding_mask(key_padding_mask, B, T)
@@ -74,6 +75,7 @@ def block_attn_reference(
     return_weights: bool = False,
 ):
     """Dense T×T evaluation of DiagAttention; returns o or (o, weights [B, H, T, T])."""
+    check_bool("causal", causal)  # (as the fast ops: "false" had run the causal form)
     check_qkv(q, k, v)
     _check_kernel(kernel)
     check_positive_int("block_size", block_size)
