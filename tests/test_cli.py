@@ -843,3 +843,9 @@ def test_train_saves_a_local_data_path_resolved(tmp_path, monkeypatch):
     (model / "train_config.json").write_text(json.dumps({"data": cfg.data, "data_seed": 3}))
     monkeypatch.chdir(tmp_path / "b")
     assert _run_config_for(model, "../a/corpus")["data_seed"] == 3
+
+
+def test_eval_of_a_classifier_asks_for_its_data(capsys):
+    # the corpus default had been read as a classification file: "'stdlib' is neither a classification file ..."
+    assert main(["eval", "--model", "nowhere", "--task", "cls"]) == 2
+    assert "--data is required with --task cls" in capsys.readouterr().err

@@ -413,6 +413,10 @@ def cmd_eval(args) -> int:
     from .train.loop import TrainConfig, autocast_factory, build_model_for, name_classes, special_token_ids
     from .train.tasks import build_task_data
 
+    if args.data is None:  # (cls had been told "'stdlib' is neither a classification file nor ...", unasked)
+        if args.task == "cls":
+            raise ValueError("--data is required with --task cls: the classification file or folder to score")
+        args.data = "stdlib"
     if args.stride is not None and args.task != "clm":  # mlm and cls windows do not slide
         raise ValueError(f"--stride applies to --task clm only, not --task {args.task}")
     if args.stride is not None and args.stride > args.seq_len:  # (TrainConfig's message named eval_stride)
@@ -479,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="perplexity (clm, mlm), or accuracy/F1/MCC (cls; Pearson/Spearman for real-valued scores) of a trained model")
     p.add_argument("--model", required=True)
-    p.add_argument("--data", default="stdlib")
+    p.add_argument("--data", help="clm/mlm: the corpus (default stdlib); cls: the classification file or folder "
+                   "(required)")
     p.add_argument("--task", default="clm", choices=["clm", "mlm", "cls"])
     p.add_argument("--split", default="valid", choices=["valid", "test", "train"])
     p.add_argument("--seq-len", type=positive_int, default=256)
