@@ -1145,8 +1145,10 @@ def test_every_tiny_preset_pickles():
 
     from transnormer.presets import PRESETS, build_model, preset_table
 
-    names = sorted(set(re.findall(r"[a-z0-9+\-]+-tiny", str(preset_table()))) | {p for p in PRESETS if p.endswith("-tiny")})
+    table = preset_table()
+    names = sorted(set(re.findall(r"[a-z0-9+\-]+-tiny", table)) | {p for p in PRESETS if p.endswith("-tiny")})
     assert len(names) > 30
+    assert "| t2-lra-image | cls | 12 | 128 | 4/8 | diag,norm |" in table  # (had shown the Norm layers' 8 alone)
     for name in names:
         model = build_model(name, vocab_size=64) if "-lra-" not in name else build_model(name)
         torch.save(model, io.BytesIO())

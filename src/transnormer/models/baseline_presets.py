@@ -24,9 +24,10 @@ attention + FFN), e = 2d, s = 128, ScaleNorm pre-norm and final ScaleNorm, scale
 
 Dropout: the GAU models keep the T2 presets' training dropout, so a comparison changes only the
 mixer: 0.1 on the embedding and the residual branches; on A none in the LM presets and 0.1 in the
-RoBERTa ones (``attention_dropout``, as t2-roberta's). flash.md §1.4 leaves dropout open and names
-"on A only" as one choice [D]; dropout on A would also take causal FLASH off its fused path
-(``layers/gau.py``). Set ``attention_dropout`` (and ``dropout=0``) for it.
+RoBERTa ones (``attention_dropout``, as t2-roberta's). This departs from flash.md §1.4, whose
+default [D] is dropout on A only: we keep T2's so that the comparison is of mixers alone, and dropout
+on A would also take causal FLASH off its fused path (``layers/gau.py``). Set ``attention_dropout``
+(and ``dropout=0``) for the spec's default.
 
 The softmax baseline keeps T2's GLU FFN and SRMSNorm, so it isolates the attention rule; the
 fairseq ``transformer_lm`` block would be ``ffn_type="ffn", ffn_act="relu", ffn_hidden_size=2048,

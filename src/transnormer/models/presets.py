@@ -177,10 +177,14 @@ def count_parameters(name: str, **overrides) -> int:
 def preset_table() -> str:
     """A markdown table of every preset with its shape and parameter count."""
     _load_extra_presets()
-    rows = ["| preset | task | layers | d | heads | layer types | params |", "|---|---|---|---|---|---|---|"]
+    rows = ["| preset | task | layers | d | heads (Diag/Norm where they differ) | layer types | params |",
+            "|---|---|---|---|---|---|---|"]
     for name in sorted(PRESETS):
         cfg = get_config(name)
         kinds = ",".join(sorted(set(cfg.layer_types)))
+        # Diag/Norm heads where they differ (the LRA image and retrieval presets: the Norm count alone had shown)
+        diag = cfg.diag_num_attention_heads if "diag" in cfg.layer_types else None
+        heads = f"{diag}/{cfg.num_attention_heads}" if diag and diag != cfg.num_attention_heads else cfg.num_attention_heads
         rows.append(f"| {name} | {PRESETS[name][0]} | {cfg.num_hidden_layers} | {cfg.hidden_size} | "
-                    f"{cfg.num_attention_heads} | {kinds} | {count_parameters(name) / 1e6:.2f}M |")
+                    f"{heads} | {kinds} | {count_parameters(name) / 1e6:.2f}M |")
     return "\n".join(rows)
