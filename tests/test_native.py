@@ -110,6 +110,8 @@ class _FakeLib:
             raise OSError(f"{path}: wrong ELF class: ELFCLASS32")
         if Path(path).read_bytes() == b"newer":
             raise OSError(f"/lib/libstdc++.so.6: version `GLIBCXX_3.4.32' not found (required by {path})")
+        if Path(path).read_bytes() == b"no-omp":
+            raise OSError("libomp.so: cannot open shared object file: No such file or directory")
 
     def tn_abi_version(self):
         return _native._ABI
@@ -210,6 +212,12 @@ def test_a_cached_library_that_does_not_load_is_built_again(monkeypatch, tmp_pat
     with pytest.raises(OSError, match="GLIBCXX"):
         _native._open()
     assert len(built) == 3 and path.read_bytes() == b"newer"
+    # a dependency missing is said in the words of a damaged file, of another file: it stands too (it had
+    # deleted and rebuilt the library at every start)
+    path.write_bytes(b"no-omp")
+    with pytest.raises(OSError, match="libomp.so: cannot open shared object file"):
+        _native._open()
+    assert len(built) == 3 and path.read_bytes() == b"no-omp"
 
 
 def test_a_library_cut_short_is_built_again_not_loaded(tmp_path):
@@ -222,11 +230,24 @@ def test_a_library_cut_short_is_built_again_not_loaded(tmp_path):
     good = tmp_path / "good.so"
     shutil.copyfile(lib._name, good)
     assert not _native._elf_cut_short(good)
-    for frac in (0.01, 0.1, 0.5, 0.9, 0.999):
+    cuts = [int(len(whole) * frac) for frac in (0.01, 0.1, 0.5, 0.9, 0.999)]
+    for n in [*cuts, 6, 52, 58, 60, 63]:  # (a cut inside the 64-bit header had raised struct.error at every run)
         cut = tmp_path / "cut.so"
-        cut.write_bytes(whole[: int(len(whole) * frac)])
+        cut.write_bytes(whole[:n])
         assert _native._elf_cut_short(cut)
         assert _native._load_cached(cut) is None and not cut.exists()  # removed, to be built again
+
+
+def test_compiler_settings_and_variant_flags_are_named(monkeypatch):
+    # a blank CXX had run the first flag as the compiler ("No such file or directory: '-O3'"); a CXX that
+    # cannot be run was named by its path alone; a str of flags was split into one flag per character
+    monkeypatch.setenv("CXX", "  ")
+    assert _native._compiler() != []
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match=r"the C\+\+ compiler '/nonexistent/c\+\+' \(\$CXX"):
+        _native._build(["/nonexistent/c++"], ["-O0"], "/tmp/never.so", sources=(_native._SOURCES[0],))
+    with pytest.raises(TypeError, match="extra_flags must be a tuple of flags, got the str '-mno-avx512f'"):
+        _native.load_variant("-mno-avx512f")
 
 
 def test_a_lock_that_cannot_be_taken_does_not_stop_the_build(monkeypatch, tmp_path):

@@ -107,7 +107,7 @@ def test_threads_from_env_sets_every_commands_threads(monkeypatch, capsys):
         assert threads_from_env() is None and torch.get_num_threads() == before
         monkeypatch.setenv("TRANSNORMER_THREADS", "1")
         assert threads_from_env() == 1 and torch.get_num_threads() == 1
-        for bad in ("0", "two", "-1"):
+        for bad in ("0", "two", "-1", "99999999999999999999"):  # (the last: torch's "Overflow when unpacking")
             monkeypatch.setenv("TRANSNORMER_THREADS", bad)
             with pytest.raises(ValueError, match="TRANSNORMER_THREADS must be a whole number"):
                 threads_from_env()
@@ -190,3 +190,14 @@ def test_a_model_config_error_names_the_model_not_the_train_flag():
     with pytest.raises(ValueError) as e:
         TrainConfig(preset="t2-lm-tiny", overrides={"vocab_size": 0}, max_steps=1).check()
     assert "(--vocab-size)" not in str(e.value) and str(e.value).startswith("the model (with --set {'vocab_size': 0}):")
+
+
+def test_empty_environment_variables_read_as_unset(monkeypatch):
+    # TRANSNORMER_THREADS= and TRANSNORMER_MALLOC= were unset; NATIVE= and FP32_GEMM= had been refused
+    from transnormer.ops import _native
+    from transnormer.runtime import check_env
+
+    for var in ("TRANSNORMER_THREADS", "TRANSNORMER_MALLOC", "TRANSNORMER_NATIVE", "TRANSNORMER_FP32_GEMM"):
+        monkeypatch.setenv(var, "")
+    check_env()
+    assert _native.native_disabled() is False

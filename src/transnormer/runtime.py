@@ -26,8 +26,9 @@ def threads_from_env() -> int | None:
     raw = os.environ.get("TRANSNORMER_THREADS", "").strip()
     if not raw:
         return None
-    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
-        raise ValueError(f"TRANSNORMER_THREADS must be a whole number >= 1, got {raw!r}")
+    # (a huge one had failed in torch as "Overflow when unpacking long long")
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) < 2**16:
+        raise ValueError(f"TRANSNORMER_THREADS must be a whole number in [1, 65535], got {raw!r}")
     import torch
 
     torch.set_num_threads(int(raw))
@@ -65,7 +66,7 @@ def check_env() -> None:
     threads_from_env()
     malloc_opted_out()
     _native.native_disabled()
-    _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "auto"))
+    _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "").strip() or "auto")  # (empty: unset)
 
 
 def tune_allocator() -> bool:

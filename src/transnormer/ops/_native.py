@@ -107,7 +107,7 @@ def _cpu_signature() -> str:
 def _compiler() -> list[str] | None:
     """The C++ compiler's command: $CXX split as a shell would (CXX="ccache g++"), else the first
     of c++, g++, clang++ on the PATH."""
-    if os.environ.get("CXX"):
+    if os.environ.get("CXX", "").strip():  # (a blank one had run the first compiler flag as the program)
         return shlex.split(os.environ["CXX"])
     found = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     return [found] if found else None
@@ -136,7 +136,11 @@ def _build(compiler: list[str], flags: list[str], out: str,
         objects = [str(Path(objdir) / f"{src.stem}.o") for src in sources]
 
         def one(src: Path, obj: str) -> subprocess.CompletedProcess:
-            return subprocess.run([*compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True)
+            try:
+                return subprocess.run([*compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True)
+            except OSError as exc:  # (the warning had said "No such file or directory: '/x'", not what /x is)
+                raise RuntimeError(f"the C++ compiler {' '.join(compiler)!r} ($CXX, else c++/g++/clang++ on the "
+                                   f"PATH) cannot be run: {exc}") from exc
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
             for proc in list(pool.map(one, sources, objects)):
@@ -302,7 +306,9 @@ def _build_lock(lib: Path):
 
 # dlopen's words for a file that is not a whole library (cut short, or its header damaged: "invalid
 # ELF header", "wrong ELF class", "ELF file version does not match"): building it again can help.
-# Other load errors (a libstdc++ older than the one it was built against) raise: a rebuild would not.
+# Other load errors (a libstdc++ older than the one it was built against) raise: a rebuild would not,
+# as do these words said of another file (a dependency missing: "libomp.so: cannot open shared
+# object file" had deleted and rebuilt the library at every start).
 _DAMAGED = ("ELF", "file too short", "cannot open shared object file", "no loadable segments")
 
 
@@ -313,8 +319,10 @@ def _elf_cut_short(path: Path) -> bool:
 
     with open(path, "rb") as f:
         head = f.read(64)
-    if head[:4] != b"\x7fELF" or len(head) < 52:
+    if head[:4] != b"\x7fELF" or len(head) < 6:
         return False  # (not ELF: dlopen says so in words, _DAMAGED)
+    if len(head) < (64 if head[4] == 2 else 52):  # (a cut inside a 64-bit header had raised struct.error)
+        return True
     end = "<" if head[5] == 1 else ">"
     if head[4] == 2:  # 64-bit
         shoff, = struct.unpack_from(end + "Q", head, 0x28)
@@ -336,8 +344,9 @@ def _load_cached(path: Path) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
-        said = str(exc).replace(str(path), "")  # (its words, not the path's: a folder may be called ELF)
-        if not any(word in said for word in _DAMAGED):
+        # dlopen names the file its words are about; only this library's own damage is rebuilt
+        said = str(exc)
+        if not said.startswith(f"{path}:") or not any(word in said[len(str(path)):] for word in _DAMAGED):
             raise
         path.unlink(missing_ok=True)
         return None
@@ -373,6 +382,8 @@ def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     code path this CPU would not take: ``("-mno-amx-tile", "-mno-amx-bf16")`` builds the bf16
     kernels on the AVX512-BF16 engine on a CPU with AMX. Raises RuntimeError (or OSError) when it
     cannot be built (or loaded)."""
+    if isinstance(extra_flags, str):  # (a str had been split into one "flag" per character)
+        raise TypeError(f"extra_flags must be a tuple of flags, got the str {extra_flags!r}")
     if not extra_flags:
         raise ValueError("extra_flags must name at least one flag (the default build is load())")
     key = tuple(extra_flags)
@@ -390,7 +401,7 @@ def load_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
 def native_disabled() -> bool:
     """``TRANSNORMER_NATIVE=0`` (``1``, the default, uses the kernels); any other value is refused:
     "false" or "off" had left the kernels on without a word."""
-    raw = os.environ.get("TRANSNORMER_NATIVE", "1").strip()
+    raw = os.environ.get("TRANSNORMER_NATIVE", "").strip() or "1"  # (empty: unset, as the other variables)
     if raw not in ("0", "1"):
         raise ValueError(f"TRANSNORMER_NATIVE must be 0 (the PyTorch forms) or 1 (the native kernels), got {raw!r}")
     return raw == "0"

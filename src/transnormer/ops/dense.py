@@ -55,7 +55,7 @@ def _fp32_off_mkl() -> bool:
     """``TRANSNORMER_FP32_GEMM`` says fp32 products leave MKL, and the kernel backend is not
     ``"torch"`` (which runs the plain PyTorch forms everywhere: the FLOP counter of ``bench`` sees
     only those)."""
-    return _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "auto")) and _native.backend() != "torch"
+    return _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "").strip() or "auto") and _native.backend() != "torch"
 
 
 def onednn_fp32() -> bool:
