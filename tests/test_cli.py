@@ -352,7 +352,7 @@ def test_skip_bad_rows_and_pooling_of_a_fine_tune(tmp_path, capsys):
                 max_steps=1, overrides={"classifier_pooling": "last"}).check()
 
 
-def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
+def test_cls_reading_flags_and_truncation_report(tmp_path, capsys, monkeypatch):
     """--header no keeps a first row that reads like names ("text", "maybe"), --drop-label skips
     SNLI-style "-" rows, and examples cut to --seq-len are reported (they had been cut silently)."""
     rng = random.Random(5)
@@ -397,6 +397,16 @@ def test_cls_reading_flags_and_truncation_report(tmp_path, capsys):
             str(tmp_path / "cache"), "--text-column", "0", "--label-column", "1", "--header", "no", "--drop-label", "-"]
     assert main([*argv, "--no-truncate"]) == 2
     assert "tokens exceed max_length=12" in capsys.readouterr().err
+    # a run trained with --no-truncate: eval follows it, and --truncate undoes it (a store_true flag
+    # could only turn it on)
+    import transnormer.cli as cli
+
+    real = cli._run_config_for
+    monkeypatch.setattr(cli, "_run_config_for", lambda *a: {**real(*a), "no_truncate": True})
+    assert main(argv) == 2 and "eval of a run trained with it: --truncate" in capsys.readouterr().err
+    assert main([*argv, "--truncate"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(cli, "_run_config_for", real)
     from transnormer.data import train_bpe
 
     train_bpe([(tmp_path / "dev.tsv").read_text()], vocab_size=270).save(tmp_path / "other")

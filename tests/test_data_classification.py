@@ -393,3 +393,57 @@ def test_cli_words_in_the_reading_errors(tmp_path):
     assert [e.text for e in read_classification_file(path, skip_bad_rows=True)] == ["a b"]
     with pytest.raises(ValueError, match=r"--text-pair-column\) given without text_column \(--text-column\)"):
         read_classification_file(path, text_pair_column="sentence")
+
+
+def test_pair_truncation_matches_the_fast_tokenizers_longest_first():
+    # the first text had kept the odd token of an even split, where the saved tokenizer (HF pipelines)
+    # gives it to the longer text, the second on a tie: a one-token train/serve skew
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from transnormer.data.classification import _truncate_lengths
+
+    tok = Tokenizer(WordLevel({"w": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    for budget in (1, 2, 5, 6, 9):
+        tok.enable_truncation(max_length=budget, strategy="longest_first")
+        for la in range(1, 12):
+            for lb in range(1, 12):
+                enc = tok.encode(" ".join(["w"] * la), " ".join(["w"] * lb), add_special_tokens=False)
+                theirs = (enc.sequence_ids.count(0), enc.sequence_ids.count(1))
+                assert _truncate_lengths(la, lb, budget) == theirs, (la, lb, budget)
+
+
+def test_score_files_with_a_bad_score_empty_json_and_unlabelled_train_files_are_named(tmp_path):
+    import contextlib
+
+    from transnormer.train.distributed import DistInfo
+    from transnormer.train.loop import TrainConfig, name_classes
+    from transnormer.train.tasks import build_task_data
+
+    # one "NaN" among STS-B-like scores had made a classifier of one class per score value
+    rows = "".join(f"a{i} b\tc{i} d\t{i % 5 + 0.25 * (i % 4)}\n" for i in range(20))
+    sts = _write(tmp_path / "sts.tsv", "sentence1\tsentence2\tscore\n" + rows + "e f\tg h\tNaN\n")
+    with pytest.raises(ValueError, match=r"sts.tsv', line 22: label 'NaN' is not a number, while other labels are "
+                                         r"real-valued scores"):
+        labels_of(read_classification_file(sts))
+    # an empty JSON array: "cannot tell which column holds the text (columns: [])"
+    with pytest.raises(ValueError, match="no records"):
+        read_classification_file(_write(tmp_path / "e.json", "[]\n"))
+    # a train file without labels was told "or require_labels=False", which no CLI flag sets
+    folder = tmp_path / "nolab"
+    folder.mkdir()
+    _write(folder / "train.tsv", "sentence\tother\nfoo bar\tx\nbaz qux\ty\n")
+    cfg = TrainConfig(task="cls", data=str(folder), vocab_size=300, seq_len=16, max_steps=1,
+                      cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="no label column") as err:
+        build_task_data(cfg, DistInfo(), contextlib.nullcontext)
+    assert "require_labels" not in str(err.value)
+
+    # --set problem_type against class labels had failed at the first step, naming label shapes
+    from transnormer.presets import build_model
+
+    model = build_model("t2-roberta-tiny", num_labels=2, problem_type="regression", task="cls")
+    with pytest.raises(ValueError, match="the labels decide it .* leave problem_type out"):
+        name_classes(model, LabelSet(["0", "1"]))

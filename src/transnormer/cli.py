@@ -433,9 +433,12 @@ def cmd_eval(args) -> int:
                                  "result elsewhere")
     run = _run_config_for(model_dir, args.data)
     data_seed = int(run.get("data_seed") or 0)
+    given_truncate = args.no_truncate  # None, or the --truncate / --no-truncate given
+    args.no_truncate = bool(given_truncate)
     if args.task == "cls" and run.get("task") == "cls":  # the flags given override the run's
         read = {**(run.get("cls_read_kwargs") or {}), **read}
-        args.no_truncate = args.no_truncate or bool(run.get("no_truncate"))
+        # (a store_true flag could only turn the run's --no-truncate on, not off)
+        args.no_truncate = bool(run.get("no_truncate")) if given_truncate is None else given_truncate
     # no --tokenizer: the model's own, in <model>/tokenizer or beside its weights (tasks.get_tokenizer)
     cfg = TrainConfig(task=args.task, preset=None, init_from=str(model_dir), data=args.data, tokenizer=args.tokenizer,
                       data_seed=data_seed, seq_len=args.seq_len, batch_size=args.batch_size, eval_stride=args.stride,
@@ -498,7 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--device")
     _add_cls_column_args(p)
-    p.add_argument("--no-truncate", action="store_true", help="cls: error on over-long examples")
+    cut = p.add_mutually_exclusive_group()  # (default None: as the run was trained)
+    cut.add_argument("--no-truncate", dest="no_truncate", action="store_const", const=True, default=None,
+                     help="cls: error on over-long examples (default: as the run was trained)")
+    cut.add_argument("--truncate", dest="no_truncate", action="store_const", const=False,
+                     help="cls: cut over-long examples, even if the run was trained with --no-truncate")
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_eval)
 

@@ -222,8 +222,15 @@ def labels_of(examples: Iterable[ClassificationExample]) -> LabelSet | Scores:
     """The labels of a training split: :class:`Scores` when they are real-valued scores (every one a
     number, some not whole), else their :class:`LabelSet`."""
     examples = list(examples)
-    if _are_scores({ex.label for ex in examples if ex.label is not None}):
+    labels = {ex.label for ex in examples if ex.label is not None}
+    if _are_scores(labels):
         return Scores()
+    decimals = sorted(x for x in labels if _NUMBER.fullmatch(x) and not re.fullmatch(r"[-+]?\d+", x))
+    if decimals:  # (one "NaN" or typo had made an STS-B file a classifier of one class per score value)
+        bad = next(ex for ex in examples if ex.label is not None and not _NUMBER.fullmatch(ex.label))
+        raise ValueError(f"{bad.source!r}, line {bad.line}: label {bad.label!r} is not a number, while other labels "
+                         f"are real-valued scores (e.g. {decimals[0]!r}): fix or drop that row (a regression "
+                         "file's scores must all be numbers)")
     return LabelSet.from_examples(examples)
 
 
@@ -410,6 +417,8 @@ def read_classification_file(
     header_guessed = has_header is None and fmt != "jsonl"
     if fmt == "jsonl":
         records = _records_json(path, text)
+        if not any(rec for _, rec in records):  # (it had been "cannot tell which column holds the text (columns: [])")
+            raise ValueError(f"{src!r}: no records (an empty JSON array, or only empty objects)")
         keys: list[str] = []
         for _, rec in records[:100]:  # columns from the first records (JSON objects may omit keys)
             keys.extend(k for k in rec if k not in keys)
@@ -544,7 +553,9 @@ def _truncate_lengths(la: int, lb: int, budget: int) -> tuple[int, int]:
         kept_long = budget - short
         return (kept_long, lb) if la >= lb else (la, kept_long)
     half = budget // 2
-    return budget - half, half  # both trimmed; the first text keeps the odd token
+    # both trimmed: the longer text keeps the odd token, the second on a tie, as the saved fast
+    # tokenizer's LongestFirst does (the first had kept it: a one-token train/serve skew in HF pipelines)
+    return (budget - half, half) if la > lb else (half, budget - half)
 
 
 class ClassificationDataset(torch.utils.data.Dataset):
@@ -602,7 +613,7 @@ class ClassificationDataset(torch.utils.data.Dataset):
                     raise ValueError(
                         f"{ex.source!r}, line {ex.line}: {total} tokens exceed max_length={max_length}; "
                         "raise max_length (--seq-len) or let examples be truncated (truncate=True: leave out "
-                        "--no-truncate)"
+                        "--no-truncate; eval of a run trained with it: --truncate)"
                     )
                 la, lb = _truncate_lengths(len(a), len(b), budget)
                 a, b = a[:la], b[:lb]

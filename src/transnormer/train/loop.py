@@ -450,6 +450,11 @@ def name_classes(model, label_set) -> None:
         model.config.problem_type = "regression"
         return
     config, names = model.config, list(label_set.names)
+    if config.problem_type not in (None, "single_label_classification"):
+        # (--set problem_type=regression on class labels had failed at the first step, naming label shapes)
+        raise ValueError(f"the data's labels are classes {names[:10]}, and the model's problem_type is "
+                         f"{config.problem_type!r}: the labels decide it (real-valued scores, some not whole, make "
+                         "a regression); leave problem_type out (--set problem_type)")
     saved = [config.id2label.get(i) for i in range(len(config.id2label or {}))]
     if saved and saved != [f"LABEL_{i}" for i in range(len(saved))] and saved != names:
         raise ValueError(f"the model's classes are {saved} (in index order) and the data's {names}: evaluate "

@@ -342,8 +342,10 @@ def build_task_data(cfg, info: DistInfo, autocast, *, labels=None, splits: tuple
             if "train" not in found:
                 raise ValueError(f"data: no train file in {cfg.data} to train a tokenizer on; give the model's "
                                  "tokenizer (tokenizer= / --tokenizer, or init_from= / --init-from)")
+            # (labels required here too: a file without them had been told "or require_labels=False", which
+            # no CLI flag sets and training cannot use)
             texts = [" ".join(t for t in (ex.text, ex.text_pair) if t)
-                     for ex in read_classification_file(found["train"], **cfg.cls_read_kwargs)]
+                     for ex in read_classification_file(found["train"], **{**cfg.cls_read_kwargs, "require_labels": True})]
             tok = get_tokenizer(cfg, Corpus(name=str(found["train"]), splits={"train": texts}), info)
         read = dict(max_length=cfg.seq_len, truncate=not cfg.no_truncate, **cfg.cls_read_kwargs)
         # training and validation rows need labels, whatever the file is called (a training file named
