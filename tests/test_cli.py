@@ -859,3 +859,5 @@ def test_eval_of_a_classifier_asks_for_its_data(capsys):
     # the corpus default had been read as a classification file: "'stdlib' is neither a classification file ..."
     assert main(["eval", "--model", "nowhere", "--task", "cls"]) == 2
     assert "--data is required with --task cls" in capsys.readouterr().err
+    assert main(["eval", "--model", "nowhere", "--truncate"]) == 2  # (stored False: the cls-only check passed it)
+    assert "--truncate applies to --task cls only, not --task clm" in capsys.readouterr().err

@@ -425,12 +425,21 @@ def test_score_files_with_a_bad_score_empty_json_and_unlabelled_train_files_are_
     # one "NaN" among STS-B-like scores had made a classifier of one class per score value
     rows = "".join(f"a{i} b\tc{i} d\t{i % 5 + 0.25 * (i % 4)}\n" for i in range(20))
     sts = _write(tmp_path / "sts.tsv", "sentence1\tsentence2\tscore\n" + rows + "e f\tg h\tNaN\n")
-    with pytest.raises(ValueError, match=r"sts.tsv', line 22: label 'NaN' is not a number, while other labels are "
-                                         r"real-valued scores"):
+    with pytest.raises(ValueError, match=r"sts.tsv', line 22: label 'NaN' is not a number, while the other labels "
+                                         r"are real-valued scores .*--drop-label NaN"):
         labels_of(read_classification_file(sts))
+    assert isinstance(labels_of(read_classification_file(sts, drop_labels=["NaN"])), Scores)
+    # classes named by decimals beside a word class of many rows stay classes
+    classes = _write(tmp_path / "dec.tsv", "sentence\tlabel\n" + "".join(
+        f"good {i}\t0.5\nbad {i}\t1.5\nok {i}\tneutral\n" for i in range(12)))
+    assert labels_of(read_classification_file(classes)).names == ["0.5", "1.5", "neutral"]
     # an empty JSON array: "cannot tell which column holds the text (columns: [])"
     with pytest.raises(ValueError, match="no records"):
         read_classification_file(_write(tmp_path / "e.json", "[]\n"))
+    # columns are read from the records that have some (100 leading {} had left none)
+    lead = _write(tmp_path / "lead.jsonl", "{}\n" * 100 + "".join(
+        json.dumps({"sentence": f"w {i}", "label": i % 2}) + "\n" for i in range(4)))
+    assert len(read_classification_file(lead, skip_bad_rows=True)) == 4
     # a train file without labels was told "or require_labels=False", which no CLI flag sets
     folder = tmp_path / "nolab"
     folder.mkdir()

@@ -413,6 +413,8 @@ def cmd_eval(args) -> int:
     from .train.loop import TrainConfig, autocast_factory, build_model_for, name_classes, special_token_ids
     from .train.tasks import build_task_data
 
+    if args.no_truncate is False and args.task != "cls":  # (--truncate stores False, which the cls-only check passed)
+        raise ValueError(f"--truncate applies to --task cls only, not --task {args.task}")
     if args.data is None:  # (cls had been told "'stdlib' is neither a classification file nor ...", unasked)
         if args.task == "cls":
             raise ValueError("--data is required with --task cls: the classification file or folder to score")

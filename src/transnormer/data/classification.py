@@ -226,11 +226,16 @@ def labels_of(examples: Iterable[ClassificationExample]) -> LabelSet | Scores:
     if _are_scores(labels):
         return Scores()
     decimals = sorted(x for x in labels if _NUMBER.fullmatch(x) and not re.fullmatch(r"[-+]?\d+", x))
-    if decimals:  # (one "NaN" or typo had made an STS-B file a classifier of one class per score value)
-        bad = next(ex for ex in examples if ex.label is not None and not _NUMBER.fullmatch(ex.label))
-        raise ValueError(f"{bad.source!r}, line {bad.line}: label {bad.label!r} is not a number, while other labels "
-                         f"are real-valued scores (e.g. {decimals[0]!r}): fix or drop that row (a regression "
-                         "file's scores must all be numbers)")
+    odd = [ex for ex in examples if ex.label is not None and not _NUMBER.fullmatch(ex.label)]
+    labelled = sum(ex.label is not None for ex in examples)
+    # A few rows of non-numbers among real-valued scores: a regression file with bad scores (one "NaN"
+    # had made a classifier of one class per score value). Classes named by decimals beside word
+    # classes of many rows stay classes.
+    if decimals and len(odd) <= max(2, labelled // 100):
+        bad = odd[0]
+        raise ValueError(f"{bad.source!r}, line {bad.line}: label {bad.label!r} is not a number, while the other "
+                         f"labels are real-valued scores (e.g. {decimals[0]!r}): fix that row, or leave such rows out "
+                         f"(drop_labels=[{bad.label!r}], --drop-label {bad.label})")
     return LabelSet.from_examples(examples)
 
 
@@ -420,7 +425,7 @@ def read_classification_file(
         if not any(rec for _, rec in records):  # (it had been "cannot tell which column holds the text (columns: [])")
             raise ValueError(f"{src!r}: no records (an empty JSON array, or only empty objects)")
         keys: list[str] = []
-        for _, rec in records[:100]:  # columns from the first records (JSON objects may omit keys)
+        for _, rec in [r for r in records if r[1]][:100]:  # columns from the first records (JSON objects may omit keys)
             keys.extend(k for k in rec if k not in keys)
         rows = [(lineno, rec) for lineno, rec in records]
         columns = keys
