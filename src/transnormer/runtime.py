@@ -61,12 +61,12 @@ def check_env() -> None:
     """Check the library's environment variables before any work: a typo had been found at the
     first forward, after a training run had moved --out's earlier run aside."""
     from .ops import _native
-    from .ops.dense import _leaves_mkl
+    from .ops.dense import env_leaves_mkl
 
     threads_from_env()
     malloc_opted_out()
     _native.native_disabled()
-    _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "").strip() or "auto")  # (empty: unset)
+    env_leaves_mkl()
 
 
 def tune_allocator() -> bool:

@@ -186,6 +186,7 @@ class LabelSet:
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_WHOLE = re.compile(r"[-+]?\d+")
 
 
 def _are_scores(labels: Iterable[str]) -> bool:
@@ -193,7 +194,7 @@ def _are_scores(labels: Iterable[str]) -> bool:
     classes would treat as unordered names and cross-entropy as unrelated classes."""
     labels = list(labels)
     return (bool(labels) and all(_NUMBER.fullmatch(x) for x in labels)
-            and any(not re.fullmatch(r"[-+]?\d+", x) for x in labels))
+            and any(not _WHOLE.fullmatch(x) for x in labels))
 
 
 class Scores:
@@ -225,7 +226,7 @@ def labels_of(examples: Iterable[ClassificationExample]) -> LabelSet | Scores:
     labels = {ex.label for ex in examples if ex.label is not None}
     if _are_scores(labels):
         return Scores()
-    decimals = sorted(x for x in labels if _NUMBER.fullmatch(x) and not re.fullmatch(r"[-+]?\d+", x))
+    decimals = sorted(x for x in labels if _NUMBER.fullmatch(x) and not _WHOLE.fullmatch(x))
     odd = [ex for ex in examples if ex.label is not None and not _NUMBER.fullmatch(ex.label)]
     labelled = sum(ex.label is not None for ex in examples)
     # A few rows of non-numbers among real-valued scores: a regression file with bad scores (one "NaN"

@@ -319,11 +319,11 @@ def _split_template(name: str) -> tuple[tuple[str, ...], str] | None:
     words = re.split(r"([^a-z0-9]+)", _strip_compression(name)[0].lower())
     split = None
     for i, w in enumerate(words):
-        if _split_of_word(w):
-            split = _split_of_word(w)
+        if found := _split_of_word(w):
+            split = found
             # the shard number stays in the family's name: train.txt brings valid.txt, not train2.txt,
             # and train0.txt brings valid0.txt
-            words[i] = "{}" + w[len(w.rstrip("0123456789")):] if w not in _SPLIT_WORDS else "{}"
+            words[i] = "{}" + ("" if w in _SPLIT_WORDS else w[len(w.rstrip("0123456789")):])
     return (tuple(words), split) if split else None
 
 

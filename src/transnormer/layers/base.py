@@ -113,17 +113,18 @@ def default_positions(x: torch.Tensor, attention_mask: torch.Tensor | None) -> t
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``attention_mask`` [B, T] (1 / True = real token, 0 / False = padding, any dtype) as bool.
+def padding_mask(attention_mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
+    """``attention_mask`` [B, T] (1 / True = real token, 0 / False = padding, any dtype) as bool;
+    ``name``: the argument the errors name (the two-tower model's ``attention_mask_2``).
 
     Anything but 0 and 1 is refused: an additive mask (0 / -inf, or -1e9 for padding) would
     otherwise read as "every position real except the real ones"."""
     if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(attention_mask).__name__}")
     if attention_mask.dtype == torch.bool:
         return attention_mask
     if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only, got other values "
+        raise ValueError(f"{name} must hold 1 (real token) and 0 (padding) only, got other values "
                          "(an additive 0 / -inf mask? pass 1 for real tokens, 0 for padding)")
     return attention_mask.bool()
 

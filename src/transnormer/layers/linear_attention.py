@@ -40,8 +40,7 @@ class KernelLinearAttention(MultiHeadMixer):
         chunk_size: int = 64,
     ):
         super().__init__()
-        if not isinstance(denominator, bool):
-            raise TypeError(f"denominator must be a bool, got {denominator!r}")
+        check_bool("denominator", denominator)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             # > 0 keeps rows with no visible key at 0 instead of 0/0; 0 divides exactly (ops.linear_baselines)
             raise ValueError(f"eps must be a number >= 0, got {eps!r}")

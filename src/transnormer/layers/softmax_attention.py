@@ -36,8 +36,7 @@ class SoftmaxAttention(MultiHeadMixer):
         attention_dropout: float = 0.0,
     ):
         super().__init__()
-        if not isinstance(rope, bool):
-            raise TypeError(f"rope must be a bool, got {rope!r}")
+        check_bool("rope", rope)
         self.causal = check_bool("causal", causal)  # (a string "false" had run a causal layer)
         self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self._build_projections(hidden_size, num_heads)

@@ -29,13 +29,6 @@ from .modeling import TransNormerModel, TransNormerPreTrainedModel, head_loss, p
 PAIR_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
 
-def _checked_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
-    try:
-        return padding_mask(mask)
-    except ValueError as e:
-        raise ValueError(str(e).replace("attention_mask", name, 1)) from None
-
-
 def _pad_cols(x: torch.Tensor, length: int, value) -> torch.Tensor:
     if x.shape[1] == length:
         return x
@@ -92,8 +85,8 @@ class TransNormerDualEncoderForSequenceClassification(TransNormerPreTrainedModel
         ids = torch.cat([_pad_cols(input_ids, T, 0), _pad_cols(input_ids_2, T, 0)], 0)
         # checked as the one-tower model checks its mask (.bool() had read an additive 0 / -inf mask as
         # real tokens where the pads are)
-        mask = torch.cat([_pad_cols(_checked_mask("attention_mask", attention_mask), T, False),
-                          _pad_cols(_checked_mask("attention_mask_2", attention_mask_2), T, False)], 0)
+        mask = torch.cat([_pad_cols(padding_mask(attention_mask), T, False),
+                          _pad_cols(padding_mask(attention_mask_2, "attention_mask_2"), T, False)], 0)
         pooled = self.encode(ids, mask)
         return pooled[:B], pooled[B:]
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops._checks import check_bool
 from ..ops._dtypes import autocast_enabled
 from ..ops.norm_linear import state_dtype_for
 from ..ops.rowwise import scale_norm, simple_rms_norm
@@ -220,8 +221,7 @@ def build_norm(name: str, dim: int, *, eps: float | None = None, eps_inside_sqrt
     """Build a norm by name: one of :data:`NORM_TYPES`. ``eps_inside_sqrt``: SimpleRMSNorm's choice
     (the other norms ignore it: RMSNorm and LayerNorm keep ε inside their roots).
     ``feeds_autocast``: see :class:`ScaleNorm` (the only norm that uses it so far)."""
-    if not isinstance(eps_inside_sqrt, bool):  # (a string "false" had read as True)
-        raise TypeError(f"eps_inside_sqrt must be a bool, got {eps_inside_sqrt!r}")
+    check_bool("eps_inside_sqrt", eps_inside_sqrt)  # (a string "false" had read as True)
     if name == "simple_rms":
         return SimpleRMSNorm(dim, 1e-8 if eps is None else eps, eps_inside_sqrt)
     if name == "rms":

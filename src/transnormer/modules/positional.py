@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..ops._checks import check_positive_int
+from ..ops._checks import check_bool, check_positive_int
 from ..ops.lrpe import FEATURE_KERNELS, lrpe_feature_map
 from .precision import apply_keeping_full_precision
 
@@ -145,8 +145,7 @@ def build_lrpe(kind: str, head_dim: int, *, learn_theta: bool = True, seed: int 
     is the LRA configs' plain RoPE, θ fixed (spec §3), whatever it says."""
     # (through layer_options these had reached torch unchecked: a string seed failed in manual_seed,
     # a negative one was taken, a learn_theta of "false" read as True)
-    if not isinstance(learn_theta, bool):
-        raise TypeError(f"lrpe_learn_theta must be a bool, got {learn_theta!r}")
+    check_bool("lrpe_learn_theta", learn_theta)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:  # (torch's seeds: int64)
         raise ValueError(f"lrpe_seed must be an int in [0, 2**63), got {seed!r}")
     if kind == "householder_rope":

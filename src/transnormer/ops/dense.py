@@ -51,11 +51,16 @@ def _leaves_mkl(choice: str) -> bool:
     return cpu.vendor == "AuthenticAMD" and "avx512f" in cpu.flags
 
 
+def env_leaves_mkl() -> bool:
+    """``_leaves_mkl`` for the environment's ``TRANSNORMER_FP32_GEMM`` (empty or unset: ``auto``)."""
+    return _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "").strip() or "auto")
+
+
 def _fp32_off_mkl() -> bool:
     """``TRANSNORMER_FP32_GEMM`` says fp32 products leave MKL, and the kernel backend is not
     ``"torch"`` (which runs the plain PyTorch forms everywhere: the FLOP counter of ``bench`` sees
     only those)."""
-    return _leaves_mkl(os.environ.get("TRANSNORMER_FP32_GEMM", "").strip() or "auto") and _native.backend() != "torch"
+    return env_leaves_mkl() and _native.backend() != "torch"
 
 
 def onednn_fp32() -> bool:
